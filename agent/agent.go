@@ -1,0 +1,438 @@
+package agent
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"sync"
+	"sync/atomic"
+
+	"github.com/google/uuid"
+)
+
+// Option configures an Agent.
+type Option interface{ apply(*options) error }
+
+type optionFunc func(*options) error
+
+func (f optionFunc) apply(o *options) error { return f(o) }
+
+type options struct {
+	id       uuid.UUID
+	backends []Backend
+	logger   *slog.Logger
+}
+
+// WithID sets the agent's identity. Default: a random UUID.
+func WithID(id uuid.UUID) Option {
+	return optionFunc(func(o *options) error {
+		if id == uuid.Nil {
+			return fmt.Errorf("%w: nil agent ID", ErrInvalid)
+		}
+		o.id = id
+		return nil
+	})
+}
+
+// WithBackends sets the agent's backends in order of preference: for each
+// transfer the agent picks the first one that reaches the peer and supports
+// the memory involved. The agent owns them from New on and closes them.
+// Default: none, so New fails without this option.
+func WithBackends(bs ...Backend) Option {
+	return optionFunc(func(o *options) error {
+		o.backends = append(o.backends, bs...)
+		return nil
+	})
+}
+
+// WithLogger sets where the agent and its backends log. Default: slog.Default().
+func WithLogger(l *slog.Logger) Option {
+	return optionFunc(func(o *options) error {
+		o.logger = l
+		return nil
+	})
+}
+
+// Stats are an agent's counters since it started.
+type Stats struct {
+	Refused              uint64 // remote accesses refused
+	DroppedNotifications uint64 // notifications for no known key, or to a full queue
+}
+
+// Agent registers memory, exposes it, and posts transfers to remote agents
+// over its backends. It is safe for concurrent use. Close stops it.
+type Agent struct {
+	id       uuid.UUID
+	backends []Backend
+	conns    []ConnInfo
+	log      *slog.Logger
+
+	regMu sync.Mutex
+	regs  map[regKey]*regEntry
+
+	expMu sync.RWMutex
+	exps  map[Key]*Exposure
+
+	peerMu sync.RWMutex
+	peers  map[uuid.UUID]Info
+
+	xferMu sync.Mutex
+	xfers  map[*Xfer]struct{}
+	xferWG sync.WaitGroup
+
+	pumpIn   chan pumpItem
+	stop     chan struct{}
+	pumpDone chan struct{}
+	closed   atomic.Bool
+	closeMu  sync.Mutex
+	closeErr error
+
+	refused atomic.Uint64
+	dropped atomic.Uint64
+}
+
+type pumpItem struct {
+	from uuid.UUID
+	key  Key
+	msg  []byte
+	lost error // non-nil: a peer-lost event for from
+}
+
+// New starts an agent with the given backends. On error nothing is left
+// running and the backends have been closed.
+func New(opts ...Option) (*Agent, error) {
+	o := options{id: uuid.New(), logger: slog.Default()}
+	for _, opt := range opts {
+		if err := opt.apply(&o); err != nil {
+			closeAll(o.backends)
+			return nil, err
+		}
+	}
+	if len(o.backends) == 0 {
+		return nil, fmt.Errorf("%w: an agent needs at least one backend", ErrInvalid)
+	}
+	a := &Agent{
+		id:       o.id,
+		backends: o.backends,
+		log:      o.logger.With("agent", o.id.String()[:8]),
+		regs:     make(map[regKey]*regEntry),
+		exps:     make(map[Key]*Exposure),
+		peers:    make(map[uuid.UUID]Info),
+		xfers:    make(map[*Xfer]struct{}),
+		pumpIn:   make(chan pumpItem, 1024),
+		stop:     make(chan struct{}),
+		pumpDone: make(chan struct{}),
+	}
+	seen := map[string]bool{}
+	for i, b := range a.backends {
+		if seen[b.Name()] {
+			closeAll(a.backends)
+			return nil, fmt.Errorf("%w: backend %q given twice", ErrInvalid, b.Name())
+		}
+		seen[b.Name()] = true
+		ci, err := b.Start(a)
+		if err != nil {
+			closeAll(a.backends[:i+1])
+			closeAll(a.backends[i+1:])
+			return nil, fmt.Errorf("start backend %s: %w", b.Name(), err)
+		}
+		a.conns = append(a.conns, ConnInfo{Backend: b.Name(), Data: ci})
+	}
+	go a.pump()
+	return a, nil
+}
+
+func closeAll(bs []Backend) {
+	for _, b := range bs {
+		_ = b.Close()
+	}
+}
+
+// ID returns the agent's identity.
+func (a *Agent) ID() uuid.UUID { return a.id }
+
+// Logger returns the agent's logger, for its backends.
+func (a *Agent) Logger() *slog.Logger { return a.log }
+
+// Info returns the agent's public metadata. The result is a fresh copy.
+func (a *Agent) Info() Info {
+	return Info{ID: a.id, Conns: slices.Clone(a.conns)}
+}
+
+// Backends returns the names of the agent's backends in preference order.
+func (a *Agent) Backends() []string {
+	names := make([]string, len(a.backends))
+	for i, b := range a.backends {
+		names[i] = b.Name()
+	}
+	return names
+}
+
+// Stats returns the agent's counters.
+func (a *Agent) Stats() Stats {
+	return Stats{Refused: a.refused.Load(), DroppedNotifications: a.dropped.Load()}
+}
+
+// AddPeer loads a remote agent's metadata so transfers can be posted to it.
+// Adding a peer again replaces its connection information.
+func (a *Agent) AddPeer(info Info) error {
+	if info.ID == uuid.Nil {
+		return fmt.Errorf("%w: peer with nil ID", ErrInvalid)
+	}
+	a.peerMu.Lock()
+	defer a.peerMu.Unlock()
+	a.peers[info.ID] = Info{ID: info.ID, Conns: slices.Clone(info.Conns)}
+	return nil
+}
+
+// Peer returns the metadata loaded for a remote agent.
+func (a *Agent) Peer(id uuid.UUID) (Info, bool) {
+	a.peerMu.RLock()
+	defer a.peerMu.RUnlock()
+	i, ok := a.peers[id]
+	return i, ok
+}
+
+// RemovePeer forgets a remote agent's metadata.
+func (a *Agent) RemovePeer(id uuid.UUID) {
+	a.peerMu.Lock()
+	delete(a.peers, id)
+	a.peerMu.Unlock()
+}
+
+func (a *Agent) isClosed() bool { return a.closed.Load() }
+
+// choose picks the backend for a transfer to peer moving memory of the
+// given kinds: forced by name, or the first reachable one supporting them.
+func (a *Agent) choose(peer Info, force string, kinds []MemKind) (Backend, error) {
+	var why []error
+	for _, b := range a.backends {
+		if force != "" && b.Name() != force {
+			continue
+		}
+		if err := b.Reachable(peer); err != nil {
+			why = append(why, fmt.Errorf("%s: %w", b.Name(), err))
+			continue
+		}
+		ok := true
+		for _, k := range kinds {
+			if !b.Supports(k) {
+				why = append(why, fmt.Errorf("%s: does not support %v memory", b.Name(), k))
+				ok = false
+				break
+			}
+		}
+		if ok {
+			return b, nil
+		}
+	}
+	if force != "" && len(why) == 0 {
+		return nil, fmt.Errorf("%w: backend %q is not configured (have %v)", ErrNoBackend, force, a.Backends())
+	}
+	return nil, fmt.Errorf("%w for peer %s: %w", ErrNoBackend, peer.ID, errors.Join(why...))
+}
+
+// Post validates r, picks a backend and starts the transfer without waiting
+// for it. The segments' local memory must stay alive and untouched until the
+// returned transfer is Done. Safe for concurrent use.
+func (a *Agent) Post(r Request) (*Xfer, error) {
+	if r.Op != OpRead && r.Op != OpWrite {
+		return nil, fmt.Errorf("%w: op %v", ErrInvalid, r.Op)
+	}
+	peer, ok := a.Peer(r.Peer)
+	if !ok {
+		return nil, fmt.Errorf("%w: unknown peer %s (call AddPeer first)", ErrInvalid, r.Peer)
+	}
+	var total uint64
+	var kinds [2]bool
+	for i, s := range r.Segments {
+		if err := s.Local.check(); err != nil {
+			return nil, fmt.Errorf("segment %d: %w", i, err)
+		}
+		if s.Local.Len != s.Remote.Len {
+			return nil, fmt.Errorf("%w: segment %d: local length %d != remote length %d", ErrInvalid, i, s.Local.Len, s.Remote.Len)
+		}
+		kinds[min(s.Local.Kind, 1)] = true
+		kinds[min(s.Remote.Kind, 1)] = true
+		total += s.Local.Len
+	}
+	var ks []MemKind
+	for k, used := range kinds {
+		if used {
+			ks = append(ks, MemKind(k))
+		}
+	}
+	b, err := a.choose(peer, r.Backend, ks)
+	if err != nil {
+		return nil, err
+	}
+	x := &Xfer{
+		Op: r.Op, Peer: peer, Key: r.Key, Segments: r.Segments, Notify: r.Notify,
+		a: a, backend: b.Name(), bytes: total,
+		cancel: make(chan struct{}), done: make(chan struct{}),
+	}
+	a.xferMu.Lock()
+	if a.isClosed() {
+		a.xferMu.Unlock()
+		return nil, ErrClosed
+	}
+	a.xfers[x] = struct{}{}
+	a.xferWG.Add(1)
+	a.xferMu.Unlock()
+	if err := b.Post(x); err != nil {
+		a.xferDone(x)
+		return nil, err
+	}
+	return x, nil
+}
+
+func (a *Agent) xferDone(x *Xfer) {
+	a.xferMu.Lock()
+	_, ok := a.xfers[x]
+	delete(a.xfers, x)
+	a.xferMu.Unlock()
+	if ok {
+		a.xferWG.Done()
+	}
+}
+
+// Notify sends a standalone notification to peer under key, best effort.
+func (a *Agent) Notify(peer uuid.UUID, key Key, msg []byte) error {
+	if a.isClosed() {
+		return ErrClosed
+	}
+	info, ok := a.Peer(peer)
+	if !ok {
+		return fmt.Errorf("%w: unknown peer %s", ErrInvalid, peer)
+	}
+	b, err := a.choose(info, "", nil)
+	if err != nil {
+		return err
+	}
+	return b.Notify(info, key, msg)
+}
+
+// Deliver implements Host.
+func (a *Agent) Deliver(from uuid.UUID, key Key, msg []byte) bool {
+	select {
+	case a.pumpIn <- pumpItem{from: from, key: key, msg: msg}:
+		return true
+	case <-a.stop:
+		return false
+	}
+}
+
+// PeerLost implements Host.
+func (a *Agent) PeerLost(peer uuid.UUID, cause error) {
+	if cause == nil {
+		cause = ErrRemoteLost
+	}
+	select {
+	case a.pumpIn <- pumpItem{from: peer, lost: cause}:
+	case <-a.stop:
+	}
+}
+
+// Refused implements Host.
+func (a *Agent) Refused() { a.refused.Add(1) }
+
+// pump is the agent's single dispatcher of notifications and peer-loss
+// events to exposures.
+func (a *Agent) pump() {
+	defer close(a.pumpDone)
+	for {
+		select {
+		case it := <-a.pumpIn:
+			a.dispatch(it)
+		case <-a.stop:
+			return
+		}
+	}
+}
+
+func (a *Agent) dispatch(it pumpItem) {
+	if it.lost != nil {
+		a.expMu.RLock()
+		for _, e := range a.exps {
+			e.mu.Lock()
+			mine := e.peer == it.from
+			e.mu.Unlock()
+			if mine {
+				a.send(e, Event{Kind: EventPeerLost, From: it.from, Err: it.lost})
+			}
+		}
+		a.expMu.RUnlock()
+		return
+	}
+	a.expMu.RLock()
+	e := a.exps[it.key]
+	a.expMu.RUnlock()
+	if e == nil {
+		a.dropped.Add(1)
+		return
+	}
+	e.mu.Lock()
+	e.bind(it.from)
+	e.mu.Unlock()
+	a.send(e, Event{Kind: EventNotify, From: it.from, Msg: it.msg})
+}
+
+func (a *Agent) send(e *Exposure, ev Event) {
+	select {
+	case e.events <- ev:
+	default:
+		a.dropped.Add(1)
+	}
+}
+
+// Close cancels transfers in flight and waits for them, stops the backends
+// and the pump. Exposures still open are revoked. It is idempotent and safe
+// to call concurrently with any other method; the first call's error is
+// returned by all.
+func (a *Agent) Close() error {
+	a.closeMu.Lock()
+	defer a.closeMu.Unlock()
+	if a.closed.Load() {
+		return a.closeErr
+	}
+	a.xferMu.Lock()
+	a.closed.Store(true)
+	xs := make([]*Xfer, 0, len(a.xfers))
+	for x := range a.xfers {
+		xs = append(xs, x)
+	}
+	a.xferMu.Unlock()
+	for _, x := range xs {
+		x.Cancel(ErrClosed)
+	}
+	a.xferWG.Wait()
+
+	a.expMu.Lock()
+	exps := make([]*Exposure, 0, len(a.exps))
+	for _, e := range a.exps {
+		exps = append(exps, e)
+	}
+	a.expMu.Unlock()
+	for _, e := range exps {
+		e.Revoke()
+	}
+
+	var errs []error
+	for _, b := range a.backends {
+		if err := b.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("close backend %s: %w", b.Name(), err))
+		}
+	}
+	close(a.stop)
+	<-a.pumpDone
+	a.closeErr = joinErrs(errs)
+	return a.closeErr
+}
+
+func joinErrs(errs []error) error {
+	if len(errs) == 0 {
+		return nil
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,86 @@
+package agent
+
+import (
+	"github.com/google/uuid"
+)
+
+// Backend moves bytes between agents. It is the contract every transport
+// implements (in-process copy, TCP, cross-memory attach, UCX); later
+// capabilities arrive as optional interfaces such as Registrar.
+//
+// Implementations must be safe for concurrent use. A Backend serves one
+// agent: Start is called once, before any other method, and Close once, last.
+type Backend interface {
+	// Name is the backend's short, stable name ("mem", "tcp"); it names the
+	// backend in connection metadata, errors and operation reports.
+	Name() string
+	// Start binds the backend to its agent and returns the connection
+	// information remote agents need to reach it (for example a listen
+	// address). It may start goroutines, which Close stops.
+	Start(h Host) (connInfo []byte, err error)
+	// Supports reports whether the backend can move memory of kind k.
+	Supports(k MemKind) bool
+	// Reachable reports whether the backend can reach the remote agent
+	// described by info, judging from info alone (no I/O). A nil error
+	// means yes; otherwise the error says why not.
+	Reachable(info Info) error
+	// Post starts x and returns without waiting for it. The backend must call
+	// x.Finish exactly once, after which it no longer touches x's local
+	// memory. If x.Notify is non-nil the backend delivers it to the remote
+	// agent under x.Key after every byte of x is in place and before calling
+	// x.Finish(nil). An error from Post means x was not started and Finish
+	// must not be called.
+	Post(x *Xfer) error
+	// Notify sends msg to the remote agent under key, best effort, without
+	// waiting for the remote to process it.
+	Notify(peer Info, key Key, msg []byte) error
+	// Close stops the backend and its goroutines. Transfers still in flight
+	// finish with an error.
+	Close() error
+}
+
+// Host is the agent as its backends see it: the only way a backend reaches
+// back into the agent. Its methods are safe for concurrent use.
+type Host interface {
+	// ID is the local agent's identity.
+	ID() uuid.UUID
+	// Open grants peer a lease on the exposure named by key for access acc.
+	// Every byte the backend touches on a remote agent's behalf must be
+	// reached through Lease.Slice while the lease is held, and the lease
+	// released promptly: revocation waits for outstanding leases. Refused
+	// accesses return an error wrapping ErrAccessDenied and are counted.
+	Open(peer uuid.UUID, key Key, acc Access) (*Lease, error)
+	// Deliver hands an incoming notification to the agent's pump. It blocks
+	// only when the pump is saturated, and returns false once the agent is
+	// closing.
+	Deliver(from uuid.UUID, key Key, msg []byte) bool
+	// PeerLost reports that peer can no longer be reached, or that its
+	// connection broke; exposures it was using hear of it.
+	PeerLost(peer uuid.UUID, cause error)
+	// Refused counts an access the backend refused before it could name an
+	// exposure (malformed requests, frames from unidentified peers).
+	Refused()
+}
+
+// Info is an agent's public metadata: its identity and, per backend, the
+// information a remote agent needs to connect. It travels inside tokens.
+type Info struct {
+	ID    uuid.UUID
+	Conns []ConnInfo
+}
+
+// ConnInfo is one backend's connection information.
+type ConnInfo struct {
+	Backend string
+	Data    []byte
+}
+
+// Conn returns the connection information published for backend name.
+func (i Info) Conn(name string) ([]byte, bool) {
+	for _, c := range i.Conns {
+		if c.Backend == name {
+			return c.Data, true
+		}
+	}
+	return nil, false
+}

@@ -1,0 +1,212 @@
+// Package mem is goxfer's in-process backend: two agents in one address
+// space move bytes with a plain copy, still checked against the exposing
+// agent's keys and regions.
+package mem
+
+import (
+	"bytes"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"sync"
+
+	"github.com/google/uuid"
+
+	"github.com/goxfer/goxfer/agent"
+)
+
+// Name is the backend's name in metadata and reports.
+const Name = "mem"
+
+// chunk bounds how long one copy holds a lease, so revocation and
+// cancellation wait at most one chunk.
+const chunk = 4 << 20
+
+// inline transfers of at most this many bytes run in the caller's goroutine.
+const inline = 64 << 10
+
+// process identifies this address space; agents in another process that
+// publish mem connection information are unreachable.
+var process = sync.OnceValue(func() []byte {
+	b := make([]byte, 16)
+	_, _ = rand.Read(b)
+	return b
+})
+
+// agents in this process, by ID, for the mem backends to find each other.
+var (
+	regMu    sync.RWMutex
+	registry = map[uuid.UUID]*Backend{}
+)
+
+// Backend is the in-process backend. Create one per agent with New.
+type Backend struct {
+	host agent.Host
+	id   uuid.UUID
+
+	mu     sync.Mutex
+	closed bool
+	wg     sync.WaitGroup
+}
+
+// New returns an in-process backend for one agent.
+func New() *Backend { return &Backend{} }
+
+// Name implements agent.Backend.
+func (b *Backend) Name() string { return Name }
+
+// Supports implements agent.Backend: host memory only.
+func (b *Backend) Supports(k agent.MemKind) bool { return k == agent.KindDRAM }
+
+// Start implements agent.Backend.
+func (b *Backend) Start(h agent.Host) ([]byte, error) {
+	b.host, b.id = h, h.ID()
+	regMu.Lock()
+	defer regMu.Unlock()
+	if _, dup := registry[b.id]; dup {
+		return nil, fmt.Errorf("mem: an agent with ID %s is already running in this process", b.id)
+	}
+	registry[b.id] = b
+	return process(), nil
+}
+
+// Reachable implements agent.Backend: the peer must live in this process.
+func (b *Backend) Reachable(info agent.Info) error {
+	ci, ok := info.Conn(Name)
+	if !ok {
+		return errors.New("peer has no mem backend")
+	}
+	if !bytes.Equal(ci, process()) {
+		return errors.New("peer is in another process")
+	}
+	if lookup(info.ID) == nil {
+		return fmt.Errorf("peer %s: %w", info.ID, agent.ErrRemoteLost)
+	}
+	return nil
+}
+
+func lookup(id uuid.UUID) *Backend {
+	regMu.RLock()
+	defer regMu.RUnlock()
+	return registry[id]
+}
+
+// Post implements agent.Backend. Small transfers complete before Post
+// returns; larger ones run on a goroutine the backend owns.
+func (b *Backend) Post(x *agent.Xfer) error {
+	b.mu.Lock()
+	if b.closed {
+		b.mu.Unlock()
+		return agent.ErrClosed
+	}
+	b.wg.Add(1)
+	b.mu.Unlock()
+	if x.Bytes() <= inline {
+		b.run(x)
+		return nil
+	}
+	go b.run(x)
+	return nil
+}
+
+func (b *Backend) run(x *agent.Xfer) {
+	defer b.wg.Done()
+	x.Finish(b.copy(x))
+}
+
+func (b *Backend) copy(x *agent.Xfer) error {
+	remote := lookup(x.Peer.ID)
+	if remote == nil {
+		return fmt.Errorf("mem: peer %s: %w", x.Peer.ID, agent.ErrRemoteLost)
+	}
+	var lease *agent.Lease
+	defer func() {
+		if lease != nil {
+			lease.Release()
+		}
+	}()
+	held := 0 // bytes copied under the current lease
+	for i, s := range x.Segments {
+		for off := uint64(0); off < s.Local.Len; {
+			if lease == nil || held >= chunk {
+				if lease != nil {
+					lease.Release()
+					lease = nil
+				}
+				select {
+				case <-x.Cancelled():
+					return x.CancelErr()
+				default:
+				}
+				l, err := remote.host.Open(b.id, x.Key, x.Op.Access())
+				if err != nil {
+					return fmt.Errorf("mem: segment %d: %w", i, err)
+				}
+				lease, held = l, 0
+			}
+			n := min(s.Local.Len-off, uint64(chunk))
+			rem, err := lease.Slice(s.Remote.Addr+off, n)
+			if err != nil {
+				return fmt.Errorf("mem: segment %d: %w", i, err)
+			}
+			loc := s.Local.Mem[off : off+n]
+			if x.Op == agent.OpRead {
+				copy(loc, rem)
+			} else {
+				copy(rem, loc)
+			}
+			off += n
+			held += int(n)
+		}
+	}
+	if lease != nil {
+		lease.Release()
+		lease = nil
+	}
+	if x.Notify != nil {
+		return b.notify(remote, x.Key, x.Notify)
+	}
+	return nil
+}
+
+// Notify implements agent.Backend.
+func (b *Backend) Notify(peer agent.Info, key agent.Key, msg []byte) error {
+	remote := lookup(peer.ID)
+	if remote == nil {
+		return fmt.Errorf("mem: peer %s: %w", peer.ID, agent.ErrRemoteLost)
+	}
+	return b.notify(remote, key, msg)
+}
+
+func (b *Backend) notify(remote *Backend, key agent.Key, msg []byte) error {
+	if !remote.host.Deliver(b.id, key, bytes.Clone(msg)) {
+		return fmt.Errorf("mem: peer %s is closing: %w", remote.id, agent.ErrRemoteLost)
+	}
+	return nil
+}
+
+// Close implements agent.Backend: it waits for its transfers, leaves the
+// process registry and tells the other agents here that this one is gone.
+func (b *Backend) Close() error {
+	b.mu.Lock()
+	if b.closed {
+		b.mu.Unlock()
+		return nil
+	}
+	b.closed = true
+	b.mu.Unlock()
+	b.wg.Wait()
+	regMu.Lock()
+	if registry[b.id] == b {
+		delete(registry, b.id)
+	}
+	others := make([]*Backend, 0, len(registry))
+	for _, o := range registry {
+		others = append(others, o)
+	}
+	regMu.Unlock()
+	for _, o := range others {
+		o.host.PeerLost(b.id, fmt.Errorf("mem: agent %s closed: %w", b.id, agent.ErrRemoteLost))
+	}
+	return nil
+}

@@ -1,0 +1,25 @@
+package agent
+
+import "errors"
+
+// Sentinel errors shared by the agent, its backends and the connect package,
+// which re-exports them. Match them with errors.Is.
+var (
+	// ErrClosed reports use of a closed agent, exposure or backend.
+	ErrClosed = errors.New("goxfer: closed")
+	// ErrCancelled reports a transfer cancelled before it completed.
+	ErrCancelled = errors.New("goxfer: operation cancelled")
+	// ErrRemoteLost reports a remote agent that died, became unreachable or
+	// stopped answering keepalives.
+	ErrRemoteLost = errors.New("goxfer: remote agent lost")
+	// ErrAccessDenied reports a remote access refused by the exposing agent:
+	// unknown or revoked key, wrong access kind, or an address outside the
+	// exposed regions.
+	ErrAccessDenied = errors.New("goxfer: access denied")
+	// ErrNoBackend reports that no backend both agents share can move the
+	// memory kinds involved.
+	ErrNoBackend = errors.New("goxfer: no usable backend")
+	// ErrInvalid reports malformed arguments: mismatched segment lengths,
+	// unregistered memory, an unknown peer.
+	ErrInvalid = errors.New("goxfer: invalid argument")
+)

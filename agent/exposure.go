@@ -1,0 +1,204 @@
+package agent
+
+import (
+	"fmt"
+	"sync"
+
+	"github.com/google/uuid"
+)
+
+// Access is what a remote agent may do with exposed memory.
+type Access uint8
+
+const (
+	// AccessRead lets the remote READ the memory.
+	AccessRead Access = 1
+	// AccessWrite lets the remote WRITE the memory.
+	AccessWrite Access = 2
+)
+
+// String returns "read" or "write".
+func (a Access) String() string {
+	switch a {
+	case AccessRead:
+		return "read"
+	case AccessWrite:
+		return "write"
+	}
+	return fmt.Sprintf("Access(%d)", uint8(a))
+}
+
+// EventKind tells what an Event reports.
+type EventKind uint8
+
+const (
+	// EventNotify is a notification sent to the exposure's key.
+	EventNotify EventKind = iota + 1
+	// EventPeerLost reports that the peer using the exposure was lost.
+	EventPeerLost
+)
+
+// Event is delivered on Exposure.Events.
+type Event struct {
+	Kind EventKind
+	From uuid.UUID // the sending or lost peer
+	Msg  []byte    // the notification, for EventNotify; owned by the receiver
+	Err  error     // the cause, for EventPeerLost
+}
+
+// Exposure is registered memory made accessible to remote agents under a
+// Key, for one kind of access. It receives the notifications sent to its key.
+// Revoke ends access. Methods are safe for concurrent use.
+type Exposure struct {
+	a      *Agent
+	key    Key
+	access Access
+	set    regionSet
+	events chan Event
+
+	mu      sync.Mutex
+	drained sync.Cond // signalled when leases drops to zero
+	leases  int
+	revoked bool
+	peer    uuid.UUID // first peer that opened a lease or sent a notification
+}
+
+// eventBuffer bounds the events queued per exposure; a passive operation
+// needs only its first terminal event, and further ones are counted dropped.
+const eventBuffer = 8
+
+// Expose makes regions accessible to any remote agent that presents the
+// returned exposure's key, for access acc. The regions stay owned by the
+// caller, who keeps them registered and alive until Revoke returns.
+func (a *Agent) Expose(acc Access, regions []Local) (*Exposure, error) {
+	if acc != AccessRead && acc != AccessWrite {
+		return nil, fmt.Errorf("%w: access %v", ErrInvalid, acc)
+	}
+	for i, r := range regions {
+		if err := r.check(); err != nil {
+			return nil, fmt.Errorf("region %d: %w", i, err)
+		}
+	}
+	e := &Exposure{a: a, key: NewKey(), access: acc, set: newRegionSet(regions), events: make(chan Event, eventBuffer)}
+	e.drained.L = &e.mu
+	a.expMu.Lock()
+	defer a.expMu.Unlock()
+	if a.isClosed() {
+		return nil, ErrClosed
+	}
+	a.exps[e.key] = e
+	return e, nil
+}
+
+// Key returns the capability that grants access to the exposure.
+func (e *Exposure) Key() Key { return e.key }
+
+// Access returns the kind of access the exposure grants.
+func (e *Exposure) Access() Access { return e.access }
+
+// Events delivers the notifications sent to the exposure's key and the loss
+// of the peer using it. The channel is never closed; select on it together
+// with your own context.
+func (e *Exposure) Events() <-chan Event { return e.events }
+
+// Peer returns the first remote agent that accessed or notified the
+// exposure, or the zero UUID if none has yet.
+func (e *Exposure) Peer() uuid.UUID {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.peer
+}
+
+// Revoke ends access: no new lease is granted, and Revoke returns once every
+// outstanding lease has been released, so no remote agent can touch the
+// memory afterwards. It is idempotent.
+func (e *Exposure) Revoke() {
+	e.a.expMu.Lock()
+	if e.a.exps[e.key] == e {
+		delete(e.a.exps, e.key)
+	}
+	e.a.expMu.Unlock()
+
+	e.mu.Lock()
+	e.revoked = true
+	for e.leases > 0 {
+		e.drained.Wait()
+	}
+	e.mu.Unlock()
+}
+
+func (e *Exposure) bind(peer uuid.UUID) {
+	if e.peer == uuid.Nil {
+		e.peer = peer
+	}
+}
+
+// Lease is a short-lived grant to touch an exposure's memory. Backends hold
+// one around each remote access (a frame, a copy) and release it promptly.
+type Lease struct {
+	e    *Exposure
+	done bool
+}
+
+// Access returns the access kind the lease grants.
+func (l *Lease) Access() Access { return l.e.access }
+
+// Slice returns the exposed bytes at [addr, addr+n), or an error wrapping
+// ErrAccessDenied if they do not lie within one exposed region. The refusal
+// is counted. For VRAM regions it returns a nil slice and no error.
+func (l *Lease) Slice(addr, n uint64) ([]byte, error) {
+	r, ok := l.e.set.find(addr, n)
+	if !ok {
+		l.e.a.refused.Add(1)
+		return nil, fmt.Errorf("%w: [0x%x, +%d) lies outside the exposed regions", ErrAccessDenied, addr, n)
+	}
+	if r.Mem == nil {
+		return nil, nil
+	}
+	off := addr - r.Addr
+	return r.Mem[off : off+n : off+n], nil
+}
+
+// Region returns the exposed region containing [addr, addr+n).
+func (l *Lease) Region(addr, n uint64) (Region, bool) {
+	r, ok := l.e.set.find(addr, n)
+	return r.Region, ok
+}
+
+// Release ends the lease. It is idempotent per lease.
+func (l *Lease) Release() {
+	if l.done {
+		return
+	}
+	l.done = true
+	e := l.e
+	e.mu.Lock()
+	if e.leases--; e.leases == 0 && e.revoked {
+		e.drained.Broadcast()
+	}
+	e.mu.Unlock()
+}
+
+// Open implements Host.
+func (a *Agent) Open(peer uuid.UUID, key Key, acc Access) (*Lease, error) {
+	a.expMu.RLock()
+	e := a.exps[key]
+	a.expMu.RUnlock()
+	if e == nil {
+		a.refused.Add(1)
+		return nil, fmt.Errorf("%w: no exposure for key %v (never issued, or revoked)", ErrAccessDenied, key)
+	}
+	if e.access != acc {
+		a.refused.Add(1)
+		return nil, fmt.Errorf("%w: %s access to memory exposed for %s", ErrAccessDenied, acc, e.access)
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.revoked {
+		a.refused.Add(1)
+		return nil, fmt.Errorf("%w: exposure %v revoked", ErrAccessDenied, key)
+	}
+	e.leases++
+	e.bind(peer)
+	return &Lease{e: e}, nil
+}

@@ -1,0 +1,138 @@
+package agent
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+
+	"github.com/google/uuid"
+)
+
+// Op is the direction of a one-sided transfer.
+type Op uint8
+
+const (
+	// OpRead copies remote memory into local memory.
+	OpRead Op = 1
+	// OpWrite copies local memory into remote memory.
+	OpWrite Op = 2
+)
+
+// String returns "read" or "write".
+func (o Op) String() string {
+	switch o {
+	case OpRead:
+		return "read"
+	case OpWrite:
+		return "write"
+	}
+	return fmt.Sprintf("Op(%d)", uint8(o))
+}
+
+// Access returns the access a transfer of this direction needs on the remote.
+func (o Op) Access() Access {
+	if o == OpWrite {
+		return AccessWrite
+	}
+	return AccessRead
+}
+
+// Segment pairs local memory with remote memory of the same length.
+type Segment struct {
+	Local  Local
+	Remote Region
+}
+
+// Request describes a transfer to post.
+type Request struct {
+	Op       Op
+	Peer     uuid.UUID // a remote agent added with AddPeer
+	Key      Key       // the remote exposure's key
+	Segments []Segment // any number; each Local.Len == Remote.Len
+	// Notify, when non-nil, is delivered to the remote agent under Key once
+	// every byte is in place, before the transfer reports success.
+	Notify []byte
+	// Backend forces a backend by name; empty lets the agent choose.
+	Backend string
+}
+
+// Xfer is a transfer in flight: the agent's handle for the caller, and the
+// work item a backend executes. Its methods are safe for concurrent use.
+type Xfer struct {
+	Op       Op
+	Peer     Info
+	Key      Key
+	Segments []Segment
+	Notify   []byte
+
+	a       *Agent
+	backend string
+	bytes   uint64
+
+	cancel     chan struct{}
+	cancelOnce sync.Once
+	cause      atomic.Pointer[error]
+
+	done     chan struct{}
+	doneOnce sync.Once
+	err      error
+}
+
+// Bytes returns the total length of the transfer's segments.
+func (x *Xfer) Bytes() uint64 { return x.bytes }
+
+// Backend returns the name of the backend moving the transfer's bytes.
+func (x *Xfer) Backend() string { return x.backend }
+
+// Done is closed when the transfer has finished, successfully or not, and
+// its backend no longer touches its local memory.
+func (x *Xfer) Done() <-chan struct{} { return x.done }
+
+// Err returns the transfer's outcome once Done is closed, and nil before.
+func (x *Xfer) Err() error {
+	select {
+	case <-x.done:
+		return x.err
+	default:
+		return nil
+	}
+}
+
+// Cancel asks the backend to abort the transfer; cause, if non-nil, is
+// joined to ErrCancelled in the transfer's error. Wait on Done to learn when
+// the backend has let go of the local memory. Cancelling a finished transfer
+// does nothing.
+func (x *Xfer) Cancel(cause error) {
+	x.cancelOnce.Do(func() {
+		err := ErrCancelled
+		if cause != nil && !errors.Is(cause, ErrCancelled) {
+			err = fmt.Errorf("%w: %w", ErrCancelled, cause)
+		}
+		x.cause.Store(&err)
+		close(x.cancel)
+	})
+}
+
+// Cancelled is closed when the transfer has been cancelled. Backends select
+// on it between chunks.
+func (x *Xfer) Cancelled() <-chan struct{} { return x.cancel }
+
+// CancelErr returns the error a backend should finish a cancelled transfer
+// with: ErrCancelled joined with the cause given to Cancel.
+func (x *Xfer) CancelErr() error {
+	if p := x.cause.Load(); p != nil {
+		return *p
+	}
+	return ErrCancelled
+}
+
+// Finish records the transfer's outcome and releases waiters. Backends call
+// it exactly once; later calls are ignored.
+func (x *Xfer) Finish(err error) {
+	x.doneOnce.Do(func() {
+		x.err = err
+		close(x.done)
+		x.a.xferDone(x)
+	})
+}
