@@ -1,0 +1,582 @@
+package tcp
+
+import (
+	"bufio"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/goxfer/goxfer/agent"
+)
+
+// inlineMax is the largest single-frame transfer posted from the caller's
+// goroutine, sparing small transfers a goroutine hand-off.
+const inlineMax = 64 << 10
+
+// peer is the dialling side's state for one remote agent: its data streams
+// and its control connection.
+type peer struct {
+	b    *Backend
+	id   uuid.UUID
+	addr string
+
+	ready   chan struct{} // closed when dialling ended
+	dead    chan struct{} // closed when the peer failed
+	streams []*stream     // data streams; set before ready is closed
+	ctrl    *stream       // notifications only
+	rr      atomic.Uint32
+
+	mu       sync.Mutex
+	err      error
+	failOnce sync.Once
+}
+
+// stream is one connection to a peer. Requests are written under the
+// connection's write lock; the stream's reader goroutine matches answers to
+// requests in order.
+type stream struct {
+	p       *peer
+	w       *wconn
+	br      *bufio.Reader
+	slots   chan struct{} // one token per frame awaiting its answer
+	pending chan frame    // frames awaiting answers, in order
+
+	// under w.wmu
+	dead bool
+	seq  uint64
+	head []byte // header and piece table of the frame being written
+	bufs [][]byte
+	out  net.Buffers
+
+	rhdr [hdrSize]byte // reader only
+}
+
+// frame is one request awaiting its answer.
+type frame struct {
+	st    *xstate
+	id    uint64
+	start cursor
+	n     uint64
+	typ   uint8
+}
+
+// xstate tracks one transfer: a reference per frame in flight plus one for
+// the goroutine posting them. The last reference finishes the transfer.
+type xstate struct {
+	b    *Backend
+	x    *agent.Xfer
+	p    *peer
+	refs atomic.Int64
+
+	mu  sync.Mutex
+	err error
+}
+
+func (s *xstate) fail(err error) {
+	s.mu.Lock()
+	if s.err == nil {
+		s.err = err
+	}
+	s.mu.Unlock()
+}
+
+func (s *xstate) failed() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.err != nil
+}
+
+func (s *xstate) release(err error) {
+	if err != nil {
+		s.fail(err)
+	}
+	if s.refs.Add(-1) == 0 {
+		s.finish()
+	}
+}
+
+func (s *xstate) finish() {
+	defer s.b.wg.Done()
+	s.mu.Lock()
+	err := s.err
+	s.mu.Unlock()
+	x := s.x
+	if err == nil {
+		select {
+		case <-x.Cancelled():
+			err = x.CancelErr() // a cancelled transfer never reports success
+		default:
+		}
+	}
+	if err == nil && x.Notify != nil {
+		err = s.p.notify(x.Key, x.Notify)
+	}
+	x.Finish(err)
+}
+
+// Post implements agent.Backend.
+func (b *Backend) Post(x *agent.Xfer) error {
+	p, err := b.peerFor(x.Peer)
+	if err != nil {
+		return err
+	}
+	st := &xstate{b: b, x: x, p: p}
+	st.refs.Store(1)
+	typ := uint8(tRead)
+	if x.Op == agent.OpWrite {
+		typ = tWrite
+	}
+	if p.usable() && x.Bytes() <= inlineMax {
+		end, n, pieces := nextFrame(x.Segments, cursor{}, uint64(b.cfg.chunk), b.cfg.maxPieces)
+		if end.seg == len(x.Segments) {
+			if s := p.tryStream(); s != nil {
+				st.refs.Add(1)
+				s.send(frame{st: st, n: n, typ: typ}, pieces)
+				st.release(nil)
+				return nil
+			}
+		}
+	}
+	b.wg.Add(1)
+	go b.drive(st, typ)
+	return nil
+}
+
+// drive posts a transfer's frames, waiting for free slots.
+func (b *Backend) drive(st *xstate, typ uint8) {
+	defer b.wg.Done()
+	defer st.release(nil)
+	x, p := st.x, st.p
+	select {
+	case <-p.ready:
+	case <-x.Cancelled():
+		st.fail(x.CancelErr())
+		return
+	}
+	if err := p.failure(); err != nil {
+		st.fail(err)
+		return
+	}
+	chunk := uint64(b.cfg.chunk)
+	for c := (cursor{}); c.seg < len(x.Segments); {
+		if st.failed() {
+			return
+		}
+		end, n, pieces := nextFrame(x.Segments, c, chunk, b.cfg.maxPieces)
+		s, err := p.acquire(x)
+		if err != nil {
+			st.fail(err)
+			return
+		}
+		st.refs.Add(1)
+		s.send(frame{st: st, start: c, n: n, typ: typ}, pieces)
+		c = end
+	}
+}
+
+// peerFor returns the peer's state, dialling it in the background if it is
+// not connected yet.
+func (b *Backend) peerFor(info agent.Info) (*peer, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return nil, agent.ErrClosed
+	}
+	b.wg.Add(1) // the transfer's, released by xstate.finish or by the caller on error
+	if p := b.peers[info.ID]; p != nil {
+		return p, nil
+	}
+	raw, _ := info.Conn(Name)
+	ci, err := parseConnInfo(raw)
+	if err != nil {
+		b.wg.Done()
+		return nil, fmt.Errorf("tcp: peer %s: %w: %v", info.ID, agent.ErrInvalid, err)
+	}
+	p := &peer{b: b, id: info.ID, addr: ci.addr, ready: make(chan struct{}), dead: make(chan struct{})}
+	b.peers[info.ID] = p
+	b.wg.Add(1)
+	go p.dial()
+	return p, nil
+}
+
+func (p *peer) usable() bool {
+	select {
+	case <-p.ready:
+		return p.failure() == nil
+	default:
+		return false
+	}
+}
+
+func (p *peer) failure() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.err
+}
+
+// tryStream takes a slot on a stream with one free, or returns nil.
+func (p *peer) tryStream() *stream {
+	n := len(p.streams)
+	start := int(p.rr.Add(1))
+	for i := range n {
+		s := p.streams[(start+i)%n]
+		select {
+		case s.slots <- struct{}{}:
+			return s
+		default:
+		}
+	}
+	return nil
+}
+
+// acquire takes a slot on some stream, waiting if all are busy.
+func (p *peer) acquire(x *agent.Xfer) (*stream, error) {
+	select {
+	case <-x.Cancelled():
+		return nil, x.CancelErr()
+	default:
+	}
+	if s := p.tryStream(); s != nil {
+		return s, nil
+	}
+	s := p.streams[int(p.rr.Add(1))%len(p.streams)]
+	select {
+	case s.slots <- struct{}{}:
+		return s, nil
+	case <-x.Cancelled():
+		return nil, x.CancelErr()
+	case <-p.dead:
+		return nil, p.failure()
+	}
+}
+
+func (p *peer) dial() {
+	b := p.b
+	defer b.wg.Done()
+	ctx, cancel := context.WithCancel(context.Background())
+	stopped := make(chan struct{})
+	go func() { // the dial's own watcher, joined below
+		defer close(stopped)
+		select {
+		case <-b.stop:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	err := p.connect(ctx)
+	cancel()
+	<-stopped
+	if err != nil {
+		p.fail(err, false)
+	}
+	close(p.ready)
+}
+
+func (p *peer) connect(ctx context.Context) error {
+	b := p.b
+	d := net.Dialer{Timeout: b.cfg.timeout}
+	n := b.cfg.streams
+	all := make([]*stream, 0, n+1)
+	for i := 0; i <= n; i++ {
+		c, err := d.DialContext(ctx, "tcp", p.addr)
+		if err != nil {
+			closeStreams(all)
+			return fmt.Errorf("tcp: dial peer %s at %s: %w: %w", p.id, p.addr, agent.ErrRemoteLost, err)
+		}
+		s, err := p.handshake(c.(*net.TCPConn), uint8(i))
+		if err != nil {
+			_ = c.Close()
+			closeStreams(all)
+			return err
+		}
+		all = append(all, s)
+	}
+	for _, s := range all {
+		if !b.track(s.w) {
+			closeStreams(all)
+			return agent.ErrClosed
+		}
+	}
+	p.streams, p.ctrl = all[:n], all[n]
+	for _, s := range all {
+		b.wg.Add(1)
+		go s.read()
+	}
+	return nil
+}
+
+func closeStreams(ss []*stream) {
+	for _, s := range ss {
+		_ = s.w.c.Close()
+	}
+}
+
+func (p *peer) handshake(c *net.TCPConn, idx uint8) (*stream, error) {
+	b := p.b
+	var hs [hsSize]byte
+	putHandshake(hs[:], idx, b.id, p.id)
+	_ = c.SetDeadline(time.Now().Add(b.cfg.timeout))
+	if _, err := c.Write(hs[:]); err != nil {
+		return nil, fmt.Errorf("tcp: handshake with peer %s at %s: %w: %w", p.id, p.addr, agent.ErrRemoteLost, err)
+	}
+	br := bufio.NewReaderSize(c, readBuf)
+	if _, err := io.ReadFull(br, hs[:]); err != nil {
+		return nil, fmt.Errorf("tcp: handshake with peer %s at %s: %w: %w", p.id, p.addr, agent.ErrRemoteLost, err)
+	}
+	_, status, who, _, err := getHandshake(hs[:])
+	if err != nil {
+		return nil, fmt.Errorf("tcp: handshake with peer %s at %s: %w: %w", p.id, p.addr, agent.ErrRemoteLost, err)
+	}
+	if status != stOK || who != p.id {
+		return nil, fmt.Errorf("tcp: %s is now agent %s, not peer %s: %w", p.addr, who, p.id, agent.ErrRemoteLost)
+	}
+	_ = c.SetDeadline(time.Time{})
+	inflight := b.cfg.inflight
+	return &stream{
+		p: p, w: newWconn(c), br: br,
+		slots:   make(chan struct{}, inflight),
+		pending: make(chan frame, inflight),
+		head:    make([]byte, hdrSize+b.cfg.maxPieces*pieceSize),
+	}, nil
+}
+
+// fail marks the peer failed once: transfers waiting for it give up, its
+// connections close (their readers fail the frames in flight), and a later
+// transfer dials afresh. report tells the agent the peer is lost.
+func (p *peer) fail(err error, report bool) {
+	p.failOnce.Do(func() {
+		p.mu.Lock()
+		p.err = err
+		p.mu.Unlock()
+		close(p.dead)
+		b := p.b
+		b.mu.Lock()
+		if b.peers[p.id] == p {
+			delete(b.peers, p.id)
+		}
+		b.mu.Unlock()
+		for _, s := range p.streams {
+			_ = s.w.c.Close()
+		}
+		if p.ctrl != nil {
+			_ = p.ctrl.w.c.Close()
+		}
+		if report {
+			b.host.PeerLost(p.id, err)
+		}
+	})
+}
+
+// notify sends a notification on the control connection, which carries no
+// data, so it never waits behind a transfer.
+func (p *peer) notify(key agent.Key, msg []byte) error {
+	if len(msg) > maxNotify {
+		return fmt.Errorf("%w: notification of %d bytes, at most %d", agent.ErrInvalid, len(msg), maxNotify)
+	}
+	select {
+	case <-p.ready:
+	case <-p.dead:
+	}
+	if err := p.failure(); err != nil {
+		return err
+	}
+	s := p.ctrl
+	w := s.w
+	w.wmu.Lock()
+	defer w.wmu.Unlock()
+	if s.dead {
+		return p.failure()
+	}
+	h := header{typ: tNotify, length: uint64(len(msg)), key: key}
+	h.put(s.head)
+	s.bufs = append(s.bufs[:0], s.head[:hdrSize], msg)
+	s.out = s.bufs
+	_ = w.c.SetWriteDeadline(time.Now().Add(p.b.cfg.timeout))
+	_, err := s.out.WriteTo(w.c)
+	w.lastWrite.Store(time.Now().UnixNano())
+	if err != nil {
+		_ = w.c.Close()
+		return fmt.Errorf("tcp: notify peer %s: %w: %w", p.id, agent.ErrRemoteLost, err)
+	}
+	return nil
+}
+
+// Notify implements agent.Backend.
+func (b *Backend) Notify(info agent.Info, key agent.Key, msg []byte) error {
+	p, err := b.peerFor(info)
+	if err != nil {
+		return err
+	}
+	defer b.wg.Done()
+	return p.notify(key, msg)
+}
+
+// send writes a frame holding a slot of s. Its answer, or the stream's
+// failure, releases the slot and the frame's reference.
+func (s *stream) send(f frame, pieces int) {
+	w := s.w
+	w.wmu.Lock()
+	if s.dead {
+		w.wmu.Unlock()
+		<-s.slots
+		f.st.release(s.p.failure())
+		return
+	}
+	s.seq++
+	f.id = s.seq
+	s.pending <- f // never blocks: the slot guarantees room
+
+	segs := f.st.x.Segments
+	table := s.head[hdrSize : hdrSize+pieces*pieceSize]
+	s.bufs = append(s.bufs[:0], s.head[:hdrSize+len(table)])
+	c, left, i := f.start, f.n, 0
+	for left > 0 {
+		sg := &segs[c.seg]
+		take := min(sg.Local.Len-c.off, left)
+		binary.LittleEndian.PutUint64(table[i:], sg.Remote.Addr+c.off)
+		binary.LittleEndian.PutUint64(table[i+8:], take)
+		if f.typ == tWrite {
+			s.bufs = append(s.bufs, sg.Local.Mem[c.off:c.off+take])
+		}
+		i += pieceSize
+		left -= take
+		if c.off += take; c.off == sg.Local.Len {
+			c.seg, c.off = c.seg+1, 0
+		}
+	}
+	h := header{typ: f.typ, count: uint32(pieces), id: f.id, key: f.st.x.Key}
+	if f.typ == tWrite {
+		h.length = f.n
+	}
+	h.put(s.head)
+	s.out = s.bufs
+	_ = w.c.SetWriteDeadline(time.Now().Add(s.p.b.cfg.timeout))
+	_, err := s.out.WriteTo(w.c)
+	w.lastWrite.Store(time.Now().UnixNano())
+	clear(s.bufs)
+	w.wmu.Unlock()
+	if err != nil {
+		_ = w.c.Close() // the reader fails every pending frame, this one included
+	}
+}
+
+// read is the stream's reader goroutine: it matches answers to frames and
+// lands READ data in local memory. When the connection ends it fails every
+// frame still pending and the peer.
+func (s *stream) read() {
+	b := s.p.b
+	defer b.wg.Done()
+	defer b.untrack(s.w)
+	err := s.loop()
+	s.w.wmu.Lock()
+	s.dead = true
+	s.w.wmu.Unlock()
+	_ = s.w.c.Close()
+	select {
+	case <-b.stop:
+		err = agent.ErrClosed
+	default:
+		if errors.Is(err, errProtocol) {
+			b.host.Refused()
+		}
+		err = fmt.Errorf("tcp: connection to peer %s: %w: %w", s.p.id, agent.ErrRemoteLost, err)
+	}
+	for {
+		select {
+		case f := <-s.pending:
+			<-s.slots
+			f.st.release(err)
+			continue
+		default:
+		}
+		break
+	}
+	s.p.fail(err, !errors.Is(err, agent.ErrClosed))
+}
+
+func (s *stream) loop() error {
+	var h header
+	timeout := s.p.b.cfg.timeout
+	for {
+		_ = s.w.c.SetReadDeadline(time.Now().Add(timeout))
+		if _, err := io.ReadFull(s.br, s.rhdr[:]); err != nil {
+			return err
+		}
+		h.get(s.rhdr[:])
+		switch h.typ {
+		case tPing:
+			continue
+		case tBye:
+			return errBye
+		case tReadResp, tWriteAck:
+		default:
+			return fmt.Errorf("%w: unexpected frame type %d", errProtocol, h.typ)
+		}
+		var f frame
+		select {
+		case f = <-s.pending:
+		default:
+			return fmt.Errorf("%w: answer %d to no request", errProtocol, h.id)
+		}
+		err := s.land(&h, &f)
+		<-s.slots
+		if err != nil && !errors.Is(err, agent.ErrAccessDenied) {
+			f.st.release(fmt.Errorf("tcp: connection to peer %s: %w: %w", s.p.id, agent.ErrRemoteLost, err))
+			return err
+		}
+		f.st.release(err)
+	}
+}
+
+// land consumes one answer for f: READ data goes straight into the
+// transfer's local memory.
+func (s *stream) land(h *header, f *frame) error {
+	wantTyp := uint8(tReadResp)
+	if f.typ == tWrite {
+		wantTyp = tWriteAck
+	}
+	if h.id != f.id || h.typ != wantTyp {
+		return fmt.Errorf("%w: answer type %d id %d, want type %d id %d", errProtocol, h.typ, h.id, wantTyp, f.id)
+	}
+	if h.status != stOK {
+		if h.length > maxErrMsg {
+			return fmt.Errorf("%w: error message of %d bytes", errProtocol, h.length)
+		}
+		msg := make([]byte, h.length)
+		if _, err := io.ReadFull(s.br, msg); err != nil {
+			return err
+		}
+		return fmt.Errorf("tcp: peer %s refused %s: %w (%s)", s.p.id, f.st.x.Op, agent.ErrAccessDenied, msg)
+	}
+	if f.typ == tWrite {
+		if h.length != 0 {
+			return fmt.Errorf("%w: WRITE ack with %d payload bytes", errProtocol, h.length)
+		}
+		return nil
+	}
+	if h.length != f.n {
+		return fmt.Errorf("%w: READ answer of %d bytes, want %d", errProtocol, h.length, f.n)
+	}
+	segs := f.st.x.Segments
+	c, left := f.start, f.n
+	for left > 0 {
+		sg := &segs[c.seg]
+		take := min(sg.Local.Len-c.off, left)
+		if _, err := io.ReadFull(s.br, sg.Local.Mem[c.off:c.off+take]); err != nil {
+			return err
+		}
+		left -= take
+		if c.off += take; c.off == sg.Local.Len {
+			c.seg, c.off = c.seg+1, 0
+		}
+	}
+	return nil
+}

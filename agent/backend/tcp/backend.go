@@ -1,0 +1,240 @@
+// Package tcp is goxfer's pure-Go backend across processes and hosts.
+//
+// Each agent listens on one TCP address. An agent that transfers to a peer
+// dials it once, with several data connections (streams) and one control
+// connection for notifications, and keeps them for later transfers. Bytes go
+// straight between registered memory and the sockets: the exposing side
+// answers a READ with one vectored write from the exposed regions and reads
+// a WRITE's payload straight into them. Large descriptors are split into
+// chunks pipelined over the streams; many small ones share a frame.
+//
+// Every remote access is checked by the exposing agent against the key, the
+// access kind and the exposed regions, one lease per frame, so revoking an
+// exposure waits for at most one frame per connection. Idle connections
+// exchange keepalives; a connection silent for longer than the keepalive
+// timeout, or broken, fails its transfers with agent.ErrRemoteLost and tells
+// the agent the peer is lost.
+package tcp
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/goxfer/goxfer/agent"
+)
+
+// Name is the backend's name in metadata and reports.
+const Name = "tcp"
+
+// Backend is the TCP backend. Create one per agent with New and hand it to
+// the agent, which starts and closes it. Safe for concurrent use.
+type Backend struct {
+	cfg    config
+	optErr error
+
+	host agent.Host
+	id   uuid.UUID
+	self connInfo
+	ln   net.Listener
+
+	mu     sync.Mutex
+	closed bool
+	peers  map[uuid.UUID]*peer
+	conns  map[*wconn]struct{}
+
+	wg   sync.WaitGroup
+	stop chan struct{}
+
+}
+
+// New returns a TCP backend for one agent. Invalid options are reported by
+// Start, that is by the agent's constructor.
+func New(opts ...Option) *Backend {
+	b := &Backend{cfg: defaults(), peers: map[uuid.UUID]*peer{}, conns: map[*wconn]struct{}{}, stop: make(chan struct{})}
+	var errs []error
+	for _, o := range opts {
+		if err := o.apply(&b.cfg); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	b.optErr = errors.Join(errs...)
+	return b
+}
+
+// Name implements agent.Backend.
+func (b *Backend) Name() string { return Name }
+
+// Supports implements agent.Backend: host memory only; device memory needs a
+// GPU-capable backend or staging.
+func (b *Backend) Supports(k agent.MemKind) bool { return k == agent.KindDRAM }
+
+// Addr returns the address the backend listens on, once started.
+func (b *Backend) Addr() net.Addr { return b.ln.Addr() }
+
+// Advertised returns the address published to peers, once started.
+func (b *Backend) Advertised() string { return b.self.addr }
+
+// Start implements agent.Backend: it listens and starts the accept loop and
+// the keepalive loop.
+func (b *Backend) Start(h agent.Host) ([]byte, error) {
+	if b.optErr != nil {
+		return nil, b.optErr
+	}
+	ln, err := net.Listen("tcp", b.cfg.listen)
+	if err != nil {
+		return nil, fmt.Errorf("tcp: listen on %s: %w", b.cfg.listen, err)
+	}
+	b.host, b.id, b.ln = h, h.ID(), ln
+	b.self = connInfo{host: hostIdentity(), addr: b.cfg.advertise}
+	if b.self.addr == "" {
+		b.self.addr = advertiseFor(ln.Addr().(*net.TCPAddr))
+	}
+	b.wg.Add(2)
+	go b.accept()
+	go b.keepalive()
+	return b.self.marshal(), nil
+}
+
+func advertiseFor(a *net.TCPAddr) string {
+	if !a.IP.IsUnspecified() {
+		return a.String()
+	}
+	ip := net.IPv4(127, 0, 0, 1)
+	if addrs, err := net.InterfaceAddrs(); err == nil {
+		for _, ad := range addrs {
+			if n, ok := ad.(*net.IPNet); ok && n.IP.To4() != nil && n.IP.IsGlobalUnicast() {
+				ip = n.IP
+				break
+			}
+		}
+	}
+	return net.JoinHostPort(ip.String(), fmt.Sprint(a.Port))
+}
+
+// Reachable implements agent.Backend. A peer that publishes a loopback
+// address but runs on another host (or in another network namespace) is
+// unreachable, and the error says which option the peer must set.
+func (b *Backend) Reachable(info agent.Info) error {
+	raw, ok := info.Conn(Name)
+	if !ok {
+		return errors.New("peer has no tcp backend")
+	}
+	ci, err := parseConnInfo(raw)
+	if err != nil {
+		return err
+	}
+	if isLoopback(ci.addr) && ci.host != b.self.host {
+		return fmt.Errorf("peer %s advertises the loopback address %s but runs on another host or network namespace; "+
+			"start the peer with tcp.WithListenAddr and tcp.WithAdvertiseAddr set to an address this host can reach", info.ID, ci.addr)
+	}
+	return nil
+}
+
+// wconn is a connection with a write lock, shared by both directions'
+// bookkeeping: the keepalive loop pings whichever connection is idle.
+type wconn struct {
+	c         *net.TCPConn
+	wmu       sync.Mutex
+	lastWrite atomic.Int64 // unix nanos
+	ping      [hdrSize]byte
+}
+
+func newWconn(c *net.TCPConn) *wconn {
+	w := &wconn{c: c}
+	(&header{typ: tPing}).put(w.ping[:])
+	w.lastWrite.Store(time.Now().UnixNano())
+	return w
+}
+
+func (b *Backend) track(w *wconn) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return false
+	}
+	b.conns[w] = struct{}{}
+	return true
+}
+
+func (b *Backend) untrack(w *wconn) {
+	b.mu.Lock()
+	delete(b.conns, w)
+	b.mu.Unlock()
+}
+
+// keepalive pings connections that have not written for an interval.
+func (b *Backend) keepalive() {
+	defer b.wg.Done()
+	t := time.NewTicker(b.cfg.interval / 2)
+	defer t.Stop()
+	var idle []*wconn
+	for {
+		select {
+		case <-b.stop:
+			return
+		case now := <-t.C:
+			idle = idle[:0]
+			b.mu.Lock()
+			for w := range b.conns {
+				if now.UnixNano()-w.lastWrite.Load() >= int64(b.cfg.interval) {
+					idle = append(idle, w)
+				}
+			}
+			b.mu.Unlock()
+			for _, w := range idle {
+				if w.wmu.TryLock() { // busy connections are not idle
+					_ = w.c.SetWriteDeadline(now.Add(b.cfg.timeout))
+					if _, err := w.c.Write(w.ping[:]); err == nil {
+						w.lastWrite.Store(now.UnixNano())
+					}
+					w.wmu.Unlock()
+				}
+			}
+		}
+	}
+}
+
+// Close implements agent.Backend: it stops listening, says goodbye on and
+// closes every connection, and waits for the backend's goroutines.
+func (b *Backend) Close() error {
+	b.mu.Lock()
+	if b.closed {
+		b.mu.Unlock()
+		return nil
+	}
+	b.closed = true
+	peers := make([]*peer, 0, len(b.peers))
+	for _, p := range b.peers {
+		peers = append(peers, p)
+	}
+	conns := make([]*wconn, 0, len(b.conns))
+	for w := range b.conns {
+		conns = append(conns, w)
+	}
+	b.mu.Unlock()
+	if b.ln == nil {
+		return nil
+	}
+	close(b.stop)
+	err := b.ln.Close()
+	var bye [hdrSize]byte
+	(&header{typ: tBye}).put(bye[:])
+	for _, w := range conns {
+		w.wmu.Lock()
+		_ = w.c.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
+		_, _ = w.c.Write(bye[:])
+		w.wmu.Unlock()
+		_ = w.c.Close()
+	}
+	for _, p := range peers {
+		p.fail(agent.ErrClosed, false)
+	}
+	b.wg.Wait()
+	return err
+}

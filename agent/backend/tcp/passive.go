@@ -1,0 +1,259 @@
+package tcp
+
+import (
+	"bufio"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/goxfer/goxfer/agent"
+)
+
+// readBuf is the read buffer per connection: it batches small headers and
+// tables into few system calls; payloads larger than it bypass it.
+const readBuf = 16 << 10
+
+func (b *Backend) accept() {
+	defer b.wg.Done()
+	for {
+		c, err := b.ln.Accept()
+		if err != nil {
+			select {
+			case <-b.stop:
+				return
+			default:
+			}
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				continue
+			}
+			time.Sleep(10 * time.Millisecond) // e.g. EMFILE: do not spin
+			continue
+		}
+		w := newWconn(c.(*net.TCPConn))
+		if !b.track(w) {
+			_ = c.Close()
+			return
+		}
+		b.wg.Add(1)
+		go b.serve(w)
+	}
+}
+
+// server is the exposing side of one connection: it answers requests in
+// order, one at a time.
+type server struct {
+	b     *Backend
+	w     *wconn
+	br    *bufio.Reader
+	peer  uuid.UUID
+	hdr   [hdrSize]byte
+	table []byte
+	iov   [][]byte
+	bufs  [][]byte
+	out   net.Buffers
+}
+
+func (b *Backend) serve(w *wconn) {
+	defer b.wg.Done()
+	defer b.untrack(w)
+	defer w.c.Close()
+	s := &server{b: b, w: w, br: bufio.NewReaderSize(w.c, readBuf)}
+	if err := s.handshake(); err != nil {
+		b.host.Refused()
+		return
+	}
+	err := s.loop()
+	select {
+	case <-b.stop:
+		return // our own shutdown closed it
+	default:
+	}
+	if errors.Is(err, errProtocol) {
+		b.host.Refused()
+	}
+	if err != nil && !errors.Is(err, errBye) {
+		b.host.PeerLost(s.peer, fmt.Errorf("tcp: connection from peer %s: %w: %w", s.peer, agent.ErrRemoteLost, err))
+	}
+}
+
+var errBye = errors.New("tcp: peer said goodbye")
+
+func (s *server) handshake() error {
+	var hs [hsSize]byte
+	_ = s.w.c.SetDeadline(time.Now().Add(s.b.cfg.timeout))
+	if _, err := io.ReadFull(s.br, hs[:]); err != nil {
+		return err
+	}
+	_, _, peer, expect, err := getHandshake(hs[:])
+	if err != nil {
+		return err
+	}
+	var status uint8
+	if expect != s.b.id {
+		status = stDenied // an agent that used to live at this address
+	}
+	putHandshake(hs[:], 0, s.b.id, uuid.Nil)
+	hs[7] = status
+	s.w.wmu.Lock() // the keepalive loop must not ping before the answer
+	_, err = s.w.c.Write(hs[:])
+	s.w.wmu.Unlock()
+	if err != nil {
+		return err
+	}
+	if status != stOK || peer == uuid.Nil {
+		return fmt.Errorf("%w: handshake expected agent %s, this is %s", errProtocol, expect, s.b.id)
+	}
+	s.peer = peer
+	_ = s.w.c.SetDeadline(time.Time{})
+	return nil
+}
+
+func (s *server) loop() error {
+	var h header
+	for {
+		_ = s.w.c.SetReadDeadline(time.Now().Add(s.b.cfg.timeout))
+		if _, err := io.ReadFull(s.br, s.hdr[:]); err != nil {
+			return err
+		}
+		h.get(s.hdr[:])
+		var err error
+		switch h.typ {
+		case tRead, tWrite:
+			err = s.access(&h)
+		case tNotify:
+			err = s.notify(&h)
+		case tPing:
+		case tBye:
+			return errBye
+		default:
+			err = fmt.Errorf("%w: frame type %d", errProtocol, h.typ)
+		}
+		if err != nil {
+			return err
+		}
+	}
+}
+
+func (s *server) notify(h *header) error {
+	if h.length > maxNotify || h.count != 0 {
+		return fmt.Errorf("%w: notification of %d bytes, at most %d", errProtocol, h.length, maxNotify)
+	}
+	msg := make([]byte, h.length)
+	if _, err := io.ReadFull(s.br, msg); err != nil {
+		return err
+	}
+	if !s.b.host.Deliver(s.peer, h.key, msg) {
+		return agent.ErrClosed
+	}
+	return nil
+}
+
+// access serves one READ or WRITE frame under one lease.
+func (s *server) access(h *header) error {
+	cfg := &s.b.cfg
+	if h.count == 0 || int(h.count) > cfg.maxPieces {
+		return fmt.Errorf("%w: %d pieces in a frame, want 1 to %d", errProtocol, h.count, cfg.maxPieces)
+	}
+	n := int(h.count) * pieceSize
+	if cap(s.table) < n {
+		s.table = make([]byte, n)
+	}
+	table := s.table[:n]
+	if _, err := io.ReadFull(s.br, table); err != nil {
+		return err
+	}
+	var total uint64
+	for i := 0; i < n; i += pieceSize {
+		l := binary.LittleEndian.Uint64(table[i+8:])
+		if l == 0 || l > uint64(cfg.maxFrame) || total+l > uint64(cfg.maxFrame) {
+			return fmt.Errorf("%w: frame of more than %d bytes", errProtocol, cfg.maxFrame)
+		}
+		total += l
+	}
+	write := h.typ == tWrite
+	if write && h.length != total {
+		return fmt.Errorf("%w: WRITE payload %d bytes, pieces add up to %d", errProtocol, h.length, total)
+	}
+	acc := agent.AccessRead
+	if write {
+		acc = agent.AccessWrite
+	}
+	iov, denied := s.iov[:0], error(nil)
+	lease, err := s.b.host.Open(s.peer, h.key, acc)
+	if err != nil {
+		denied = err
+	} else {
+		defer lease.Release()
+		for i := 0; i < n; i += pieceSize {
+			mem, err := lease.Slice(binary.LittleEndian.Uint64(table[i:]), binary.LittleEndian.Uint64(table[i+8:]))
+			if err == nil && mem == nil {
+				err = fmt.Errorf("%w: device memory cannot be served over tcp", agent.ErrAccessDenied)
+			}
+			if err != nil {
+				denied = fmt.Errorf("piece %d: %w", i/pieceSize, err)
+				break
+			}
+			iov = append(iov, mem)
+		}
+	}
+	s.iov = iov[:0]
+	if write {
+		if denied != nil {
+			if _, err := io.CopyN(io.Discard, s.br, int64(total)); err != nil {
+				return err
+			}
+			return s.answer(tWriteAck, h.id, denied, nil)
+		}
+		for _, mem := range iov {
+			if _, err := io.ReadFull(s.br, mem); err != nil {
+				return err
+			}
+		}
+		lease.Release()
+		return s.answer(tWriteAck, h.id, nil, nil)
+	}
+	if denied != nil {
+		return s.answer(tReadResp, h.id, denied, nil)
+	}
+	return s.answer(tReadResp, h.id, nil, iov)
+}
+
+// answer writes a response header and, for a successful READ, the data
+// straight from the exposed memory in one vectored write.
+func (s *server) answer(typ uint8, id uint64, denied error, data [][]byte) error {
+	h := header{typ: typ, id: id}
+	var msg []byte
+	if denied != nil {
+		h.status = stDenied
+		msg = []byte(denied.Error())
+		if len(msg) > maxErrMsg {
+			msg = msg[:maxErrMsg]
+		}
+		h.length = uint64(len(msg))
+	} else {
+		for _, d := range data {
+			h.length += uint64(len(d))
+		}
+	}
+	h.put(s.hdr[:])
+	s.bufs = append(s.bufs[:0], s.hdr[:])
+	if msg != nil {
+		s.bufs = append(s.bufs, msg)
+	}
+	s.bufs = append(s.bufs, data...)
+	w := s.w
+	w.wmu.Lock()
+	defer w.wmu.Unlock()
+	_ = w.c.SetWriteDeadline(time.Now().Add(s.b.cfg.timeout))
+	s.out = s.bufs // WriteTo consumes its receiver; s.bufs keeps the backing array
+	_, err := s.out.WriteTo(w.c)
+	w.lastWrite.Store(time.Now().UnixNano())
+	clear(s.bufs[:cap(s.bufs)])
+	return err
+}

@@ -1,0 +1,187 @@
+package tcp
+
+import (
+	"crypto/sha256"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+
+	"github.com/google/uuid"
+
+	"github.com/goxfer/goxfer/agent"
+)
+
+// The wire protocol. Every connection starts with a handshake (the dialer
+// names itself and the agent it expects; the listener answers with its own
+// identity), then carries frames: a fixed header, for READ and WRITE a table
+// of (address, length) pieces, then payload. All integers are little-endian.
+//
+//	header (40 bytes)
+//	  0  type    u8
+//	  1  status  u8   (answers: 0 ok, else a status code; message follows)
+//	  2  -       u16
+//	  4  count   u32  pieces in the table
+//	  8  id      u64  request sequence number, echoed in the answer
+//	 16  length  u64  payload bytes after the table
+//	 24  key     [16]byte
+//
+// A data connection's answers come in request order; the id is a check.
+const (
+	hdrSize   = 40
+	pieceSize = 16
+	hsSize    = 40
+
+	tRead     = 1 // active→passive: read the pieces; answered by tReadResp
+	tReadResp = 2 // passive→active: status, then the pieces' bytes in order
+	tWrite    = 3 // active→passive: pieces, then their bytes; answered by tWriteAck
+	tWriteAck = 4
+	tNotify   = 5 // either way: length bytes of message for key
+	tPing     = 6 // keepalive, no payload
+	tBye      = 7 // orderly close: the sender is going away on purpose
+
+	stOK     = 0
+	stDenied = 1 // access refused by the exposing agent
+	stBad    = 2 // malformed request
+
+	maxNotify = 64 << 10 // largest notification accepted
+	maxErrMsg = 1 << 10  // largest error message accepted in an answer
+
+	protoVersion = 1
+)
+
+var magic = [4]byte{'G', 'X', 'T', 'P'}
+
+// errProtocol marks a peer that broke the wire protocol; the connection is
+// dropped and the refusal counted.
+var errProtocol = errors.New("tcp: protocol violation")
+
+type header struct {
+	typ    uint8
+	status uint8
+	count  uint32
+	id     uint64
+	length uint64
+	key    agent.Key
+}
+
+func (h *header) put(b []byte) {
+	_ = b[hdrSize-1]
+	b[0], b[1], b[2], b[3] = h.typ, h.status, 0, 0
+	binary.LittleEndian.PutUint32(b[4:], h.count)
+	binary.LittleEndian.PutUint64(b[8:], h.id)
+	binary.LittleEndian.PutUint64(b[16:], h.length)
+	copy(b[24:40], h.key[:])
+}
+
+func (h *header) get(b []byte) {
+	_ = b[hdrSize-1]
+	h.typ, h.status = b[0], b[1]
+	h.count = binary.LittleEndian.Uint32(b[4:])
+	h.id = binary.LittleEndian.Uint64(b[8:])
+	h.length = binary.LittleEndian.Uint64(b[16:])
+	copy(h.key[:], b[24:40])
+}
+
+// handshake: magic[4] version u8 stream u8 - u16 self[16] expect[16].
+// The answer has the same shape with expect zero and the status in byte 7.
+func putHandshake(b []byte, stream uint8, self, expect uuid.UUID) {
+	copy(b[0:4], magic[:])
+	b[4], b[5], b[6], b[7] = protoVersion, stream, 0, 0
+	copy(b[8:24], self[:])
+	copy(b[24:40], expect[:])
+}
+
+func getHandshake(b []byte) (stream, status uint8, self, expect uuid.UUID, err error) {
+	if [4]byte(b[0:4]) != magic {
+		return 0, 0, self, expect, fmt.Errorf("%w: handshake magic %x, want %x", errProtocol, b[0:4], magic)
+	}
+	if b[4] != protoVersion {
+		return 0, 0, self, expect, fmt.Errorf("%w: protocol version %d, want %d", errProtocol, b[4], protoVersion)
+	}
+	copy(self[:], b[8:24])
+	copy(expect[:], b[24:40])
+	return b[5], b[7], self, expect, nil
+}
+
+// connInfo is what the backend publishes: version u8, host identity [8],
+// then the advertised host:port.
+type connInfo struct {
+	host [8]byte
+	addr string
+}
+
+func (c connInfo) marshal() []byte {
+	b := make([]byte, 0, 9+len(c.addr))
+	b = append(b, protoVersion)
+	b = append(b, c.host[:]...)
+	return append(b, c.addr...)
+}
+
+func parseConnInfo(b []byte) (connInfo, error) {
+	var c connInfo
+	if len(b) < 10 || len(b) > 9+255 {
+		return c, fmt.Errorf("tcp connection info of %d bytes, want 10 to 264", len(b))
+	}
+	if b[0] != protoVersion {
+		return c, fmt.Errorf("tcp connection info version %d, want %d", b[0], protoVersion)
+	}
+	copy(c.host[:], b[1:9])
+	c.addr = string(b[9:])
+	if _, _, err := net.SplitHostPort(c.addr); err != nil {
+		return c, fmt.Errorf("tcp connection info address %q: %v", c.addr, err)
+	}
+	return c, nil
+}
+
+// hostIdentity names this boot of this host and its network namespace: two
+// agents with the same identity share a loopback interface.
+func hostIdentity() [8]byte {
+	h := sha256.New()
+	if b, err := os.ReadFile("/proc/sys/kernel/random/boot_id"); err == nil {
+		h.Write(b)
+	} else if name, err := os.Hostname(); err == nil {
+		h.Write([]byte(name))
+	}
+	if ns, err := os.Readlink("/proc/self/ns/net"); err == nil {
+		h.Write([]byte(ns))
+	}
+	var id [8]byte
+	copy(id[:], h.Sum(nil))
+	return id
+}
+
+func isLoopback(addr string) bool {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return false
+	}
+	if host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
+}
+
+// piece is one contiguous span of a frame: bytes [off, off+n) of segment seg.
+type cursor struct {
+	seg int
+	off uint64
+}
+
+// nextFrame returns where the frame starting at c ends, its bytes and its
+// pieces: at most chunk bytes and maxPieces pieces.
+func nextFrame(segs []agent.Segment, c cursor, chunk uint64, maxPieces int) (end cursor, n uint64, pieces int) {
+	for c.seg < len(segs) && n < chunk && pieces < maxPieces {
+		l := segs[c.seg].Local.Len
+		take := min(l-c.off, chunk-n)
+		n += take
+		pieces++
+		c.off += take
+		if c.off == l {
+			c.seg, c.off = c.seg+1, 0
+		}
+	}
+	return c, n, pieces
+}
