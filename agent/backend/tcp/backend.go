@@ -50,7 +50,6 @@ type Backend struct {
 
 	wg   sync.WaitGroup
 	stop chan struct{}
-
 }
 
 // New returns a TCP backend for one agent. Invalid options are reported by
