@@ -81,9 +81,6 @@ type Agent struct {
 	xfers  map[*Xfer]struct{}
 	xferWG sync.WaitGroup
 
-	pumpIn   chan pumpItem
-	stop     chan struct{}
-	pumpDone chan struct{}
 	closed   atomic.Bool
 	closeMu  sync.Mutex
 	closeErr error
@@ -120,9 +117,6 @@ func New(opts ...Option) (*Agent, error) {
 		exps:     make(map[Key]*Exposure),
 		peers:    make(map[uuid.UUID]Info),
 		xfers:    make(map[*Xfer]struct{}),
-		pumpIn:   make(chan pumpItem, 1024),
-		stop:     make(chan struct{}),
-		pumpDone: make(chan struct{}),
 	}
 	seen := map[string]bool{}
 	for i, b := range a.backends {
@@ -139,7 +133,6 @@ func New(opts ...Option) (*Agent, error) {
 		}
 		a.conns = append(a.conns, ConnInfo{Backend: b.Name(), Data: ci})
 	}
-	go a.pump()
 	return a, nil
 }
 
@@ -313,14 +306,14 @@ func (a *Agent) Notify(peer uuid.UUID, key Key, msg []byte) error {
 	return b.Notify(info, key, msg)
 }
 
-// Deliver implements Host.
+// Deliver implements Host. The notification is dispatched on the caller's
+// goroutine: a lookup by key and a non-blocking send, no hand-off.
 func (a *Agent) Deliver(from uuid.UUID, key Key, msg []byte) bool {
-	select {
-	case a.pumpIn <- pumpItem{from: from, key: key, msg: msg}:
-		return true
-	case <-a.stop:
+	if a.isClosed() {
 		return false
 	}
+	a.dispatch(pumpItem{from: from, key: key, msg: msg})
+	return true
 }
 
 // PeerLost implements Host.
@@ -328,29 +321,16 @@ func (a *Agent) PeerLost(peer uuid.UUID, cause error) {
 	if cause == nil {
 		cause = ErrRemoteLost
 	}
-	select {
-	case a.pumpIn <- pumpItem{from: peer, lost: cause}:
-	case <-a.stop:
-	}
+	a.dispatch(pumpItem{from: peer, lost: cause})
 }
 
 // Refused implements Host.
 func (a *Agent) Refused() { a.refused.Add(1) }
 
-// pump is the agent's single dispatcher of notifications and peer-loss
-// events to exposures.
-func (a *Agent) pump() {
-	defer close(a.pumpDone)
-	for {
-		select {
-		case it := <-a.pumpIn:
-			a.dispatch(it)
-		case <-a.stop:
-			return
-		}
-	}
-}
-
+// dispatch is the agent's notification pump: every notification and
+// peer-loss event goes through it to the exposure owning its key (or to the
+// exposures bound to the lost peer). It never blocks: each exposure has a
+// small buffered queue, and events that find it full are counted dropped.
 func (a *Agent) dispatch(it pumpItem) {
 	if it.lost != nil {
 		a.expMu.RLock()
@@ -386,8 +366,8 @@ func (a *Agent) send(e *Exposure, ev Event) {
 	}
 }
 
-// Close cancels transfers in flight and waits for them, stops the backends
-// and the pump. Exposures still open are revoked. It is idempotent and safe
+// Close cancels transfers in flight and waits for them, then stops the
+// backends. Exposures still open are revoked. It is idempotent and safe
 // to call concurrently with any other method; the first call's error is
 // returned by all.
 func (a *Agent) Close() error {
@@ -424,8 +404,6 @@ func (a *Agent) Close() error {
 			errs = append(errs, fmt.Errorf("close backend %s: %w", b.Name(), err))
 		}
 	}
-	close(a.stop)
-	<-a.pumpDone
 	a.closeErr = joinErrs(errs)
 	return a.closeErr
 }

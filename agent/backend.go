@@ -50,9 +50,8 @@ type Host interface {
 	// released promptly: revocation waits for outstanding leases. Refused
 	// accesses return an error wrapping ErrAccessDenied and are counted.
 	Open(peer uuid.UUID, key Key, acc Access) (*Lease, error)
-	// Deliver hands an incoming notification to the agent's pump. It blocks
-	// only when the pump is saturated, and returns false once the agent is
-	// closing.
+	// Deliver hands an incoming notification to the exposure owning key. It
+	// never blocks, and returns false once the agent is closed.
 	Deliver(from uuid.UUID, key Key, msg []byte) bool
 	// PeerLost reports that peer can no longer be reached, or that its
 	// connection broke; exposures it was using hear of it.

@@ -8,8 +8,10 @@
 // and access kind before a byte is touched. Notifications are small messages
 // addressed to a Key: a transfer may carry one that its backend sends only
 // after all of the transfer's data is in place, and standalone notifications
-// can be sent at any time. One pump goroutine per agent dispatches incoming
-// notifications and peer-loss events to the exposure that owns the key.
+// can be sent at any time. The agent's dispatcher hands each incoming
+// notification and peer-loss event to the exposure that owns the key, on
+// the delivering goroutine and without blocking: no per-operation polling,
+// no hand-off, and a bounded queue per exposure.
 //
 // The agent knows nothing of tokens, NATS or the connect package: it is the
 // layer those are built on. Backends implement the small Backend interface

@@ -1,0 +1,337 @@
+package tcp_test
+
+import (
+	"bufio"
+	"encoding/binary"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backend/tcp"
+)
+
+// The benchmarks compare the tcp backend with raw Go TCP measured in the same
+// run: a stream over 1 and 4 connections (the ceiling of any TCP backend) and
+// a 4 KiB ping-pong (the latency floor). Throughput runs cross-process: a
+// re-executed child of the test binary exposes memory and serves the raw
+// baselines.
+
+const benchChildEnv = "GOXFER_TCP_BENCH_CHILD"
+
+// childHello is what the benchmark child prints on its first line.
+type childHello struct {
+	Info      agent.Info
+	ReadKey   agent.Key
+	WriteKey  agent.Key
+	Addr      uint64 // the read exposure's address; the write one follows
+	WriteAddr uint64
+	Size      int
+	Raw       string // raw TCP stream server
+	Ping      string // raw TCP ping-pong server
+}
+
+const childSize = 256 << 20
+
+// benchChild runs in the child process: it exposes a readable and a
+// writable region of childSize bytes, serves the raw baselines, and exits
+// when its standard input closes.
+func benchChild() {
+	a, err := agent.New(agent.WithBackends(tcp.New()))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(2)
+	}
+	rbuf, wbuf := make([]byte, childSize), make([]byte, childSize)
+	for i := range rbuf {
+		rbuf[i] = byte(i)
+	}
+	rexp, _ := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(rbuf)})
+	wexp, _ := a.Expose(agent.AccessWrite, []agent.Local{agent.DRAM(wbuf)})
+	raw, _ := net.Listen("tcp", "127.0.0.1:0")
+	ping, _ := net.Listen("tcp", "127.0.0.1:0")
+	go serveRaw(raw, rbuf)
+	go servePing(ping)
+	_ = json.NewEncoder(os.Stdout).Encode(childHello{
+		Info: a.Info(), ReadKey: rexp.Key(), WriteKey: wexp.Key(),
+		Addr: agent.DRAM(rbuf).Addr, WriteAddr: agent.DRAM(wbuf).Addr, Size: childSize,
+		Raw: raw.Addr().String(), Ping: ping.Addr().String(),
+	})
+	_, _ = io.Copy(io.Discard, os.Stdin)
+	_ = a.Close()
+	os.Exit(0)
+}
+
+// serveRaw answers requests of 9 bytes (direction, length): 'r' sends length
+// bytes, 'w' reads length bytes and answers one byte.
+func serveRaw(ln net.Listener, buf []byte) {
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		go func() {
+			defer c.Close()
+			sink := make([]byte, len(buf))
+			var req [9]byte
+			for {
+				if _, err := io.ReadFull(c, req[:]); err != nil {
+					return
+				}
+				n := binary.LittleEndian.Uint64(req[1:])
+				var err error
+				if req[0] == 'r' {
+					_, err = c.Write(buf[:n])
+				} else if _, err = io.ReadFull(c, sink[:n]); err == nil {
+					_, err = c.Write(req[:1])
+				}
+				if err != nil {
+					return
+				}
+			}
+		}()
+	}
+}
+
+func servePing(ln net.Listener) {
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		go func() {
+			defer c.Close()
+			buf := make([]byte, 4096)
+			for {
+				if _, err := io.ReadFull(c, buf); err != nil {
+					return
+				}
+				if _, err := c.Write(buf); err != nil {
+					return
+				}
+			}
+		}()
+	}
+}
+
+type child struct {
+	hello childHello
+	stdin io.WriteCloser
+	cmd   *exec.Cmd
+}
+
+func startChild(b *testing.B) *child {
+	b.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$", "-test.bench=^$")
+	cmd.Env = append(os.Environ(), benchChildEnv+"=1")
+	cmd.Stderr = os.Stderr
+	stdin, err := cmd.StdinPipe()
+	require.NoError(b, err)
+	stdout, err := cmd.StdoutPipe()
+	require.NoError(b, err)
+	require.NoError(b, cmd.Start())
+	c := &child{stdin: stdin, cmd: cmd}
+	require.NoError(b, json.NewDecoder(bufio.NewReader(stdout)).Decode(&c.hello))
+	b.Cleanup(func() { _ = stdin.Close(); _ = cmd.Wait() })
+	return c
+}
+
+var (
+	childOnce sync.Once
+	theChild  *child
+)
+
+// sharedChild starts one child for all cross-process benchmarks.
+func sharedChild(b *testing.B) *child {
+	childOnce.Do(func() {
+		cmd := exec.Command(os.Args[0], "-test.run=^$", "-test.bench=^$")
+		cmd.Env = append(os.Environ(), benchChildEnv+"=1")
+		cmd.Stderr = os.Stderr
+		stdin, err := cmd.StdinPipe()
+		require.NoError(b, err)
+		stdout, err := cmd.StdoutPipe()
+		require.NoError(b, err)
+		require.NoError(b, cmd.Start())
+		theChild = &child{stdin: stdin, cmd: cmd}
+		require.NoError(b, json.NewDecoder(bufio.NewReader(stdout)).Decode(&theChild.hello))
+	})
+	return theChild
+}
+
+func stopSharedChild() {
+	if theChild != nil {
+		_ = theChild.stdin.Close()
+		_ = theChild.cmd.Wait()
+	}
+}
+
+var shapes = []struct {
+	name       string
+	descs, len int
+}{
+	{"4KiB", 1, 4 << 10},
+	{"1MiB", 1, 1 << 20},
+	{"64MiB", 1, 64 << 20},
+	{"256MiB", 1, 256 << 20},
+	{"KV-4096x64KiB", 4096, 64 << 10},
+}
+
+// BenchmarkTCP measures READ and WRITE through the tcp backend against a
+// child process, one operation at a time.
+func BenchmarkTCP(b *testing.B) {
+	ch := sharedChild(b)
+	a, err := agent.New(agent.WithBackends(tcp.New()))
+	require.NoError(b, err)
+	defer a.Close()
+	require.NoError(b, a.AddPeer(ch.hello.Info))
+	local := make([]byte, childSize)
+	for _, op := range []agent.Op{agent.OpRead, agent.OpWrite} {
+		for _, sh := range shapes {
+			b.Run(fmt.Sprintf("%s/%s", op, sh.name), func(b *testing.B) {
+				key, base := ch.hello.ReadKey, ch.hello.Addr
+				if op == agent.OpWrite {
+					key, base = ch.hello.WriteKey, ch.hello.WriteAddr
+				}
+				segs := make([]agent.Segment, sh.descs)
+				for i := range segs {
+					off := i * sh.len
+					segs[i] = agent.Segment{
+						Local:  agent.DRAM(local[off : off+sh.len]),
+						Remote: agent.Region{Addr: base + uint64(off), Len: uint64(sh.len)},
+					}
+				}
+				b.SetBytes(int64(sh.descs * sh.len))
+				b.ReportAllocs()
+				b.ResetTimer()
+				for b.Loop() {
+					x, err := a.Post(agent.Request{Op: op, Peer: ch.hello.Info.ID, Key: key, Segments: segs})
+					if err != nil {
+						b.Fatal(err)
+					}
+					<-x.Done()
+					if err := x.Err(); err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
+		}
+	}
+}
+
+// BenchmarkRawTCP is the ceiling: plain net.Conn streams to the same child,
+// the bytes split evenly over 1 or 4 connections.
+func BenchmarkRawTCP(b *testing.B) {
+	ch := sharedChild(b)
+	local := make([]byte, childSize)
+	for _, conns := range []int{1, 4} {
+		cs := make([]net.Conn, conns)
+		for i := range cs {
+			c, err := net.Dial("tcp", ch.hello.Raw)
+			require.NoError(b, err)
+			defer c.Close()
+			cs[i] = c
+		}
+		for _, dir := range []byte{'r', 'w'} {
+			for _, size := range []int{64 << 20, 256 << 20} {
+				b.Run(fmt.Sprintf("%c/conns=%d/%dMiB", dir, conns, size>>20), func(b *testing.B) {
+					b.SetBytes(int64(size))
+					for b.Loop() {
+						var wg sync.WaitGroup
+						per := size / conns
+						for i, c := range cs {
+							wg.Go(func() {
+								buf := local[i*per : (i+1)*per]
+								var req [9]byte
+								req[0] = dir
+								binary.LittleEndian.PutUint64(req[1:], uint64(per))
+								if _, err := c.Write(req[:]); err != nil {
+									panic(err)
+								}
+								var err error
+								if dir == 'r' {
+									_, err = io.ReadFull(c, buf)
+								} else if _, err = c.Write(buf); err == nil {
+									_, err = io.ReadFull(c, req[:1])
+								}
+								if err != nil {
+									panic(err)
+								}
+							})
+						}
+						wg.Wait()
+					}
+				})
+			}
+		}
+	}
+}
+
+// BenchmarkLatency4KiB measures a 4 KiB READ including the passive side's
+// completion event, in one process over loopback, against a raw 4 KiB
+// ping-pong in the same process; p50 and p99 are reported in µs.
+func BenchmarkLatency4KiB(b *testing.B) {
+	b.Run("goxfer-read+notify", func(b *testing.B) {
+		pa, aa := pair(b)
+		src, dst := make([]byte, 4096), make([]byte, 4096)
+		exp, err := pa.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
+		require.NoError(b, err)
+		segs := []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.DRAM(src).Region}}
+		req := agent.Request{Op: agent.OpRead, Peer: pa.ID(), Key: exp.Key(), Segments: segs, Notify: []byte{1}}
+		lat := make([]time.Duration, 0, 1<<16)
+		b.ReportAllocs()
+		for b.Loop() {
+			t0 := time.Now()
+			x, err := aa.Post(req)
+			if err != nil {
+				b.Fatal(err)
+			}
+			<-x.Done()
+			<-exp.Events()
+			lat = append(lat, time.Since(t0))
+			if x.Err() != nil {
+				b.Fatal(x.Err())
+			}
+		}
+		reportLatency(b, lat)
+	})
+	b.Run("raw-pingpong", func(b *testing.B) {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		require.NoError(b, err)
+		defer ln.Close()
+		go servePing(ln)
+		c, err := net.Dial("tcp", ln.Addr().String())
+		require.NoError(b, err)
+		defer c.Close()
+		buf := make([]byte, 4096)
+		lat := make([]time.Duration, 0, 1<<16)
+		for b.Loop() {
+			t0 := time.Now()
+			if _, err := c.Write(buf); err != nil {
+				b.Fatal(err)
+			}
+			if _, err := io.ReadFull(c, buf); err != nil {
+				b.Fatal(err)
+			}
+			lat = append(lat, time.Since(t0))
+		}
+		reportLatency(b, lat)
+	})
+}
+
+func reportLatency(b *testing.B, lat []time.Duration) {
+	if len(lat) == 0 {
+		return
+	}
+	slices.Sort(lat)
+	b.ReportMetric(float64(lat[len(lat)/2].Nanoseconds())/1e3, "p50-µs")
+	b.ReportMetric(float64(lat[len(lat)*99/100].Nanoseconds())/1e3, "p99-µs")
+}
