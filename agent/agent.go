@@ -87,6 +87,8 @@ type Agent struct {
 
 	refused atomic.Uint64
 	dropped atomic.Uint64
+
+	fallbacks sync.Map // "peer/backend" already logged
 }
 
 type pumpItem struct {
@@ -217,6 +219,9 @@ func (a *Agent) choose(peer Info, force string, kinds []MemKind) (Backend, error
 			}
 		}
 		if ok {
+			if len(why) > 0 {
+				a.noteFallback(peer.ID, b.Name(), why)
+			}
 			return b, nil
 		}
 	}
@@ -224,6 +229,16 @@ func (a *Agent) choose(peer Info, force string, kinds []MemKind) (Backend, error
 		return nil, fmt.Errorf("%w: backend %q is not configured (have %v)", ErrNoBackend, force, a.Backends())
 	}
 	return nil, fmt.Errorf("%w for peer %s: %w", ErrNoBackend, peer.ID, errors.Join(why...))
+}
+
+// noteFallback logs, once per peer and chosen backend, that preferred
+// backends were passed over and why: a fast path that is unavailable falls
+// back silently for the caller but visibly for the operator.
+func (a *Agent) noteFallback(peer uuid.UUID, chosen string, why []error) {
+	if _, seen := a.fallbacks.LoadOrStore(peer.String()+"/"+chosen, true); seen {
+		return
+	}
+	a.log.Info("goxfer: preferred backends unavailable for peer", "peer", peer, "using", chosen, "reasons", errors.Join(why...).Error())
 }
 
 // Post validates r, picks a backend and starts the transfer without waiting

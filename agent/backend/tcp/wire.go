@@ -43,7 +43,6 @@ const (
 
 	stOK     = 0
 	stDenied = 1 // access refused by the exposing agent
-	stBad    = 2 // malformed request
 
 	maxNotify = 64 << 10 // largest notification accepted
 	maxErrMsg = 1 << 10  // largest error message accepted in an answer
