@@ -351,7 +351,7 @@ func (a *Agent) dispatch(it pumpItem) {
 		a.expMu.RLock()
 		for _, e := range a.exps {
 			e.mu.Lock()
-			mine := e.peer == it.from
+			mine := e.peer == it.from && e.peer != uuid.Nil // unbound exposures have no peer to lose
 			e.mu.Unlock()
 			if mine {
 				a.send(e, Event{Kind: EventPeerLost, From: it.from, Err: it.lost})

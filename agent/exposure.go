@@ -181,6 +181,9 @@ func (l *Lease) Release() {
 
 // Open implements Host.
 func (a *Agent) Open(peer uuid.UUID, key Key, acc Access) (*Lease, error) {
+	if a.isClosed() { // Close revokes every exposure: not a refusal, the agent is going away
+		return nil, fmt.Errorf("%w: agent %s is closing", ErrRemoteLost, a.id)
+	}
 	a.expMu.RLock()
 	e := a.exps[key]
 	a.expMu.RUnlock()

@@ -1,0 +1,161 @@
+package connect
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"sync"
+
+	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backend/tcp"
+)
+
+// Connector creates the four kinds of operation over one shared transfer
+// agent and its backends. Create one per process (or per set of memory
+// that is managed together) with NewConnector, and Close it when done.
+//
+// A Connector is safe for concurrent use by any number of goroutines.
+type Connector struct {
+	a     *agent.Agent
+	info  agent.Info // the agent's public metadata; immutable, shared by tokens
+	log   *slog.Logger
+	force string
+
+	mu      sync.Mutex
+	closing bool
+	calls   sync.WaitGroup // Create and Begin calls in progress
+	passive map[*passiveOp]struct{}
+	active  map[*activeOp]struct{}
+
+	watchers sync.WaitGroup // one per active operation, until it finishes
+
+	closeOnce sync.Once
+	closeErr  error
+}
+
+// NewConnector starts a Connector and its agent. See the Option functions
+// for the defaults. On error nothing is left running.
+func NewConnector(opts ...Option) (*Connector, error) {
+	o := options{logger: slog.Default()}
+	for _, opt := range opts {
+		if err := opt.apply(&o); err != nil {
+			closeBackends(o.backends)
+			return nil, err
+		}
+	}
+	if o.backends != nil && o.tcp != nil {
+		closeBackends(o.backends)
+		return nil, fmt.Errorf("%w: WithTCPOptions configures a default backend, which WithBackends replaces", ErrInvalidOption)
+	}
+	backends := o.backends
+	if backends == nil {
+		backends = defaultBackends(&o)
+	}
+	a, err := agent.New(agent.WithBackends(backends...), agent.WithLogger(o.logger))
+	if errors.Is(err, tcp.ErrInvalidOption) {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidOption, err)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("connect: start agent: %w", err)
+	}
+	if o.force != "" && !slices.Contains(a.Backends(), o.force) {
+		_ = a.Close()
+		return nil, fmt.Errorf("%w: WithBackend(%q): the backends are %q", ErrInvalidOption, o.force, a.Backends())
+	}
+	return &Connector{
+		a:       a,
+		info:    a.Info(),
+		log:     a.Logger(),
+		force:   o.force,
+		passive: make(map[*passiveOp]struct{}),
+		active:  make(map[*activeOp]struct{}),
+	}, nil
+}
+
+func closeBackends(bs []agent.Backend) {
+	for _, b := range bs {
+		_ = b.Close()
+	}
+}
+
+// Close ends every operation and stops the Connector: active operations are
+// cancelled (their Wait returns an error matching ErrClosed and
+// ErrCancelled, unless the transfer had already completed), passive ones are
+// closed (their Wait returns ErrClosed unless the peer had already reported
+// completion), then the agent and its backends stop. It returns once no
+// backend touches any operation's memory and every goroutine the Connector
+// started has ended. Errors from releasing memory and stopping backends are
+// joined. Close is idempotent; every call returns the first call's result.
+func (c *Connector) Close() error {
+	c.closeOnce.Do(func() {
+		c.mu.Lock()
+		c.closing = true
+		c.mu.Unlock()
+		c.calls.Wait()
+
+		c.mu.Lock()
+		active := make([]*activeOp, 0, len(c.active))
+		for o := range c.active {
+			active = append(active, o)
+		}
+		passive := make([]*passiveOp, 0, len(c.passive))
+		for o := range c.passive {
+			passive = append(passive, o)
+		}
+		c.mu.Unlock()
+
+		for _, o := range active {
+			o.x.Cancel(ErrClosed)
+		}
+		c.watchers.Wait()
+		var errs []error
+		for _, o := range passive {
+			errs = append(errs, o.Close())
+		}
+		errs = append(errs, c.a.Close())
+		c.closeErr = errors.Join(errs...)
+	})
+	return c.closeErr
+}
+
+// enter admits a Create or Begin call unless the Connector is closing; the
+// call ends with c.calls.Done.
+func (c *Connector) enter(ctx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closing {
+		return ErrClosed
+	}
+	c.calls.Add(1)
+	return nil
+}
+
+// register takes one registration reference per local region. On error it
+// releases those already taken.
+func (c *Connector) register(ls []agent.Local) ([]*agent.Registration, error) {
+	regs := make([]*agent.Registration, 0, len(ls))
+	for i, l := range ls {
+		r, err := c.a.Register(l)
+		if err != nil {
+			_ = release(regs)
+			return nil, fmt.Errorf("connect: register descriptor %d: %w", i, err)
+		}
+		regs = append(regs, r)
+	}
+	return regs, nil
+}
+
+func release(regs []*agent.Registration) error {
+	var errs []error
+	for _, r := range regs {
+		if err := r.Release(); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,38 @@
+// Package connect moves bulk memory (KV-cache blocks, embeddings, tensors)
+// between processes and hosts, in the style of NVIDIA Dynamo's NIXL Connect.
+//
+// One side, the passive one, exposes memory with CreateReadable or
+// CreateWritable and hands out the operation's Metadata, a small token. The
+// other side, the active one, passes the token to BeginRead or BeginWrite,
+// which move the bytes one-sidedly over the best backend both sides share
+// (in-process copy, TCP, ...). Both sides await completion with Wait: the
+// active side's Wait returns once every byte is in place, then the passive
+// side hears of it. Tokens travel however the application likes (NATS, HTTP,
+// a file): they are plain strings.
+//
+// The happy path, READ:
+//
+//	conn, err := connect.NewConnector()       // one per process; safe for concurrent use
+//	defer conn.Close()
+//
+//	op, err := conn.CreateReadable(ctx, connect.NewDescriptor(src)) // passive side
+//	token := op.Metadata().String()           // send it to the peer
+//	err = op.Wait(ctx)                        // the peer has read src
+//	op.Close()                                // src is the caller's again
+//
+//	md, err := connect.ParseMetadata(token)   // active side, in the peer
+//	rop, err := conn.BeginRead(ctx, md, connect.NewDescriptor(dst))
+//	err = rop.Wait(ctx)                       // dst holds src's bytes
+//
+// WRITE mirrors it with CreateWritable and BeginWrite. An operation may
+// carry any number of descriptors; the local ones must match the remote ones
+// in number and, index by index, in size.
+//
+// Memory stays owned by the caller: the package never copies or frees it.
+// Keep it alive and leave alone the bytes being moved until the passive
+// operation's Close returns or the active operation's Wait returns.
+//
+// Errors match the package's sentinels with errors.Is; failures of a
+// transfer come as *TransferError, naming the operation, the peer and the
+// backend.
+package connect

@@ -1,0 +1,74 @@
+package connect
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/goxfer/goxfer/agent"
+)
+
+// Sentinel errors, matched with errors.Is. The first five are the agent's own
+// sentinels re-exported, so an error from any layer (connect, agent, a
+// backend) matches the same value.
+var (
+	// ErrClosed reports use of a closed Connector or operation, and ends the
+	// Waits in progress when one is closed.
+	ErrClosed = agent.ErrClosed
+	// ErrCancelled reports an operation cancelled before it completed: by
+	// Cancel, by the context given to Wait, or by the peer.
+	ErrCancelled = agent.ErrCancelled
+	// ErrRemoteLost reports a peer that died, became unreachable or stopped
+	// answering keepalives.
+	ErrRemoteLost = agent.ErrRemoteLost
+	// ErrAccessDenied reports an access the exposing side refused: its
+	// operation was closed, or the token does not grant it.
+	ErrAccessDenied = agent.ErrAccessDenied
+	// ErrNoBackend reports that no backend both sides share can move the
+	// memory involved, or that the forced backend is not configured.
+	ErrNoBackend = agent.ErrNoBackend
+
+	// ErrKindMismatch reports metadata of the wrong kind: a READ token given
+	// to BeginWrite, or a WRITE token given to BeginRead.
+	ErrKindMismatch = errors.New("connect: operation kind mismatch")
+	// ErrSizeMismatch reports local descriptors that do not match the remote
+	// ones in number or, index by index, in size.
+	ErrSizeMismatch = errors.New("connect: size mismatch")
+	// ErrInvalidMetadata reports a token that cannot be decoded: not
+	// base64url, truncated, damaged, of another version, or malformed.
+	ErrInvalidMetadata = errors.New("connect: invalid metadata")
+	// ErrInvalidOption reports an invalid or conflicting Option given to
+	// NewConnector.
+	ErrInvalidOption = errors.New("connect: invalid option")
+	// ErrInvalidDescriptor reports a descriptor that names no memory: an
+	// empty buffer, a zero Descriptor, a null pointer or an invalid Device.
+	ErrInvalidDescriptor = errors.New("connect: invalid descriptor")
+)
+
+// errPeerFailed reports a peer that told us its transfer failed; the peer's
+// reason follows it in the message.
+var errPeerFailed = errors.New("connect: peer reports the transfer failed")
+
+// TransferError describes a failed or cancelled operation. Err is the cause
+// and matches the sentinels above with errors.Is (for a cancelled Wait also
+// the context's error).
+type TransferError struct {
+	Op      string // "read", "write" (active side), "readable", "writable" (passive side)
+	Remote  string // the peer agent's ID, or "" when no peer is known
+	Backend string // the backend that moved the bytes, or "" when none did
+	Err     error
+}
+
+// Error returns a message naming the operation, the peer and the backend.
+func (e *TransferError) Error() string {
+	msg := "connect: " + e.Op
+	if e.Remote != "" {
+		msg += " with agent " + e.Remote
+	}
+	if e.Backend != "" {
+		msg += " over " + e.Backend
+	}
+	return fmt.Sprintf("%s: %v", msg, e.Err)
+}
+
+// Unwrap returns Err.
+func (e *TransferError) Unwrap() error { return e.Err }

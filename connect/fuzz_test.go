@@ -1,0 +1,71 @@
+package connect
+
+import (
+	"bytes"
+	"errors"
+	"testing"
+)
+
+// The seed corpus lives in testdata/fuzz: valid tokens of both kinds, with
+// host and GPU regions, and damaged ones (truncated, bit-flipped, of another
+// version, padded, with line breaks). Run with
+//
+//	go test -fuzz FuzzParseMetadata ./connect
+//	go test -fuzz FuzzUnmarshalMetadata ./connect
+
+func FuzzParseMetadata(f *testing.F) {
+	f.Fuzz(func(t *testing.T, s string) {
+		md, err := ParseMetadata(s)
+		if err != nil {
+			if !errors.Is(err, ErrInvalidMetadata) {
+				t.Fatalf("error does not wrap ErrInvalidMetadata: %v", err)
+			}
+			return
+		}
+		checkDecoded(t, md)
+		if got := md.String(); got != s {
+			t.Fatalf("a valid token must have one text form:\n in: %q\nout: %q", s, got)
+		}
+	})
+}
+
+func FuzzUnmarshalMetadata(f *testing.F) {
+	f.Fuzz(func(t *testing.T, b []byte) {
+		fuzzBinary(t, b)
+		// With a valid checksum appended the decoder goes on to the fields,
+		// which random bytes alone would almost never reach.
+		fuzzBinary(t, withCRC(b))
+	})
+}
+
+func fuzzBinary(t *testing.T, b []byte) {
+	var md Metadata
+	if err := md.UnmarshalBinary(b); err != nil {
+		if !errors.Is(err, ErrInvalidMetadata) {
+			t.Fatalf("error does not wrap ErrInvalidMetadata: %v", err)
+		}
+		return
+	}
+	checkDecoded(t, md)
+	out, err := md.MarshalBinary()
+	if err != nil {
+		t.Fatalf("a decoded token does not encode: %v", err)
+	}
+	if !bytes.Equal(out, b) {
+		t.Fatalf("a valid token must have one binary form:\n in: %x\nout: %x", b, out)
+	}
+}
+
+func checkDecoded(t *testing.T, md Metadata) {
+	t.Helper()
+	if md.Len() < 1 || len(md.Sizes()) != md.Len() {
+		t.Fatalf("decoded %d descriptors, %d sizes", md.Len(), len(md.Sizes()))
+	}
+	if err := md.check(); err != nil {
+		t.Fatalf("decoded an invalid token: %v", err)
+	}
+	again, err := ParseMetadata(md.String())
+	if err != nil || again.Size() != md.Size() {
+		t.Fatalf("text round trip: %v (size %d != %d)", err, again.Size(), md.Size())
+	}
+}

@@ -1,0 +1,368 @@
+package connect
+
+import (
+	"bytes"
+	"encoding/base64"
+	"encoding/binary"
+	"fmt"
+	"hash/crc32"
+	"math"
+	"strings"
+
+	"github.com/google/uuid"
+
+	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/internal/wire"
+)
+
+// OperationKind is the access a token grants: READ tokens come from
+// CreateReadable and go to BeginRead, WRITE tokens come from CreateWritable
+// and go to BeginWrite.
+type OperationKind uint8
+
+const (
+	// KindRead grants reading the exposed memory.
+	KindRead OperationKind = 1
+	// KindWrite grants writing the exposed memory.
+	KindWrite OperationKind = 2
+)
+
+// String returns "READ" or "WRITE".
+func (k OperationKind) String() string {
+	switch k {
+	case KindRead:
+		return "READ"
+	case KindWrite:
+		return "WRITE"
+	}
+	return fmt.Sprintf("OperationKind(%d)", uint8(k))
+}
+
+// Metadata is the token a passive operation hands out: who exposes memory
+// (the agent's identity and how to reach it), under which capability key,
+// for which kind of access, and where (the address, size and device of every
+// descriptor). It grants access until the passive operation is closed, so
+// treat it as a secret for that long.
+//
+// A Metadata is an immutable value, safe to copy and to use from several
+// goroutines. The zero Metadata is invalid: it encodes to "" and no
+// operation accepts it.
+//
+// Its binary form (MarshalBinary), version 1, is little-endian throughout,
+// with varints as in encoding/binary:
+//
+//	magic    "gx"
+//	version  u8 (1)
+//	kind     u8 (1 READ, 2 WRITE)
+//	key      [16]byte
+//	agent    [16]byte, the agent's UUID
+//	backends uvarint count (1..16), each: u8 name length (1..32), name
+//	         ([a-z0-9._-]), uvarint data length (<= 4096), data
+//	regions  uvarint count (>= 1), each: u64 address, uvarint size (>= 1),
+//	         uvarint device<<1 | memory kind (0 host, 1 GPU)
+//	crc      u32, CRC-32C (Castagnoli) of every byte before it
+//
+// Its text form (String, MarshalText, JSON) is the binary form in unpadded
+// base64url. With the default backends a token with one descriptor takes
+// about 110 bytes of binary; each further descriptor takes at most 23 more.
+type Metadata struct {
+	kind    OperationKind
+	key     agent.Key
+	peer    agent.Info
+	regions []agent.Region
+}
+
+// Limits of the binary form, which bound what a decoder accepts.
+const (
+	metaVersion    = 1
+	maxConns       = 16
+	maxNameLen     = 32
+	maxConnDataLen = 4096
+	// headerLen is magic, version, kind, key and agent ID.
+	headerLen = 2 + 1 + 1 + 16 + 16
+	crcLen    = 4
+	// minRegionLen is the fewest bytes one region takes, which bounds the
+	// count a decoder believes before allocating.
+	minRegionLen = 8 + 1 + 1
+	// minLen is the shortest valid token: one backend with a one-letter name
+	// and no data, one region.
+	minLen = headerLen + 1 + (1 + 1 + 1) + 1 + minRegionLen + crcLen
+)
+
+var (
+	metaMagic  = [2]byte{'g', 'x'}
+	castagnoli = crc32.MakeTable(crc32.Castagnoli)
+	// tokenEncoding is strict so that every token has exactly one text form.
+	tokenEncoding = base64.RawURLEncoding.Strict()
+)
+
+// newMetadata describes an exposure; check validates it before it is
+// handed out.
+func newMetadata(kind OperationKind, key agent.Key, info agent.Info, ls []agent.Local) Metadata {
+	regions := make([]agent.Region, len(ls))
+	for i, l := range ls {
+		regions[i] = l.Region
+	}
+	return Metadata{kind: kind, key: key, peer: info, regions: regions}
+}
+
+// Kind returns the access the token grants.
+func (m Metadata) Kind() OperationKind { return m.kind }
+
+// Len returns the number of descriptors the token names.
+func (m Metadata) Len() int { return len(m.regions) }
+
+// Sizes returns the size in bytes of every descriptor the token names, in
+// order, in a fresh slice: the sizes local descriptors must have.
+func (m Metadata) Sizes() []int {
+	s := make([]int, len(m.regions))
+	for i, r := range m.regions {
+		s[i] = int(r.Len)
+	}
+	return s
+}
+
+// Size returns the length of the binary form in bytes (the text form is 4/3
+// of that). It returns 0 for the zero Metadata.
+func (m Metadata) Size() int {
+	if m.kind == 0 {
+		return 0
+	}
+	n := headerLen + wire.UvarintLen(uint64(len(m.peer.Conns)))
+	for _, c := range m.peer.Conns {
+		n += 1 + len(c.Backend) + wire.UvarintLen(uint64(len(c.Data))) + len(c.Data)
+	}
+	n += wire.UvarintLen(uint64(len(m.regions)))
+	for _, r := range m.regions {
+		n += 8 + wire.UvarintLen(r.Len) + wire.UvarintLen(where(r))
+	}
+	return n + crcLen
+}
+
+// where packs a region's memory kind and device into one varint.
+func where(r agent.Region) uint64 { return uint64(r.Device)<<1 | uint64(r.Kind) }
+
+// String returns the token's text form: unpadded base64url, safe in URLs,
+// JSON and NATS headers. It returns "" for the zero Metadata.
+func (m Metadata) String() string {
+	b, err := m.MarshalBinary()
+	if err != nil {
+		return ""
+	}
+	return tokenEncoding.EncodeToString(b)
+}
+
+// ParseMetadata decodes a token's text form. Errors wrap ErrInvalidMetadata
+// and say what was expected and what was found. It never panics, and it
+// allocates at most a small multiple of len(s).
+func ParseMetadata(s string) (Metadata, error) {
+	if i := strings.IndexAny(s, "\r\n"); i >= 0 {
+		return Metadata{}, fmt.Errorf("%w: want unpadded base64url, found a line break at offset %d", ErrInvalidMetadata, i)
+	}
+	b, err := tokenEncoding.DecodeString(s)
+	if err != nil {
+		return Metadata{}, fmt.Errorf("%w: want unpadded base64url: %v", ErrInvalidMetadata, err)
+	}
+	return decodeMetadata(b)
+}
+
+// MarshalText implements encoding.TextMarshaler; JSON encodes a Metadata as
+// this string. It fails only for the zero Metadata.
+func (m Metadata) MarshalText() ([]byte, error) {
+	b, err := m.MarshalBinary()
+	if err != nil {
+		return nil, err
+	}
+	return tokenEncoding.AppendEncode(nil, b), nil
+}
+
+// UnmarshalText implements encoding.TextUnmarshaler, as ParseMetadata. It
+// does not retain text.
+func (m *Metadata) UnmarshalText(text []byte) error {
+	md, err := ParseMetadata(string(text))
+	if err != nil {
+		return err
+	}
+	*m = md
+	return nil
+}
+
+// MarshalBinary implements encoding.BinaryMarshaler. It fails only for the
+// zero Metadata.
+func (m Metadata) MarshalBinary() ([]byte, error) {
+	if err := m.check(); err != nil {
+		return nil, err
+	}
+	b := make([]byte, 0, m.Size())
+	b = append(b, metaMagic[:]...)
+	b = append(b, metaVersion, byte(m.kind))
+	b = append(b, m.key[:]...)
+	b = append(b, m.peer.ID[:]...)
+	b = binary.AppendUvarint(b, uint64(len(m.peer.Conns)))
+	for _, c := range m.peer.Conns {
+		b = append(b, byte(len(c.Backend)))
+		b = append(b, c.Backend...)
+		b = binary.AppendUvarint(b, uint64(len(c.Data)))
+		b = append(b, c.Data...)
+	}
+	b = binary.AppendUvarint(b, uint64(len(m.regions)))
+	for _, r := range m.regions {
+		b = binary.LittleEndian.AppendUint64(b, r.Addr)
+		b = binary.AppendUvarint(b, r.Len)
+		b = binary.AppendUvarint(b, where(r))
+	}
+	return binary.LittleEndian.AppendUint32(b, crc32.Checksum(b, castagnoli)), nil
+}
+
+// UnmarshalBinary implements encoding.BinaryUnmarshaler with the guarantees
+// of ParseMetadata. It does not retain data.
+func (m *Metadata) UnmarshalBinary(data []byte) error {
+	md, err := decodeMetadata(data)
+	if err != nil {
+		return err
+	}
+	*m = md
+	return nil
+}
+
+// check reports whether m can be encoded, so that passive operations refuse
+// up front an agent whose connection information no token can carry.
+func (m Metadata) check() error {
+	if m.kind == 0 {
+		return fmt.Errorf("%w: zero Metadata", ErrInvalidMetadata)
+	}
+	if m.kind != KindRead && m.kind != KindWrite {
+		return fmt.Errorf("%w: kind %v", ErrInvalidMetadata, m.kind)
+	}
+	if n := len(m.peer.Conns); n < 1 || n > maxConns {
+		return fmt.Errorf("%w: want 1 to %d backends, found %d", ErrInvalidMetadata, maxConns, n)
+	}
+	for _, c := range m.peer.Conns {
+		if err := checkName(c.Backend); err != nil {
+			return fmt.Errorf("%w: %v", ErrInvalidMetadata, err)
+		}
+		if len(c.Data) > maxConnDataLen {
+			return fmt.Errorf("%w: backend %s: want at most %d bytes of connection data, found %d", ErrInvalidMetadata, c.Backend, maxConnDataLen, len(c.Data))
+		}
+	}
+	if len(m.regions) == 0 {
+		return fmt.Errorf("%w: no descriptors", ErrInvalidMetadata)
+	}
+	return nil
+}
+
+func checkName(s string) error {
+	if len(s) < 1 || len(s) > maxNameLen {
+		return fmt.Errorf("backend name %q: want 1 to %d bytes, found %d", s, maxNameLen, len(s))
+	}
+	for i := 0; i < len(s); i++ {
+		switch c := s[i]; {
+		case 'a' <= c && c <= 'z', '0' <= c && c <= '9', c == '.', c == '_', c == '-':
+		default:
+			return fmt.Errorf("backend name %q: want [a-z0-9._-], found %q", s, c)
+		}
+	}
+	return nil
+}
+
+// decodeMetadata parses a binary token. It checks every count against the
+// bytes that remain before allocating for it, so a short input cannot make
+// it allocate much.
+func decodeMetadata(b []byte) (Metadata, error) {
+	bad := func(format string, args ...any) (Metadata, error) {
+		return Metadata{}, fmt.Errorf("%w: %s", ErrInvalidMetadata, fmt.Sprintf(format, args...))
+	}
+	if len(b) < 3 || !bytes.Equal(b[:2], metaMagic[:]) {
+		return bad("want magic %q and a version, found %q", metaMagic[:], b[:min(len(b), 3)])
+	}
+	if b[2] != metaVersion {
+		return bad("want version %d, found version %d", metaVersion, b[2])
+	}
+	if len(b) < minLen {
+		return bad("want at least %d bytes, found %d (truncated)", minLen, len(b))
+	}
+	body := b[:len(b)-crcLen]
+	if want, got := binary.LittleEndian.Uint32(b[len(body):]), crc32.Checksum(body, castagnoli); want != got {
+		return bad("want CRC-32C 0x%08x, computed 0x%08x (damaged or truncated)", want, got)
+	}
+
+	var m Metadata
+	r := wire.NewReader(body[3:], 3)
+	m.kind = OperationKind(r.Byte("kind"))
+	if m.kind != KindRead && m.kind != KindWrite {
+		r.FailAtf(3, "want kind %d (READ) or %d (WRITE), found %d", KindRead, KindWrite, m.kind)
+	}
+	copy(m.key[:], r.Bytes(len(m.key), "key"))
+	at := r.Offset()
+	copy(m.peer.ID[:], r.Bytes(len(m.peer.ID), "agent ID"))
+	if r.Err() == nil && m.peer.ID == uuid.Nil {
+		r.FailAtf(at, "want an agent ID, found the nil UUID")
+	}
+
+	at = r.Offset()
+	n := r.Uvarint("backend count")
+	if r.Err() == nil && (n < 1 || n > maxConns) {
+		r.FailAtf(at, "want 1 to %d backends, found %d", maxConns, n)
+	}
+	if r.Err() == nil {
+		m.peer.Conns = make([]agent.ConnInfo, 0, n)
+	}
+	for i := uint64(0); i < n && r.Err() == nil; i++ {
+		at = r.Offset()
+		name := string(r.Bytes(int(r.Byte("backend name length")), "backend name"))
+		if r.Err() != nil {
+			break
+		}
+		if err := checkName(name); err != nil {
+			r.FailAtf(at, "backend %d: %v", i, err)
+			break
+		}
+		if _, dup := m.peer.Conn(name); dup {
+			r.FailAtf(at, "backend %d: %q given twice", i, name)
+			break
+		}
+		at = r.Offset()
+		dlen := r.Uvarint("connection data length")
+		if r.Err() == nil && dlen > maxConnDataLen {
+			r.FailAtf(at, "backend %s: want at most %d bytes of connection data, found %d", name, maxConnDataLen, dlen)
+		}
+		data := bytes.Clone(r.Bytes(int(dlen), "connection data"))
+		m.peer.Conns = append(m.peer.Conns, agent.ConnInfo{Backend: name, Data: data})
+	}
+
+	at = r.Offset()
+	n = r.Uvarint("descriptor count")
+	if left := r.Remaining(); r.Err() == nil && (n < 1 || n > uint64(left/minRegionLen)) {
+		r.FailAtf(at, "want 1 to %d descriptors (%d bytes left, %d or more each), found %d", left/minRegionLen, left, minRegionLen, n)
+	}
+	if r.Err() == nil {
+		m.regions = make([]agent.Region, n)
+	}
+	for i := range m.regions {
+		at = r.Offset()
+		reg := agent.Region{Addr: r.U64("address"), Len: r.Uvarint("size")}
+		w := r.Uvarint("memory kind")
+		if r.Err() != nil {
+			break
+		}
+		reg.Kind, reg.Device = agent.MemKind(w&1), uint32(w>>1)
+		switch {
+		case reg.Len == 0:
+			r.FailAtf(at, "descriptor %d: want a size of at least 1, found 0", i)
+		case reg.Addr+reg.Len < reg.Addr:
+			r.FailAtf(at, "descriptor %d: address 0x%x + size %d overflows", i, reg.Addr, reg.Len)
+		case w>>1 > math.MaxUint32:
+			r.FailAtf(at, "descriptor %d: want a device below 2^32, found %d", i, w>>1)
+		case reg.Kind == agent.KindDRAM && reg.Device != 0:
+			r.FailAtf(at, "descriptor %d: want device 0 for host memory, found %d", i, reg.Device)
+		}
+		m.regions[i] = reg
+	}
+	if r.Err() == nil && r.Remaining() > 0 {
+		r.Failf("want the checksum next, found %d extra bytes", r.Remaining())
+	}
+	if err := r.Err(); err != nil {
+		return Metadata{}, fmt.Errorf("%w: %w", ErrInvalidMetadata, err)
+	}
+	return m, nil
+}

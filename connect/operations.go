@@ -1,0 +1,489 @@
+package connect
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+
+	"github.com/google/uuid"
+
+	"github.com/goxfer/goxfer/agent"
+)
+
+// Status is where an operation stands.
+type Status uint8
+
+const (
+	// StatusInitialized: a passive operation no peer has touched yet.
+	StatusInitialized Status = iota
+	// StatusInProgress: bytes are moving, or a peer has begun using a
+	// passive operation.
+	StatusInProgress
+	// StatusComplete: every byte is in place (active side), or the peer
+	// reported completion (passive side).
+	StatusComplete
+	// StatusCancelled: cancelled by Cancel, a context, the peer, or Close.
+	StatusCancelled
+	// StatusErrored: failed; Wait returns why.
+	StatusErrored
+)
+
+// String returns INIT, PROC, DONE, STOP or ERR.
+func (s Status) String() string {
+	switch s {
+	case StatusInitialized:
+		return "INIT"
+	case StatusInProgress:
+		return "PROC"
+	case StatusComplete:
+		return "DONE"
+	case StatusCancelled:
+		return "STOP"
+	case StatusErrored:
+		return "ERR"
+	}
+	return fmt.Sprintf("Status(%d)", uint8(s))
+}
+
+func (s Status) terminal() bool { return s >= StatusComplete }
+
+// statusOf classifies a finished operation's outcome.
+func statusOf(err error) Status {
+	switch {
+	case err == nil:
+		return StatusComplete
+	case errors.Is(err, ErrCancelled), errors.Is(err, ErrClosed):
+		return StatusCancelled
+	}
+	return StatusErrored
+}
+
+// ReadableOperation exposes local memory for reading by the holder of its
+// Metadata (BeginRead); Wait reports the first outcome a peer reports. Create
+// one with Connector.CreateReadable. It is safe for concurrent use. The
+// memory it names must stay alive and unchanged until Close returns.
+type ReadableOperation struct{ passiveOp }
+
+// WritableOperation exposes local memory for writing by the holder of its
+// Metadata (BeginWrite); Wait reports the first outcome a peer reports.
+// Create one with Connector.CreateWritable. It is safe for concurrent use.
+// The memory it names holds the peer's bytes once Wait returns nil; it must
+// stay alive until Close returns.
+type WritableOperation struct{ passiveOp }
+
+// ReadOperation reads remote memory into local memory. Start one with
+// Connector.BeginRead. It is safe for concurrent use. The local memory must
+// stay alive and untouched until Wait returns.
+type ReadOperation struct{ activeOp }
+
+// WriteOperation writes local memory into remote memory. Start one with
+// Connector.BeginWrite. It is safe for concurrent use. The local memory must
+// stay alive and unchanged until Wait returns.
+type WriteOperation struct{ activeOp }
+
+// CreateReadable exposes descs for reading by the holder of the returned
+// operation's Metadata. The memory is registered with the Connector's
+// backends (registrations are reference-counted, so several operations may
+// share a buffer) and stays readable until the operation is closed.
+func (c *Connector) CreateReadable(ctx context.Context, descs ...Descriptor) (*ReadableOperation, error) {
+	o := &ReadableOperation{}
+	if err := c.create(ctx, &o.passiveOp, KindRead, descs); err != nil {
+		return nil, err
+	}
+	return o, nil
+}
+
+// CreateWritable exposes descs for writing by the holder of the returned
+// operation's Metadata, as CreateReadable does for reading.
+func (c *Connector) CreateWritable(ctx context.Context, descs ...Descriptor) (*WritableOperation, error) {
+	o := &WritableOperation{}
+	if err := c.create(ctx, &o.passiveOp, KindWrite, descs); err != nil {
+		return nil, err
+	}
+	return o, nil
+}
+
+// BeginRead starts reading the remote memory md names into local, index by
+// index, and returns without waiting for the bytes. md must be a READ token
+// (else ErrKindMismatch) naming as many descriptors as local, of the same
+// sizes (else ErrSizeMismatch); both are checked before any byte moves.
+// Failures to start come as *TransferError.
+//
+// ctx bounds the whole transfer, not just the call, as with
+// exec.CommandContext: if it ends before the transfer finishes, the transfer
+// is cancelled. Use Wait's context to bound only the wait.
+func (c *Connector) BeginRead(ctx context.Context, md Metadata, local ...Descriptor) (*ReadOperation, error) {
+	o := &ReadOperation{}
+	if err := c.begin(ctx, &o.activeOp, agent.OpRead, md, local); err != nil {
+		return nil, err
+	}
+	return o, nil
+}
+
+// BeginWrite starts writing local into the remote memory md names, index by
+// index, as BeginRead does for reading; md must be a WRITE token.
+func (c *Connector) BeginWrite(ctx context.Context, md Metadata, local ...Descriptor) (*WriteOperation, error) {
+	o := &WriteOperation{}
+	if err := c.begin(ctx, &o.activeOp, agent.OpWrite, md, local); err != nil {
+		return nil, err
+	}
+	return o, nil
+}
+
+// passiveOp is the side that exposes memory and waits for the peer.
+type passiveOp struct {
+	c    *Connector
+	name string // "readable" or "writable"
+	md   Metadata
+	exp  *agent.Exposure
+	regs []*agent.Registration
+
+	closeOnce sync.Once
+	closeErr  error
+
+	mu     sync.Mutex
+	status Status
+	err    error
+	done   chan struct{} // closed when status becomes terminal
+}
+
+func (c *Connector) create(ctx context.Context, o *passiveOp, kind OperationKind, descs []Descriptor) error {
+	ls, err := locals(descs)
+	if err != nil {
+		return err
+	}
+	if err := c.enter(ctx); err != nil {
+		return err
+	}
+	defer c.calls.Done()
+	regs, err := c.register(ls)
+	if err != nil {
+		return err
+	}
+	acc, name := agent.AccessRead, "readable"
+	if kind == KindWrite {
+		acc, name = agent.AccessWrite, "writable"
+	}
+	exp, err := c.a.Expose(acc, ls)
+	if err != nil {
+		_ = release(regs)
+		return fmt.Errorf("connect: expose: %w", err)
+	}
+	md := newMetadata(kind, exp.Key(), c.info, ls)
+	if err := md.check(); err != nil {
+		exp.Revoke()
+		_ = release(regs)
+		return err
+	}
+	*o = passiveOp{c: c, name: name, md: md, exp: exp, regs: regs, done: make(chan struct{})}
+	c.mu.Lock()
+	c.passive[o] = struct{}{}
+	c.mu.Unlock()
+	return nil
+}
+
+// Metadata returns the token to hand to the peer. It grants access to the
+// operation's memory until Close.
+func (o *passiveOp) Metadata() Metadata { return o.md }
+
+// Wait blocks until the peer reports completion (nil), reports that it
+// failed or was cancelled (a *TransferError, matching ErrCancelled when the
+// peer cancelled), is lost (ErrRemoteLost), until the operation or its
+// Connector is closed (ErrClosed), or until ctx is done (ctx's error). A
+// context that ends leaves the operation open and its status unchanged:
+// Wait may be called again. Once the operation has an outcome, every Wait
+// returns it. Safe to call concurrently.
+func (o *passiveOp) Wait(ctx context.Context) error {
+	for {
+		if s, err := o.outcome(); s.terminal() {
+			return err
+		}
+		select {
+		case <-o.done:
+		case ev := <-o.exp.Events():
+			o.handle(ev)
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}
+
+// Status returns where the operation stands. It notices a completion the
+// peer reported even if nobody is waiting for it.
+func (o *passiveOp) Status() Status {
+	o.drain()
+	s, _ := o.outcome()
+	if s == StatusInitialized && o.exp.Peer() != uuid.Nil {
+		return StatusInProgress
+	}
+	return s
+}
+
+// Close revokes the peer's access and releases the memory: when it returns,
+// no peer can touch the memory any more, and the caller may reuse or free it.
+// A Wait in progress returns ErrClosed, unless the peer had already reported
+// completion. Close is idempotent and safe to call concurrently; every call
+// returns the first call's result.
+func (o *passiveOp) Close() error {
+	o.closeOnce.Do(func() {
+		o.exp.Revoke()
+		o.closeErr = release(o.regs)
+		o.drain() // a completion that arrived before Close still counts
+		o.finish(StatusCancelled, ErrClosed)
+		o.c.mu.Lock()
+		delete(o.c.passive, o)
+		o.c.mu.Unlock()
+	})
+	return o.closeErr
+}
+
+// drain handles the events queued so far, without waiting for more.
+func (o *passiveOp) drain() {
+	for {
+		select {
+		case ev := <-o.exp.Events():
+			o.handle(ev)
+		default:
+			return
+		}
+	}
+}
+
+func (o *passiveOp) outcome() (Status, error) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.status, o.err
+}
+
+// finish records the operation's outcome unless it already has one.
+func (o *passiveOp) finish(s Status, err error) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.status.terminal() {
+		return
+	}
+	o.status, o.err = s, err
+	close(o.done)
+}
+
+// handle turns an exposure event into the operation's outcome. Events after
+// the outcome, and events that decide nothing, are dropped.
+func (o *passiveOp) handle(ev agent.Event) {
+	fail := func(err error) *TransferError {
+		return &TransferError{Op: o.name, Remote: ev.From.String(), Err: err}
+	}
+	switch ev.Kind {
+	case agent.EventPeerLost:
+		err := ev.Err
+		if !errors.Is(err, ErrRemoteLost) {
+			err = fmt.Errorf("%w: %w", ErrRemoteLost, err)
+		}
+		o.finish(StatusErrored, fail(err))
+	case agent.EventNotify:
+		code, reason, ok := decodeNotice(ev.Msg)
+		if !ok {
+			o.c.log.Debug("connect: dropped a malformed notification", "op", o.name, "from", ev.From, "len", len(ev.Msg))
+			return
+		}
+		switch code {
+		case noticeDone:
+			o.finish(StatusComplete, nil)
+		case noticeCancelled:
+			o.finish(StatusCancelled, fail(fmt.Errorf("%w by the peer: %q", ErrCancelled, reason)))
+		case noticeFailed:
+			o.finish(StatusErrored, fail(fmt.Errorf("%w: %q", errPeerFailed, reason)))
+		}
+	}
+}
+
+// activeOp is the side that moves the bytes. A watcher goroutine, owned by
+// the Connector, finishes it when its transfer is done, so that memory is
+// released and the peer hears of a failure even if nobody calls Wait.
+type activeOp struct {
+	c    *Connector
+	name string // "read" or "write"
+	x    *agent.Xfer
+	peer uuid.UUID
+	key  agent.Key
+	regs []*agent.Registration
+	stop func() bool // detaches the transfer from Begin's context
+
+	err  error         // the outcome, set before done is closed
+	done chan struct{} // closed when finished
+}
+
+func (c *Connector) begin(ctx context.Context, o *activeOp, op agent.Op, md Metadata, descs []Descriptor) error {
+	want, call := KindRead, "BeginRead"
+	if op == agent.OpWrite {
+		want, call = KindWrite, "BeginWrite"
+	}
+	switch {
+	case md.kind == 0:
+		return fmt.Errorf("%w: %s given the zero Metadata", ErrInvalidMetadata, call)
+	case md.kind != want:
+		return fmt.Errorf("%w: %s needs a %v token, got a %v token", ErrKindMismatch, call, want, md.kind)
+	case len(descs) != md.Len():
+		return fmt.Errorf("%w: %d local descriptors != %d remote descriptors", ErrSizeMismatch, len(descs), md.Len())
+	}
+	ls, err := locals(descs)
+	if err != nil {
+		return err
+	}
+	segs := make([]agent.Segment, len(ls))
+	for i, l := range ls {
+		r := md.regions[i]
+		if l.Len != r.Len {
+			return fmt.Errorf("%w: descriptor %d: local size %d != remote size %d", ErrSizeMismatch, i, l.Len, r.Len)
+		}
+		segs[i] = agent.Segment{Local: l, Remote: r}
+	}
+	if err := c.enter(ctx); err != nil {
+		return err
+	}
+	defer c.calls.Done()
+
+	regs, err := c.register(ls)
+	if err != nil {
+		return err
+	}
+	*o = activeOp{c: c, name: op.String(), peer: md.peer.ID, key: md.key, regs: regs, done: make(chan struct{})}
+	if err := c.a.AddPeer(md.peer); err != nil {
+		_ = release(regs)
+		return fmt.Errorf("%w: %w", ErrInvalidMetadata, err)
+	}
+	x, err := c.a.Post(agent.Request{
+		Op: op, Peer: md.peer.ID, Key: md.key, Segments: segs,
+		Notify: encodeNotice(noticeDone, ""), Backend: c.force,
+	})
+	if err != nil {
+		_ = release(regs)
+		err = &TransferError{Op: o.name, Remote: o.peer.String(), Backend: c.force, Err: err}
+		o.tellPeer(err)
+		return err
+	}
+	o.x = x
+	o.stop = context.AfterFunc(ctx, func() { x.Cancel(ctx.Err()) })
+	c.log.Debug("connect: transfer posted", "op", o.name, "peer", o.peer, "backend", x.Backend(), "descriptors", len(segs), "bytes", x.Bytes())
+	c.mu.Lock()
+	c.active[o] = struct{}{}
+	c.watchers.Add(1)
+	c.mu.Unlock()
+	go o.watch()
+	return nil
+}
+
+// watch finishes the operation once its transfer is done.
+func (o *activeOp) watch() {
+	defer o.c.watchers.Done()
+	<-o.x.Done()
+	o.stop()
+	if err := release(o.regs); err != nil {
+		o.c.log.Warn("connect: releasing memory failed", "op", o.name, "err", err)
+	}
+	err := o.x.Err()
+	if err != nil {
+		err = &TransferError{Op: o.name, Remote: o.peer.String(), Backend: o.x.Backend(), Err: err}
+	}
+	o.err = err
+	close(o.done)
+	o.c.mu.Lock()
+	delete(o.c.active, o)
+	o.c.mu.Unlock()
+	// After done, so that Wait does not wait on a slow peer; the Connector
+	// still waits for it on Close.
+	if err != nil {
+		o.tellPeer(err)
+	}
+}
+
+// tellPeer tells the passive side, best effort, that the operation failed or
+// was cancelled, so that its Wait returns instead of waiting for a
+// completion that will never come.
+func (o *activeOp) tellPeer(err error) {
+	if errors.Is(err, ErrRemoteLost) {
+		return // nobody to tell
+	}
+	code := byte(noticeFailed)
+	if errors.Is(err, ErrCancelled) || errors.Is(err, ErrClosed) {
+		code = noticeCancelled
+	}
+	if nerr := o.c.a.Notify(o.peer, o.key, encodeNotice(code, err.Error())); nerr != nil {
+		o.c.log.Debug("connect: could not tell the peer about a failed transfer", "op", o.name, "peer", o.peer, "err", nerr)
+	}
+}
+
+// Wait blocks until every byte is in place (nil: for a read, landed in local
+// memory; for a write, acknowledged by the remote) or the operation fails
+// (a *TransferError). When ctx ends first, Wait cancels the transfer, waits
+// until the backend no longer touches local memory, and returns an error
+// matching both ErrCancelled and ctx's error (unless the transfer completed
+// meanwhile). When Wait returns, the local memory is the caller's again.
+// Once the operation has finished, every Wait returns the same result. Safe
+// to call concurrently.
+func (o *activeOp) Wait(ctx context.Context) error {
+	select {
+	case <-o.done:
+		return o.err
+	default:
+	}
+	select {
+	case <-o.done:
+	case <-ctx.Done():
+		o.x.Cancel(ctx.Err())
+		<-o.done
+	}
+	return o.err
+}
+
+// Cancel asks the transfer to stop and returns without waiting; Wait then
+// returns an error matching ErrCancelled once the local memory is free. The
+// peer is told. Cancelling a finished operation does nothing.
+func (o *activeOp) Cancel() { o.x.Cancel(nil) }
+
+// Status returns StatusInProgress until the transfer finishes, then
+// StatusComplete, StatusCancelled or StatusErrored.
+func (o *activeOp) Status() Status {
+	select {
+	case <-o.done:
+		return statusOf(o.err)
+	default:
+		return StatusInProgress
+	}
+}
+
+// Backend returns the name of the backend moving the bytes ("mem", "tcp").
+func (o *activeOp) Backend() string { return o.x.Backend() }
+
+// Notifications from the active side to the passive side: one code byte,
+// then for failures a UTF-8 reason of at most maxReason bytes. They are
+// remote input, so decodeNotice trusts nothing in them.
+const (
+	noticeDone      = 1
+	noticeCancelled = 2
+	noticeFailed    = 3
+
+	maxReason = 256
+)
+
+func encodeNotice(code byte, reason string) []byte {
+	if len(reason) > maxReason {
+		reason = strings.ToValidUTF8(reason[:maxReason], "")
+	}
+	return append([]byte{code}, reason...)
+}
+
+// decodeNotice returns the code and reason of msg, or false for a message
+// that is empty or carries an unknown code (from a newer peer, perhaps), which
+// the caller ignores. A reason too long is cut, invalid UTF-8 replaced.
+func decodeNotice(msg []byte) (code byte, reason string, ok bool) {
+	if len(msg) == 0 || msg[0] < noticeDone || msg[0] > noticeFailed {
+		return 0, "", false
+	}
+	r := msg[1:]
+	if len(r) > maxReason {
+		r = r[:maxReason]
+	}
+	return msg[0], strings.ToValidUTF8(string(r), "\uFFFD"), true
+}

@@ -1,0 +1,100 @@
+package connect
+
+import (
+	"fmt"
+	"log/slog"
+
+	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backend/mem"
+	"github.com/goxfer/goxfer/agent/backend/tcp"
+)
+
+// Option configures a Connector. Options are applied in order by
+// NewConnector, which reports invalid or conflicting ones with an error
+// wrapping ErrInvalidOption.
+type Option interface{ apply(*options) error }
+
+type optionFunc func(*options) error
+
+func (f optionFunc) apply(o *options) error { return f(o) }
+
+type options struct {
+	backends []agent.Backend // explicit, from WithBackends
+	tcp      []tcp.Option
+	force    string
+	logger   *slog.Logger
+}
+
+// WithBackends replaces the default backends with bs, in order of
+// preference: for each transfer the Connector uses the first one that
+// reaches the peer and supports the memory involved. The Connector owns the
+// backends from NewConnector on, even when it fails, and closes them. The
+// option may be given more than once; backends accumulate.
+//
+// Default: the in-process backend (agent/backend/mem), then TCP
+// (agent/backend/tcp, see WithTCPOptions).
+func WithBackends(bs ...agent.Backend) Option {
+	return optionFunc(func(o *options) error {
+		if len(bs) == 0 {
+			return fmt.Errorf("%w: WithBackends needs at least one backend", ErrInvalidOption)
+		}
+		for i, b := range bs {
+			if b == nil {
+				return fmt.Errorf("%w: WithBackends: backend %d is nil", ErrInvalidOption, i)
+			}
+		}
+		o.backends = append(o.backends, bs...)
+		return nil
+	})
+}
+
+// WithBackend makes every transfer the Connector begins use the backend
+// named name ("mem", "tcp", ...), which must be one of its backends; a peer
+// that backend cannot reach fails with ErrNoBackend instead of falling back.
+// It affects only the active side: passive operations serve any backend.
+//
+// Default: for each transfer, the first backend in preference order that
+// both sides share and that supports the memory involved.
+func WithBackend(name string) Option {
+	return optionFunc(func(o *options) error {
+		if name == "" {
+			return fmt.Errorf("%w: WithBackend needs a backend name", ErrInvalidOption)
+		}
+		o.force = name
+		return nil
+	})
+}
+
+// WithLogger sets where the Connector, its agent and its backends log.
+//
+// Default: slog.Default().
+func WithLogger(l *slog.Logger) Option {
+	return optionFunc(func(o *options) error {
+		if l == nil {
+			return fmt.Errorf("%w: WithLogger needs a logger", ErrInvalidOption)
+		}
+		o.logger = l
+		return nil
+	})
+}
+
+// WithTCPOptions configures the default TCP backend, for example
+// tcp.WithListenAddr(":0") to accept peers on other hosts: by default it
+// listens on loopback only. It conflicts with WithBackends, which replaces
+// the defaults. The option may be given more than once; options accumulate.
+// Invalid TCP options fail NewConnector with an error matching both
+// ErrInvalidOption and tcp.ErrInvalidOption.
+//
+// Default: the tcp package's defaults (listen on 127.0.0.1:0, 4 streams,
+// keepalive every second, peer lost after 4 silent seconds).
+func WithTCPOptions(opts ...tcp.Option) Option {
+	return optionFunc(func(o *options) error {
+		o.tcp = append(o.tcp, opts...)
+		return nil
+	})
+}
+
+// defaultBackends returns fresh default backends, in order of preference.
+func defaultBackends(o *options) []agent.Backend {
+	return []agent.Backend{mem.New(), tcp.New(o.tcp...)}
+}
