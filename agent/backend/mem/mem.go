@@ -195,6 +195,9 @@ func (b *Backend) Close() error {
 	}
 	b.closed = true
 	b.mu.Unlock()
+	if b.host == nil {
+		return nil // never started: nothing registered, nobody to tell
+	}
 	b.wg.Wait()
 	regMu.Lock()
 	if registry[b.id] == b {

@@ -77,9 +77,9 @@ func (b *Backend) serve(w *wconn) {
 	if errors.Is(err, errProtocol) {
 		b.host.Refused()
 	}
-	if err != nil && !errors.Is(err, errBye) {
-		b.host.PeerLost(s.peer, fmt.Errorf("tcp: connection from peer %s: %w: %w", s.peer, agent.ErrRemoteLost, err))
-	}
+	// A goodbye is an orderly close, but the peer is gone all the same:
+	// exposures it was using must not wait for it.
+	b.host.PeerLost(s.peer, fmt.Errorf("tcp: connection from peer %s: %w: %w", s.peer, agent.ErrRemoteLost, err))
 }
 
 var errBye = errors.New("tcp: peer said goodbye")

@@ -1,0 +1,72 @@
+package mem_test
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backend/mem"
+	"github.com/goxfer/goxfer/agent/backendtest"
+)
+
+func factory() ([]agent.Backend, error) { return []agent.Backend{mem.New()}, nil }
+
+func TestMain(m *testing.M) { backendtest.Main(m, factory) }
+
+func TestConformance(t *testing.T) {
+	backendtest.Run(t, backendtest.Config{New: factory, CrossProcess: false})
+}
+
+func newAgent(t *testing.T) *agent.Agent {
+	t.Helper()
+	a, err := agent.New(agent.WithBackends(mem.New()))
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, a.Close()) })
+	return a
+}
+
+// A peer that closed is unreachable: the transfer fails before it starts,
+// naming the loss.
+func TestPostToClosedPeer(t *testing.T) {
+	a := newAgent(t)
+	p, err := agent.New(agent.WithBackends(mem.New()))
+	require.NoError(t, err)
+	require.NoError(t, a.AddPeer(p.Info()))
+	buf := make([]byte, 64)
+	e, err := p.Expose(agent.AccessRead, []agent.Local{agent.DRAM(buf)})
+	require.NoError(t, err)
+	require.NoError(t, p.Close())
+
+	x, err := a.Post(agent.Request{Op: agent.OpRead, Peer: p.ID(), Key: e.Key(), Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 64)), Remote: agent.DRAM(buf).Region}}})
+	require.ErrorIs(t, err, agent.ErrNoBackend)
+	require.ErrorIs(t, err, agent.ErrRemoteLost)
+	require.Nil(t, x)
+	require.ErrorIs(t, a.Notify(p.ID(), e.Key(), []byte("x")), agent.ErrNoBackend)
+}
+
+// An agent whose mem backend fails to start, because another agent of this
+// process already has its ID, must not make the other agents believe that
+// the running agent with that ID is lost.
+func TestFailedStartDoesNotReportLiveAgentLost(t *testing.T) {
+	t.Skip("known bug: mem.Backend.Close announces PeerLost(b.id) even when Start failed because another backend owns b.id; remove this skip once fixed")
+	a, p := newAgent(t), newAgent(t)
+	require.NoError(t, a.AddPeer(p.Info()))
+	buf := make([]byte, 64)
+	e, err := p.Expose(agent.AccessRead, []agent.Local{agent.DRAM(buf)})
+	require.NoError(t, err)
+	defer e.Revoke()
+	x, err := a.Post(agent.Request{Op: agent.OpRead, Peer: p.ID(), Key: e.Key(), Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 64)), Remote: agent.DRAM(buf).Region}}})
+	require.NoError(t, err)
+	<-x.Done()
+	require.NoError(t, x.Err())
+	require.Equal(t, a.ID(), e.Peer())
+
+	_, err = agent.New(agent.WithID(a.ID()), agent.WithBackends(mem.New()))
+	require.Error(t, err, "a second agent with a's ID")
+	select {
+	case ev := <-e.Events():
+		t.Fatalf("exposure used by live agent %s got %+v", a.ID(), ev)
+	default:
+	}
+}
