@@ -1,0 +1,108 @@
+// Package backendtest is the conformance suite every goxfer backend passes.
+//
+// A backend package wires it with two functions in a _test.go file:
+//
+//	func factory() ([]agent.Backend, error) { return []agent.Backend{tcp.New()}, nil }
+//
+//	func TestMain(m *testing.M) { backendtest.Main(m, factory) }
+//
+//	func TestConformance(t *testing.T) {
+//		backendtest.Run(t, backendtest.Config{New: factory, CrossProcess: true})
+//	}
+//
+// Run drives real agents built on the factory's backends: in this process,
+// and in child processes that re-execute the test binary (Main, or Child
+// for a TestMain of its own, turns the binary into such a child when the
+// environment says so). Every transferred
+// byte is checked against a deterministic pattern, and the guard bytes
+// around every descriptor must stay untouched.
+//
+// The suite covers READ and WRITE of single descriptors from 1 B to 64 MiB
+// and of 4096 small ones, bound and standalone notifications, concurrent
+// transfers to one exposure, transfers across processes in both directions,
+// refused accesses (forged key, out-of-range address, wrong access kind,
+// revoked exposure), lost peers (a killed or closed agent on either side),
+// cancellation, revocation during a WRITE, Agent.Close with transfers in
+// flight, and registration reference counting. Timeouts in the suite only
+// guard against hangs; the one bound it asserts is Config.LostWithin.
+package backendtest
+
+import (
+	"os"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+
+	"github.com/goxfer/goxfer/agent"
+)
+
+// Factory builds a fresh set of backends for one agent, in preference
+// order. The suite calls it once per agent it starts, in this process and in
+// child processes, so it must not share backends between calls.
+type Factory func() ([]agent.Backend, error)
+
+// Config says how to run the suite for a backend.
+type Config struct {
+	// New builds each agent's backends. Required. It must build the same
+	// backends as the factory given to Main.
+	New Factory
+	// CrossProcess says the backends move bytes between processes. When
+	// false (an in-process backend such as mem), the cross-process cases
+	// instead check that a transfer to an agent in a child process fails
+	// with agent.ErrNoBackend, and lost peers are simulated by closing an
+	// agent in this process. Default: false.
+	CrossProcess bool
+	// LostWithin bounds how long a lost peer (a killed process or a closed
+	// agent) may take to surface as agent.ErrRemoteLost on the active side
+	// or agent.EventPeerLost on the passive side. Default: 5 s.
+	LostWithin time.Duration
+}
+
+// hangGuard bounds every wait the suite does, so that a broken backend
+// fails the test instead of hanging it. It is no performance bound.
+const hangGuard = 2 * time.Minute
+
+// childEnv, when set, turns the test binary into a suite child process.
+const childEnv = "GOXFER_BACKENDTEST_CHILD"
+
+// childReady records that TestMain went through Child (or Main), so the
+// test binary can be re-executed as a child.
+var childReady bool
+
+// Main is the TestMain of a backend package that runs the suite: Child,
+// then the tests, then a check that no goroutine leaked
+// (goleak.VerifyTestMain with opts).
+func Main(m *testing.M, f Factory, opts ...goleak.Option) {
+	Child(f)
+	goleak.VerifyTestMain(m, opts...)
+}
+
+// Child makes the test binary a suite child process when it was started as
+// one: it runs an agent on f's backends, serves the parent's commands and
+// exits. Otherwise it returns at once. Call it at the start of TestMain when
+// Main does not fit, for example when TestMain has children of its own.
+func Child(f Factory) {
+	if os.Getenv(childEnv) != "" {
+		os.Exit(runChild(f, os.Stdin, os.Stdout))
+	}
+	childReady = true
+}
+
+// Run runs the conformance suite as subtests of t.
+func Run(t *testing.T, cfg Config) {
+	if cfg.New == nil {
+		t.Fatal("backendtest: Config.New is nil")
+	}
+	if cfg.LostWithin <= 0 {
+		cfg.LostWithin = 5 * time.Second
+	}
+	t.Run("Transfer", func(t *testing.T) { testTransfer(t, cfg) })
+	t.Run("Notify", func(t *testing.T) { testNotify(t, cfg) })
+	t.Run("Concurrent", func(t *testing.T) { testConcurrent(t, cfg) })
+	t.Run("Unsupported", func(t *testing.T) { testUnsupported(t, cfg) })
+	t.Run("Abuse", func(t *testing.T) { testAbuse(t, cfg) })
+	t.Run("Fault", func(t *testing.T) { testFault(t, cfg) })
+	t.Run("Registration", func(t *testing.T) { testRegistration(t, cfg) })
+	t.Run("CrossProcess", func(t *testing.T) { testCrossProcess(t, cfg) })
+}

@@ -1,0 +1,423 @@
+package backendtest
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/require"
+
+	"github.com/goxfer/goxfer/agent"
+)
+
+// A child process runs one agent and obeys commands, one JSON request per
+// line on stdin, answering each with one JSON response line on stdout:
+//
+//	info                              -> info: the child agent's Info
+//	add-peer   info                   -> AddPeer(info)
+//	expose     access sizes seed      -> id key regions: buffers filled with pattern seed, registered, exposed
+//	verify     id seed                -> whether exposure id's buffers hold pattern seed, guards intact
+//	revoke     id                     -> Revoke
+//	wait-event id                     -> event: the exposure's next event
+//	wait-access id                    -> once a peer has accessed the exposure
+//	post       op peer key regions seed notify async
+//	                                  -> a transfer from fresh local buffers (WRITE: filled with pattern
+//	                                     seed; READ: checked against it when done); async answers once posted
+//	stats                             -> stats: the agent's Stats
+//	exit                              -> closes the agent and exits
+//
+// A failed command answers err (and is: the agent sentinels it matches).
+// When stdin closes the child closes its agent and exits.
+type request struct {
+	Cmd     string         `json:"cmd"`
+	ID      int            `json:"id,omitempty"`
+	Access  agent.Access   `json:"access,omitempty"`
+	Op      agent.Op       `json:"op,omitempty"`
+	Sizes   []int          `json:"sizes,omitempty"`
+	Seed    uint64         `json:"seed,omitempty"`
+	Info    *agent.Info    `json:"info,omitempty"`
+	Peer    uuid.UUID      `json:"peer,omitzero"`
+	Key     []byte         `json:"key,omitempty"`
+	Regions []agent.Region `json:"regions,omitempty"`
+	Notify  []byte         `json:"notify"`
+	Async   bool           `json:"async,omitempty"`
+}
+
+type response struct {
+	Err     string         `json:"err,omitempty"`
+	Is      []string       `json:"is,omitempty"`
+	Info    *agent.Info    `json:"info,omitempty"`
+	ID      int            `json:"id,omitempty"`
+	Key     []byte         `json:"key,omitempty"`
+	Regions []agent.Region `json:"regions,omitempty"`
+	Event   *childEvent    `json:"event,omitempty"`
+	Stats   *agent.Stats   `json:"stats,omitempty"`
+}
+
+type childEvent struct {
+	Kind agent.EventKind `json:"kind"`
+	From uuid.UUID       `json:"from"`
+	Msg  []byte          `json:"msg"`
+	Err  string          `json:"err,omitempty"`
+	Is   []string        `json:"is,omitempty"`
+}
+
+var sentinels = []struct {
+	name string
+	err  error
+}{
+	{"ErrClosed", agent.ErrClosed},
+	{"ErrCancelled", agent.ErrCancelled},
+	{"ErrRemoteLost", agent.ErrRemoteLost},
+	{"ErrAccessDenied", agent.ErrAccessDenied},
+	{"ErrNoBackend", agent.ErrNoBackend},
+	{"ErrInvalid", agent.ErrInvalid},
+}
+
+// classify names the agent sentinels err matches, for the parent to check
+// with errors.Is semantics across the process boundary.
+func classify(err error) []string {
+	var is []string
+	for _, s := range sentinels {
+		if errors.Is(err, s.err) {
+			is = append(is, s.name)
+		}
+	}
+	return is
+}
+
+// childExposure and childXfer keep a child's memory alive while a peer may
+// use it.
+type childExposure struct {
+	e    *agent.Exposure
+	bufs *buffers
+	regs []*agent.Registration
+}
+
+type childXfer struct {
+	x    *agent.Xfer
+	bufs *buffers
+	regs []*agent.Registration
+}
+
+func release(regs []*agent.Registration) {
+	for _, r := range regs {
+		_ = r.Release()
+	}
+}
+
+type childAgent struct {
+	a     *agent.Agent
+	exps  map[int]*childExposure
+	xfers []*childXfer
+}
+
+// runChild is the child process: it serves requests from in until exit or
+// end of input and returns the exit status.
+func runChild(f Factory, in io.Reader, out io.Writer) int {
+	bs, err := f()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "backendtest child: factory:", err)
+		return 2
+	}
+	a, err := agent.New(agent.WithBackends(bs...))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "backendtest child: agent.New:", err)
+		return 2
+	}
+	c := &childAgent{a: a, exps: map[int]*childExposure{}}
+	defer c.close()
+	sc := bufio.NewScanner(in)
+	sc.Buffer(make([]byte, 64<<10), 64<<20)
+	enc := json.NewEncoder(out)
+	for sc.Scan() {
+		var req request
+		var resp response
+		if err := json.Unmarshal(sc.Bytes(), &req); err != nil {
+			resp = fail(fmt.Errorf("bad request: %w", err))
+		} else {
+			resp = c.handle(req)
+		}
+		if err := enc.Encode(resp); err != nil {
+			fmt.Fprintln(os.Stderr, "backendtest child: write response:", err)
+			return 2
+		}
+		if req.Cmd == "exit" {
+			return 0
+		}
+	}
+	return 0
+}
+
+func fail(err error) response { return response{Err: err.Error(), Is: classify(err)} }
+
+func (c *childAgent) close() {
+	if err := c.a.Close(); err != nil {
+		fmt.Fprintln(os.Stderr, "backendtest child: agent.Close:", err)
+	}
+	for _, x := range c.xfers {
+		<-x.x.Done()
+		release(x.regs)
+	}
+	for _, e := range c.exps {
+		release(e.regs)
+	}
+}
+
+func (c *childAgent) handle(req request) response {
+	switch req.Cmd {
+	case "info":
+		info := c.a.Info()
+		return response{Info: &info}
+	case "add-peer":
+		if req.Info == nil {
+			return fail(errors.New("add-peer without info"))
+		}
+		if err := c.a.AddPeer(*req.Info); err != nil {
+			return fail(err)
+		}
+		return response{}
+	case "expose":
+		b := newBuffers(req.Sizes)
+		b.fill(req.Seed)
+		regs, err := b.registerAll(c.a)
+		if err != nil {
+			return fail(err)
+		}
+		e, err := c.a.Expose(req.Access, b.locals)
+		if err != nil {
+			return fail(err)
+		}
+		id := len(c.exps) + 1
+		c.exps[id] = &childExposure{e: e, bufs: b, regs: regs}
+		k := e.Key()
+		return response{ID: id, Key: k[:], Regions: b.regions()}
+	case "stats":
+		s := c.a.Stats()
+		return response{Stats: &s}
+	case "post":
+		return c.post(req)
+	case "exit":
+		return response{}
+	}
+	ce, ok := c.exps[req.ID]
+	if !ok {
+		return fail(fmt.Errorf("%q: no exposure %d", req.Cmd, req.ID))
+	}
+	switch req.Cmd {
+	case "verify":
+		if err := ce.bufs.check(req.Seed); err != nil {
+			return fail(err)
+		}
+		return response{}
+	case "revoke":
+		ce.e.Revoke()
+		return response{}
+	case "wait-event":
+		select {
+		case ev := <-ce.e.Events():
+			ce := &childEvent{Kind: ev.Kind, From: ev.From, Msg: ev.Msg}
+			if ev.Err != nil {
+				ce.Err, ce.Is = ev.Err.Error(), classify(ev.Err)
+			}
+			return response{Event: ce}
+		case <-time.After(hangGuard):
+			return fail(fmt.Errorf("no event within %v", hangGuard))
+		}
+	case "wait-access":
+		deadline := time.Now().Add(hangGuard)
+		for ce.e.Peer() == uuid.Nil {
+			if time.Now().After(deadline) {
+				return fail(fmt.Errorf("exposure not accessed within %v", hangGuard))
+			}
+			time.Sleep(100 * time.Microsecond)
+		}
+		return response{}
+	}
+	return fail(fmt.Errorf("unknown command %q", req.Cmd))
+}
+
+func (c *childAgent) post(req request) response {
+	if len(req.Key) != len(agent.Key{}) {
+		return fail(fmt.Errorf("key of %d bytes", len(req.Key)))
+	}
+	sizes := make([]int, len(req.Regions))
+	for i, r := range req.Regions {
+		sizes[i] = int(r.Len)
+	}
+	b := newBuffers(sizes)
+	if req.Op == agent.OpWrite {
+		b.fill(req.Seed)
+	}
+	regs, err := b.registerAll(c.a)
+	if err != nil {
+		return fail(err)
+	}
+	x, err := c.a.Post(agent.Request{Op: req.Op, Peer: req.Peer, Key: agent.Key(req.Key), Segments: segments(b, req.Regions, req.Seed), Notify: req.Notify})
+	if err != nil {
+		release(regs)
+		return fail(err)
+	}
+	if req.Async {
+		c.xfers = append(c.xfers, &childXfer{x: x, bufs: b, regs: regs})
+		return response{}
+	}
+	defer release(regs)
+	select {
+	case <-x.Done():
+	case <-time.After(hangGuard):
+		x.Cancel(nil)
+		<-x.Done()
+		return fail(fmt.Errorf("transfer still running after %v", hangGuard))
+	}
+	if err := x.Err(); err != nil {
+		return fail(err)
+	}
+	if req.Op == agent.OpRead {
+		if err := b.check(req.Seed); err != nil {
+			return fail(err)
+		}
+	}
+	return response{}
+}
+
+// child is the parent's handle on a child process.
+type child struct {
+	t      *testing.T
+	cmd    *exec.Cmd
+	stdin  io.WriteCloser
+	lines  chan []byte
+	quit   chan struct{}
+	eof    chan struct{}
+	stderr lockedBuffer
+	killed bool
+	info   agent.Info
+}
+
+// needMain fails t unless TestMain went through Main or Child.
+func needMain(t *testing.T) {
+	t.Helper()
+	if !childReady {
+		t.Fatal("backendtest: cross-process cases re-execute the test binary: call backendtest.Main or backendtest.Child from TestMain")
+	}
+}
+
+// startChild starts a child process running an agent on the factory's
+// backends; it ends when the test does.
+func startChild(t *testing.T) *child {
+	t.Helper()
+	needMain(t)
+	c := &child{t: t, lines: make(chan []byte), quit: make(chan struct{}), eof: make(chan struct{})}
+	c.cmd = exec.Command(os.Args[0], "-test.run=^$")
+	c.cmd.Env = append(os.Environ(), childEnv+"=1")
+	c.cmd.Stderr = &c.stderr
+	var err error
+	c.stdin, err = c.cmd.StdinPipe()
+	require.NoError(t, err)
+	stdout, err := c.cmd.StdoutPipe()
+	require.NoError(t, err)
+	require.NoError(t, c.cmd.Start(), "start child process")
+	go c.read(stdout)
+	t.Cleanup(c.stop)
+	c.info = *c.must(request{Cmd: "info"}).Info
+	return c
+}
+
+func (c *child) read(stdout io.Reader) {
+	defer close(c.eof)
+	sc := bufio.NewScanner(stdout)
+	sc.Buffer(make([]byte, 64<<10), 64<<20)
+	for sc.Scan() {
+		select {
+		case c.lines <- slices.Clone(sc.Bytes()):
+		case <-c.quit:
+		}
+	}
+}
+
+// stop ends the child: it closes stdin so the child closes its agent and
+// exits, or kills it if it does not.
+func (c *child) stop() {
+	close(c.quit)
+	_ = c.stdin.Close()
+	select {
+	case <-c.eof:
+	case <-time.After(30 * time.Second):
+		c.t.Errorf("child process did not exit within 30s of its stdin closing; killing it")
+		c.kill()
+		<-c.eof
+	}
+	err := c.cmd.Wait()
+	if err != nil && !c.killed {
+		c.t.Errorf("child process: %v", err)
+	}
+	if c.t.Failed() {
+		c.t.Logf("child process stderr:\n%s", c.stderr.String())
+	}
+}
+
+// kill kills the child with SIGKILL.
+func (c *child) kill() {
+	c.killed = true
+	_ = c.cmd.Process.Kill()
+}
+
+// do sends req to the child and returns its answer.
+func (c *child) do(req request) response {
+	c.t.Helper()
+	line, err := json.Marshal(req)
+	require.NoError(c.t, err)
+	if _, err := c.stdin.Write(append(line, '\n')); err != nil {
+		c.t.Fatalf("child %s: %v\nstderr:\n%s", req.Cmd, err, c.stderr.String())
+	}
+	select {
+	case l := <-c.lines:
+		var resp response
+		require.NoError(c.t, json.Unmarshal(l, &resp), "child answered %q", l)
+		return resp
+	case <-c.eof:
+		c.t.Fatalf("child %s: child exited\nstderr:\n%s", req.Cmd, c.stderr.String())
+	case <-time.After(hangGuard):
+		c.kill()
+		c.t.Fatalf("child %s: no answer within %v", req.Cmd, hangGuard)
+	}
+	return response{}
+}
+
+// must is do for commands that must succeed.
+func (c *child) must(req request) response {
+	c.t.Helper()
+	resp := c.do(req)
+	if resp.Err != "" {
+		c.t.Fatalf("child %s: %s", req.Cmd, resp.Err)
+	}
+	return resp
+}
+
+// lockedBuffer collects a child's stderr.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}

@@ -1,0 +1,350 @@
+package backendtest
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+
+	"github.com/goxfer/goxfer/agent"
+)
+
+const (
+	// largeInProcess is the size of the transfers interrupted in this
+	// process, largeCrossProcess that of those interrupted by killing a
+	// child process.
+	largeInProcess    = 64 << 20
+	largeCrossProcess = 256 << 20
+	// attempts bounds how often a fault case retries when the transfer it
+	// meant to interrupt finished first.
+	attempts = 5
+)
+
+func testFault(t *testing.T, cfg Config) {
+	for _, op := range ops {
+		t.Run(fmt.Sprintf("PassiveClosed/%v", op), func(t *testing.T) { retry(t, func(t *testing.T) bool { return passiveClosed(t, cfg, op) }) })
+		t.Run(fmt.Sprintf("ActiveClosed/%v", op), func(t *testing.T) { retry(t, func(t *testing.T) bool { return activeClosed(t, cfg, op) }) })
+		t.Run(fmt.Sprintf("Cancel/%v", op), func(t *testing.T) { retry(t, func(t *testing.T) bool { return cancelInFlight(t, cfg, op) }) })
+	}
+	t.Run("RevokeDuringWrite", func(t *testing.T) { revokeDuringWrite(t, cfg) })
+	t.Run("CloseInFlight", func(t *testing.T) { retry(t, func(t *testing.T) bool { return closeInFlight(t, cfg) }) })
+	for _, op := range ops {
+		t.Run(fmt.Sprintf("PassiveKilled/%v", op), func(t *testing.T) {
+			needCrossProcess(t, cfg)
+			retry(t, func(t *testing.T) bool { return passiveKilled(t, cfg, op) })
+		})
+		t.Run(fmt.Sprintf("ActiveKilled/%v", op), func(t *testing.T) {
+			needCrossProcess(t, cfg)
+			activeKilled(t, cfg, op)
+		})
+	}
+}
+
+func needCrossProcess(t *testing.T, cfg Config) {
+	t.Helper()
+	if !cfg.CrossProcess {
+		t.Skip("in-process backend: PassiveClosed and ActiveClosed cover lost peers")
+	}
+	needMain(t)
+}
+
+// retry runs f until it reports that it interrupted a transfer in flight,
+// each time in a subtest of its own, so that the agents and memory of an
+// attempt are gone before the next.
+func retry(t *testing.T, f func(t *testing.T) bool) {
+	t.Helper()
+	for i := 1; i <= attempts; i++ {
+		var hit bool
+		if !t.Run(fmt.Sprintf("attempt%d", i), func(t *testing.T) { hit = f(t) }) {
+			return
+		}
+		if hit {
+			return
+		}
+	}
+	t.Fatalf("no transfer was still in flight when interrupted, in %d attempts", attempts)
+}
+
+// inflight is a large transfer posted from a to p.
+type inflight struct {
+	x            *agent.Xfer
+	e            *agent.Exposure
+	pb, ab       *buffers
+	pSeed, aSeed uint64
+}
+
+// largeTransfer exposes size bytes on p and posts op of all of them from a.
+func largeTransfer(t *testing.T, a, p *agent.Agent, op agent.Op, size int) inflight {
+	t.Helper()
+	var f inflight
+	f.pb, f.pSeed = side(t, p, []int{size})
+	f.ab, f.aSeed = side(t, a, []int{size})
+	f.e = expose(t, p, op.Access(), f.pb)
+	x, err := a.Post(agent.Request{Op: op, Peer: p.ID(), Key: f.e.Key(), Segments: segments(f.ab, f.pb.regions(), 0)})
+	require.NoError(t, err)
+	t.Cleanup(func() { waitXfer(t, x) }) // the buffers stay in use until then
+	f.x = x
+	return f
+}
+
+// passiveClosed closes the passive agent in the middle of a transfer: the
+// active side must see ErrRemoteLost within cfg.LostWithin.
+func passiveClosed(t *testing.T, cfg Config, op agent.Op) bool {
+	a, p := newPair(t, cfg)
+	f := largeTransfer(t, a, p, op, largeInProcess)
+	x, e := f.x, f.e
+	if !waitAccessed(t, e, x) {
+		return false
+	}
+	start := time.Now()
+	closed := make(chan error, 1)
+	go func() { closed <- p.Close() }()
+	err := waitXfer(t, x)
+	lost := time.Since(start)
+	select {
+	case cerr := <-closed:
+		require.NoError(t, cerr, "passive Close")
+	case <-time.After(hangGuard):
+		t.Fatalf("passive Close still running after %v", hangGuard)
+	}
+	if err == nil {
+		return false
+	}
+	t.Logf("%v over %s failed %v after the passive agent began closing: %v", op, x.Backend(), lost, err)
+	require.ErrorIs(t, err, agent.ErrRemoteLost)
+	assert.LessOrEqual(t, lost, cfg.LostWithin, "time to report the lost peer")
+	return true
+}
+
+// activeClosed closes the active agent in the middle of a transfer: the
+// passive exposure must hear of the lost peer within cfg.LostWithin.
+func activeClosed(t *testing.T, cfg Config, op agent.Op) bool {
+	a, p := newPair(t, cfg)
+	f := largeTransfer(t, a, p, op, largeInProcess)
+	x, e := f.x, f.e
+	if !waitAccessed(t, e, x) {
+		return false
+	}
+	start := time.Now()
+	require.NoError(t, a.Close())
+	require.True(t, isDone(x), "Close returned before its transfer finished")
+	if err := x.Err(); err != nil {
+		require.ErrorIs(t, err, agent.ErrClosed)
+	}
+	ev := waitEvent(t, e, hangGuard)
+	lost := time.Since(start)
+	t.Logf("passive exposure heard %v after the active agent began closing: %v", lost, ev.Err)
+	require.Equal(t, agent.EventPeerLost, ev.Kind, "event %+v", ev)
+	assert.Equal(t, a.ID(), ev.From)
+	assert.ErrorIs(t, ev.Err, agent.ErrRemoteLost)
+	assert.LessOrEqual(t, lost, cfg.LostWithin, "time to report the lost peer")
+	return true
+}
+
+// cancelInFlight cancels a transfer in the middle.
+func cancelInFlight(t *testing.T, cfg Config, op agent.Op) bool {
+	a, p := newPair(t, cfg)
+	f := largeTransfer(t, a, p, op, largeInProcess)
+	x, e := f.x, f.e
+	if !waitAccessed(t, e, x) {
+		return false
+	}
+	start := time.Now()
+	x.Cancel(context.Canceled)
+	err := waitXfer(t, x)
+	t.Logf("%v over %s done %v after Cancel: %v", op, x.Backend(), time.Since(start), err)
+	if err == nil {
+		return false
+	}
+	require.ErrorIs(t, err, agent.ErrCancelled)
+	require.ErrorIs(t, err, context.Canceled)
+	x.Cancel(errors.New("again"))
+	require.Equal(t, err, x.Err(), "cancelling a finished transfer changes nothing")
+	if op == agent.OpRead {
+		require.NoError(t, f.pb.check(f.pSeed), "a cancelled READ leaves the passive memory alone")
+	}
+	// The agents are still usable.
+	transfer(t, a, p, op, []int{4 << 10}, []byte("after cancel"))
+	return true
+}
+
+// revokeDuringWrite revokes an exposure while a WRITE into it is in flight:
+// once Revoke returns, no further byte may land.
+func revokeDuringWrite(t *testing.T, cfg Config) {
+	const rounds = 5
+	a, p := newPair(t, cfg)
+	hits := 0
+	for i := 0; hits < rounds; i++ {
+		require.Less(t, i, 4*rounds, "caught only %d of %d WRITEs in flight", hits, rounds)
+		t.Run(fmt.Sprintf("round%d", i), func(t *testing.T) {
+			f := largeTransfer(t, a, p, agent.OpWrite, largeInProcess)
+			if !waitAccessed(t, f.e, f.x) {
+				return
+			}
+			f.e.Revoke()
+			snap := bytes.Clone(f.pb.slab)
+			err := waitXfer(t, f.x)
+			if err != nil {
+				require.ErrorIs(t, err, agent.ErrAccessDenied)
+				hits++
+			}
+			if d := firstDiff(f.pb.slab, snap); d >= 0 {
+				t.Fatalf("byte %d of the exposed memory changed after Revoke returned", d-guardLen)
+			}
+			// Every byte is the old or the new pattern: no torn garbage.
+			require.NoError(t, oldOrNew(f.pb.locals[0].Mem, f.pSeed, f.aSeed))
+		})
+	}
+}
+
+func firstDiff(a, b []byte) int {
+	if bytes.Equal(a, b) {
+		return -1
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return i
+		}
+	}
+	return -1
+}
+
+// oldOrNew checks that every 4 KiB block of b holds pattern old or new, or
+// a mix of them byte by byte.
+func oldOrNew(b []byte, old, new uint64) error {
+	const blk = 4 << 10
+	wo, wn := make([]byte, blk), make([]byte, blk)
+	for off := 0; off < len(b); off += blk {
+		got := b[off:min(off+blk, len(b))]
+		o, n := wo[:len(got)], wn[:len(got)]
+		fillPattern(o, old, 0, uint64(off))
+		if bytes.Equal(got, o) {
+			continue
+		}
+		fillPattern(n, new, 0, uint64(off))
+		if bytes.Equal(got, n) {
+			continue
+		}
+		for i := range got {
+			if got[i] != o[i] && got[i] != n[i] {
+				return fmt.Errorf("byte %d is 0x%02x: neither the old (0x%02x) nor the written (0x%02x) value", off+i, got[i], o[i], n[i])
+			}
+		}
+	}
+	return nil
+}
+
+// closeInFlight closes the active agent while transfers are in flight: all
+// of them must be done when Close returns, failed with ErrClosed unless they
+// had completed, and no goroutine may be left behind.
+func closeInFlight(t *testing.T, cfg Config) bool {
+	const n, size = 4, 32 << 20
+	ignore := goleak.IgnoreCurrent()
+	a := newAgent(t, cfg)
+	p := newAgent(t, cfg)
+	require.NoError(t, a.AddPeer(p.Info()))
+
+	rb, _ := side(t, p, []int{size})
+	re := expose(t, p, agent.AccessRead, rb)
+	var xs []*agent.Xfer
+	for i := range n {
+		op, e, remote := agent.OpRead, re, rb
+		if i%2 == 1 {
+			op = agent.OpWrite
+			remote, _ = side(t, p, []int{size})
+			e = expose(t, p, agent.AccessWrite, remote)
+		}
+		local, _ := side(t, a, []int{size})
+		x, err := a.Post(agent.Request{Op: op, Peer: p.ID(), Key: e.Key(), Segments: segments(local, remote.regions(), 0)})
+		require.NoError(t, err)
+		xs = append(xs, x)
+	}
+	waitAccessed(t, re, xs[0])
+	require.NoError(t, a.Close())
+	closed := 0
+	for i, x := range xs {
+		require.True(t, isDone(x), "transfer %d not done when Close returned", i)
+		if err := x.Err(); err != nil {
+			require.ErrorIs(t, err, agent.ErrClosed, "transfer %d", i)
+			closed++
+		}
+	}
+	t.Logf("%d of %d transfers failed with ErrClosed", closed, n)
+
+	require.NoError(t, a.Close(), "Close is idempotent")
+	_, err := a.Post(agent.Request{Op: agent.OpRead, Peer: p.ID(), Key: re.Key(), Segments: segments(rb, rb.regions(), 0)})
+	require.ErrorIs(t, err, agent.ErrClosed, "Post after Close")
+	require.ErrorIs(t, a.Notify(p.ID(), re.Key(), []byte("x")), agent.ErrClosed, "Notify after Close")
+	_, err = a.Expose(agent.AccessRead, rb.locals)
+	require.ErrorIs(t, err, agent.ErrClosed, "Expose after Close")
+	_, err = a.Register(rb.locals[0])
+	require.ErrorIs(t, err, agent.ErrClosed, "Register after Close")
+
+	re.Revoke()
+	require.NoError(t, p.Close())
+	goleak.VerifyNone(t, ignore)
+	return closed > 0
+}
+
+// passiveKilled kills a passive child process in the middle of a transfer:
+// the active side must see ErrRemoteLost within cfg.LostWithin.
+func passiveKilled(t *testing.T, cfg Config, op agent.Op) bool {
+	a := newAgent(t, cfg)
+	c := startChild(t)
+	require.NoError(t, a.AddPeer(c.info))
+	r := c.must(request{Cmd: "expose", Access: op.Access(), Sizes: []int{largeCrossProcess}, Seed: nextSeed()})
+	ab, _ := side(t, a, []int{largeCrossProcess})
+	x, err := a.Post(agent.Request{Op: op, Peer: c.info.ID, Key: agent.Key(r.Key), Segments: segments(ab, r.Regions, 0)})
+	require.NoError(t, err)
+	t.Cleanup(func() { waitXfer(t, x) })
+	c.must(request{Cmd: "wait-access", ID: r.ID})
+	if isDone(x) {
+		return false
+	}
+	start := time.Now()
+	c.kill()
+	err = waitXfer(t, x)
+	lost := time.Since(start)
+	if err == nil {
+		return false
+	}
+	t.Logf("%v over %s failed %v after the passive process was killed: %v", op, x.Backend(), lost, err)
+	require.ErrorIs(t, err, agent.ErrRemoteLost)
+	assert.LessOrEqual(t, lost, cfg.LostWithin, "time to report the lost peer")
+	return true
+}
+
+// activeKilled kills an active child process in the middle of a transfer:
+// the passive exposure must hear of the lost peer within cfg.LostWithin.
+func activeKilled(t *testing.T, cfg Config, op agent.Op) {
+	p := newAgent(t, cfg)
+	c := startChild(t)
+	c.must(request{Cmd: "add-peer", Info: ptr(p.Info())})
+	pb, _ := side(t, p, []int{largeCrossProcess})
+	e := expose(t, p, op.Access(), pb)
+	c.must(request{Cmd: "post", Op: op, Peer: p.ID(), Key: keyBytes(e.Key()), Regions: pb.regions(), Seed: nextSeed(), Async: true})
+	deadline := time.Now().Add(hangGuard)
+	for e.Peer() == uuid.Nil {
+		require.True(t, time.Now().Before(deadline), "the child's transfer did not access the exposure within %v", hangGuard)
+		time.Sleep(100 * time.Microsecond)
+	}
+	require.Equal(t, c.info.ID, e.Peer())
+	start := time.Now()
+	c.kill()
+	ev := waitEvent(t, e, hangGuard)
+	lost := time.Since(start)
+	t.Logf("passive exposure heard %v after the active process was killed: %v", lost, ev.Err)
+	require.Equal(t, agent.EventPeerLost, ev.Kind, "event %+v", ev)
+	assert.Equal(t, c.info.ID, ev.From)
+	assert.ErrorIs(t, ev.Err, agent.ErrRemoteLost)
+	assert.LessOrEqual(t, lost, cfg.LostWithin, "time to report the lost peer")
+}
+
+func ptr[T any](v T) *T { return &v }
