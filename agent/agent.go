@@ -245,6 +245,9 @@ func (a *Agent) noteFallback(peer uuid.UUID, chosen string, why []error) {
 // for it. The segments' local memory must stay alive and untouched until the
 // returned transfer is Done. Safe for concurrent use.
 func (a *Agent) Post(r Request) (*Xfer, error) {
+	if a.isClosed() {
+		return nil, ErrClosed
+	}
 	if r.Op != OpRead && r.Op != OpWrite {
 		return nil, fmt.Errorf("%w: op %v", ErrInvalid, r.Op)
 	}

@@ -181,27 +181,31 @@ func (l *Lease) Release() {
 
 // Open implements Host.
 func (a *Agent) Open(peer uuid.UUID, key Key, acc Access) (*Lease, error) {
-	if a.isClosed() { // Close revokes every exposure: not a refusal, the agent is going away
-		return nil, fmt.Errorf("%w: agent %s is closing", ErrRemoteLost, a.id)
-	}
 	a.expMu.RLock()
 	e := a.exps[key]
 	a.expMu.RUnlock()
-	if e == nil {
-		a.refused.Add(1)
-		return nil, fmt.Errorf("%w: no exposure for key %v (never issued, or revoked)", ErrAccessDenied, key)
+	var refusal error
+	switch {
+	case e == nil:
+		refusal = fmt.Errorf("%w: no exposure for key %v (never issued, or revoked)", ErrAccessDenied, key)
+	case e.access != acc:
+		refusal = fmt.Errorf("%w: %s access to memory exposed for %s", ErrAccessDenied, acc, e.access)
+	default:
+		e.mu.Lock()
+		if !e.revoked {
+			e.leases++
+			e.bind(peer)
+			e.mu.Unlock()
+			return &Lease{e: e}, nil
+		}
+		e.mu.Unlock()
+		refusal = fmt.Errorf("%w: exposure %v revoked", ErrAccessDenied, key)
 	}
-	if e.access != acc {
-		a.refused.Add(1)
-		return nil, fmt.Errorf("%w: %s access to memory exposed for %s", ErrAccessDenied, acc, e.access)
+	// Close revokes every exposure: a peer reaching an agent that is going
+	// away has lost it, and is no abuser.
+	if a.isClosed() {
+		return nil, fmt.Errorf("%w: agent %s is closing", ErrRemoteLost, a.id)
 	}
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	if e.revoked {
-		a.refused.Add(1)
-		return nil, fmt.Errorf("%w: exposure %v revoked", ErrAccessDenied, key)
-	}
-	e.leases++
-	e.bind(peer)
-	return &Lease{e: e}, nil
+	a.refused.Add(1)
+	return nil, refusal
 }

@@ -200,9 +200,12 @@ func (b *Backend) Close() error {
 	}
 	b.wg.Wait()
 	regMu.Lock()
-	if registry[b.id] == b {
-		delete(registry, b.id)
+	registered := registry[b.id] == b
+	if !registered { // Start failed: the ID belongs to another live agent
+		regMu.Unlock()
+		return nil
 	}
+	delete(registry, b.id)
 	others := make([]*Backend, 0, len(registry))
 	for _, o := range registry {
 		others = append(others, o)

@@ -49,7 +49,6 @@ func TestPostToClosedPeer(t *testing.T) {
 // process already has its ID, must not make the other agents believe that
 // the running agent with that ID is lost.
 func TestFailedStartDoesNotReportLiveAgentLost(t *testing.T) {
-	t.Skip("known bug: mem.Backend.Close announces PeerLost(b.id) even when Start failed because another backend owns b.id; remove this skip once fixed")
 	a, p := newAgent(t), newAgent(t)
 	require.NoError(t, a.AddPeer(p.Info()))
 	buf := make([]byte, 64)

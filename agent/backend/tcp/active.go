@@ -484,6 +484,10 @@ func (s *stream) read() {
 	case <-b.stop:
 		err = agent.ErrClosed
 	default:
+		if perr := s.p.failure(); perr != nil {
+			err = perr // another stream failed first and closed this one: report the cause
+			break
+		}
 		if errors.Is(err, errProtocol) {
 			b.host.Refused()
 		}

@@ -186,6 +186,9 @@ func (s *server) access(h *header) error {
 	}
 	iov, denied := s.iov[:0], error(nil)
 	lease, err := s.b.host.Open(s.peer, h.key, acc)
+	if errors.Is(err, agent.ErrRemoteLost) {
+		return err // this agent is closing: drop the connection, the peer sees it lost
+	}
 	if err != nil {
 		denied = err
 	} else {
