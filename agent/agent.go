@@ -74,9 +74,6 @@ type Agent struct {
 	expMu sync.RWMutex
 	exps  map[Key]*Exposure
 
-	peerMu sync.RWMutex
-	peers  map[uuid.UUID]Info
-
 	xferMu sync.Mutex
 	xfers  map[*Xfer]struct{}
 	xferWG sync.WaitGroup
@@ -117,7 +114,6 @@ func New(opts ...Option) (*Agent, error) {
 		log:      o.logger.With("agent", o.id.String()[:8]),
 		regs:     make(map[regKey]*regEntry),
 		exps:     make(map[Key]*Exposure),
-		peers:    make(map[uuid.UUID]Info),
 		xfers:    make(map[*Xfer]struct{}),
 	}
 	seen := map[string]bool{}
@@ -167,33 +163,6 @@ func (a *Agent) Backends() []string {
 // Stats returns the agent's counters.
 func (a *Agent) Stats() Stats {
 	return Stats{Refused: a.refused.Load(), DroppedNotifications: a.dropped.Load()}
-}
-
-// AddPeer loads a remote agent's metadata so transfers can be posted to it.
-// Adding a peer again replaces its connection information.
-func (a *Agent) AddPeer(info Info) error {
-	if info.ID == uuid.Nil {
-		return fmt.Errorf("%w: peer with nil ID", ErrInvalid)
-	}
-	a.peerMu.Lock()
-	defer a.peerMu.Unlock()
-	a.peers[info.ID] = Info{ID: info.ID, Conns: slices.Clone(info.Conns)}
-	return nil
-}
-
-// Peer returns the metadata loaded for a remote agent.
-func (a *Agent) Peer(id uuid.UUID) (Info, bool) {
-	a.peerMu.RLock()
-	defer a.peerMu.RUnlock()
-	i, ok := a.peers[id]
-	return i, ok
-}
-
-// RemovePeer forgets a remote agent's metadata.
-func (a *Agent) RemovePeer(id uuid.UUID) {
-	a.peerMu.Lock()
-	delete(a.peers, id)
-	a.peerMu.Unlock()
 }
 
 func (a *Agent) isClosed() bool { return a.closed.Load() }
@@ -251,9 +220,9 @@ func (a *Agent) Post(r Request) (*Xfer, error) {
 	if r.Op != OpRead && r.Op != OpWrite {
 		return nil, fmt.Errorf("%w: op %v", ErrInvalid, r.Op)
 	}
-	peer, ok := a.Peer(r.Peer)
-	if !ok {
-		return nil, fmt.Errorf("%w: unknown peer %s (call AddPeer first)", ErrInvalid, r.Peer)
+	peer := r.Peer
+	if peer.ID == uuid.Nil {
+		return nil, fmt.Errorf("%w: request names no peer", ErrInvalid)
 	}
 	var total uint64
 	var kinds [2]bool
@@ -280,7 +249,7 @@ func (a *Agent) Post(r Request) (*Xfer, error) {
 	}
 	x := &Xfer{
 		Op: r.Op, Peer: peer, Key: r.Key, Segments: r.Segments, Notify: r.Notify,
-		a: a, backend: b.Name(), bytes: total,
+		a: a, backend: b.Name(), bytes: total, onDone: r.OnDone,
 		cancel: make(chan struct{}), done: make(chan struct{}),
 	}
 	a.xferMu.Lock()
@@ -308,15 +277,16 @@ func (a *Agent) xferDone(x *Xfer) {
 	}
 }
 
-// Notify sends a standalone notification to peer under key, best effort.
-func (a *Agent) Notify(peer uuid.UUID, key Key, msg []byte) error {
+// Notify sends a standalone notification to peer under key, best effort. It
+// may block while the backend connects to the peer.
+func (a *Agent) Notify(peer Info, key Key, msg []byte) error {
 	if a.isClosed() {
 		return ErrClosed
 	}
-	info, ok := a.Peer(peer)
-	if !ok {
-		return fmt.Errorf("%w: unknown peer %s", ErrInvalid, peer)
+	if peer.ID == uuid.Nil {
+		return fmt.Errorf("%w: notification names no peer", ErrInvalid)
 	}
+	info := peer
 	b, err := a.choose(info, "", nil)
 	if err != nil {
 		return err

@@ -463,24 +463,23 @@ func TestCloseWaitsForLeasesAndRefusesUse(t *testing.T) {
 	assert.ErrorIs(t, err, ErrClosed)
 	_, err = a.Register(DRAM(buf))
 	assert.ErrorIs(t, err, ErrClosed)
-	assert.ErrorIs(t, a.Notify(uuid.New(), e.Key(), nil), ErrClosed)
+	assert.ErrorIs(t, a.Notify(Info{ID: uuid.New()}, e.Key(), nil), ErrClosed)
 }
 
 func TestPostValidates(t *testing.T) {
 	a := newTestAgent(t)
 	peer := Info{ID: uuid.New(), Conns: []ConnInfo{{Backend: "stub"}}}
-	require.NoError(t, a.AddPeer(peer))
 	buf := make([]byte, 64)
 	seg := Segment{Local: DRAM(buf), Remote: Region{Addr: 0x1000, Len: 64}}
 	for _, c := range []struct {
 		name string
 		req  Request
 	}{
-		{"bad op", Request{Op: 0, Peer: peer.ID, Segments: []Segment{seg}}},
-		{"unknown peer", Request{Op: OpRead, Peer: uuid.New(), Segments: []Segment{seg}}},
-		{"length mismatch", Request{Op: OpRead, Peer: peer.ID, Segments: []Segment{seg, {Local: DRAM(buf), Remote: Region{Addr: 0x2000, Len: 63}}}}},
-		{"empty local", Request{Op: OpWrite, Peer: peer.ID, Segments: []Segment{{Local: Local{Region: Region{Addr: 0x1000}}}}}},
-		{"DRAM bytes do not match the region", Request{Op: OpWrite, Peer: peer.ID, Segments: []Segment{{Local: Local{Region: Region{Addr: 0x1000, Len: 64}, Mem: buf}, Remote: Region{Addr: 0x1000, Len: 64}}}}},
+		{"bad op", Request{Op: 0, Peer: peer, Segments: []Segment{seg}}},
+		{"no peer", Request{Op: OpRead, Segments: []Segment{seg}}},
+		{"length mismatch", Request{Op: OpRead, Peer: peer, Segments: []Segment{seg, {Local: DRAM(buf), Remote: Region{Addr: 0x2000, Len: 63}}}}},
+		{"empty local", Request{Op: OpWrite, Peer: peer, Segments: []Segment{{Local: Local{Region: Region{Addr: 0x1000}}}}}},
+		{"DRAM bytes do not match the region", Request{Op: OpWrite, Peer: peer, Segments: []Segment{{Local: Local{Region: Region{Addr: 0x1000, Len: 64}, Mem: buf}, Remote: Region{Addr: 0x1000, Len: 64}}}}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			x, err := a.Post(c.req)
@@ -489,11 +488,11 @@ func TestPostValidates(t *testing.T) {
 		})
 	}
 	t.Run("forced backend not configured", func(t *testing.T) {
-		_, err := a.Post(Request{Op: OpRead, Peer: peer.ID, Segments: []Segment{seg}, Backend: "nope"})
+		_, err := a.Post(Request{Op: OpRead, Peer: peer, Segments: []Segment{seg}, Backend: "nope"})
 		require.ErrorIs(t, err, ErrNoBackend)
 	})
 	t.Run("valid", func(t *testing.T) {
-		x, err := a.Post(Request{Op: OpRead, Peer: peer.ID, Segments: []Segment{seg, seg}})
+		x, err := a.Post(Request{Op: OpRead, Peer: peer, Segments: []Segment{seg, seg}})
 		require.NoError(t, err)
 		<-x.Done()
 		require.NoError(t, x.Err())

@@ -26,8 +26,7 @@
 //
 // and on the active side:
 //
-//	_ = b.AddPeer(info)
-//	x, _ := b.Post(agent.Request{Op: agent.OpRead, Peer: info.ID, Key: key, Segments: segs, Notify: []byte("done")})
+//	x, _ := b.Post(agent.Request{Op: agent.OpRead, Peer: info, Key: key, Segments: segs, Notify: []byte("done")})
 //	<-x.Done()
 //	err := x.Err()
 package agent

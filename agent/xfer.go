@@ -5,8 +5,6 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
-
-	"github.com/google/uuid"
 )
 
 // Op is the direction of a one-sided transfer.
@@ -46,8 +44,11 @@ type Segment struct {
 
 // Request describes a transfer to post.
 type Request struct {
-	Op       Op
-	Peer     uuid.UUID // a remote agent added with AddPeer
+	Op Op
+	// Peer is the remote agent, as its metadata describes it. Each request
+	// names its peer in full, from the token it came with, so a forged token
+	// can misdirect only the transfers that use it.
+	Peer     Info
 	Key      Key       // the remote exposure's key
 	Segments []Segment // any number; each Local.Len == Remote.Len
 	// Notify, when non-nil, is delivered to the remote agent under Key once
@@ -55,6 +56,11 @@ type Request struct {
 	Notify []byte
 	// Backend forces a backend by name; empty lets the agent choose.
 	Backend string
+	// OnDone, when set, is called once with the transfer's outcome when it
+	// finishes, on the goroutine that finishes it, before Done is closed. It
+	// must not block; it is how layers above learn of completion without a
+	// goroutine per transfer.
+	OnDone func(x *Xfer, err error)
 }
 
 // Xfer is a transfer in flight: the agent's handle for the caller, and the
@@ -69,6 +75,7 @@ type Xfer struct {
 	a       *Agent
 	backend string
 	bytes   uint64
+	onDone  func(*Xfer, error)
 
 	cancel     chan struct{}
 	cancelOnce sync.Once
@@ -132,6 +139,9 @@ func (x *Xfer) CancelErr() error {
 func (x *Xfer) Finish(err error) {
 	x.doneOnce.Do(func() {
 		x.err = err
+		if x.onDone != nil {
+			x.onDone(x, err)
+		}
 		close(x.done)
 		x.a.xferDone(x)
 	})

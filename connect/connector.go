@@ -29,7 +29,7 @@ type Connector struct {
 	passive map[*passiveOp]struct{}
 	active  map[*activeOp]struct{}
 
-	watchers sync.WaitGroup // one per active operation, until it finishes
+	watchers sync.WaitGroup // one per active operation until it finishes, and its notice to the peer
 
 	closeOnce sync.Once
 	closeErr  error

@@ -298,17 +298,20 @@ func (o *passiveOp) handle(ev agent.Event) {
 	}
 }
 
-// activeOp is the side that moves the bytes. A watcher goroutine, owned by
-// the Connector, finishes it when its transfer is done, so that memory is
-// released and the peer hears of a failure even if nobody calls Wait.
+// activeOp is the side that moves the bytes. Its transfer's completion
+// callback finishes it, so that memory is released and the peer hears of a
+// failure even if nobody calls Wait, without a goroutine per operation.
 type activeOp struct {
 	c    *Connector
 	name string // "read" or "write"
 	x    *agent.Xfer
-	peer uuid.UUID
+	peer agent.Info
 	key  agent.Key
 	regs []*agent.Registration
-	stop func() bool // detaches the transfer from Begin's context
+
+	mu       sync.Mutex
+	stop     func() bool // detaches the transfer from Begin's context
+	finished bool
 
 	err  error         // the outcome, set before done is closed
 	done chan struct{} // closed when finished
@@ -348,54 +351,71 @@ func (c *Connector) begin(ctx context.Context, o *activeOp, op agent.Op, md Meta
 	if err != nil {
 		return err
 	}
-	*o = activeOp{c: c, name: op.String(), peer: md.peer.ID, key: md.key, regs: regs, done: make(chan struct{})}
-	if err := c.a.AddPeer(md.peer); err != nil {
-		_ = release(regs)
-		return fmt.Errorf("%w: %w", ErrInvalidMetadata, err)
-	}
-	x, err := c.a.Post(agent.Request{
-		Op: op, Peer: md.peer.ID, Key: md.key, Segments: segs,
-		Notify: encodeNotice(noticeDone, ""), Backend: c.force,
-	})
-	if err != nil {
-		_ = release(regs)
-		err = &TransferError{Op: o.name, Remote: o.peer.String(), Backend: c.force, Err: err}
-		o.tellPeer(err)
-		return err
-	}
-	o.x = x
-	o.stop = context.AfterFunc(ctx, func() { x.Cancel(ctx.Err()) })
-	c.log.Debug("connect: transfer posted", "op", o.name, "peer", o.peer, "backend", x.Backend(), "descriptors", len(segs), "bytes", x.Bytes())
+	*o = activeOp{c: c, name: op.String(), peer: md.peer, key: md.key, regs: regs, done: make(chan struct{})}
+	// Tracked before posting: a small transfer may finish inside Post.
 	c.mu.Lock()
 	c.active[o] = struct{}{}
 	c.watchers.Add(1)
 	c.mu.Unlock()
-	go o.watch()
+	x, err := c.a.Post(agent.Request{
+		Op: op, Peer: md.peer, Key: md.key, Segments: segs,
+		Notify: encodeNotice(noticeDone, ""), Backend: c.force,
+		OnDone: o.finish,
+	})
+	if err != nil {
+		c.mu.Lock()
+		delete(c.active, o)
+		c.mu.Unlock()
+		_ = release(regs)
+		err = &TransferError{Op: o.name, Remote: o.peer.ID.String(), Backend: c.force, Err: err}
+		o.tellPeer(err)
+		c.watchers.Done()
+		return err
+	}
+	o.x = x
+	stop := context.AfterFunc(ctx, func() { x.Cancel(ctx.Err()) })
+	o.mu.Lock()
+	if o.finished {
+		stop()
+	} else {
+		o.stop = stop
+	}
+	o.mu.Unlock()
+	c.log.Debug("connect: transfer posted", "op", o.name, "peer", o.peer.ID, "backend", x.Backend(), "descriptors", len(segs), "bytes", x.Bytes())
 	return nil
 }
 
-// watch finishes the operation once its transfer is done.
-func (o *activeOp) watch() {
-	defer o.c.watchers.Done()
-	<-o.x.Done()
-	o.stop()
-	if err := release(o.regs); err != nil {
-		o.c.log.Warn("connect: releasing memory failed", "op", o.name, "err", err)
+// finish is the transfer's completion callback: it runs once, on the
+// backend's goroutine, and must not block.
+func (o *activeOp) finish(x *agent.Xfer, err error) {
+	o.mu.Lock()
+	o.finished = true
+	if o.stop != nil {
+		o.stop()
 	}
-	err := o.x.Err()
+	o.mu.Unlock()
+	if rerr := release(o.regs); rerr != nil {
+		o.c.log.Warn("connect: releasing memory failed", "op", o.name, "err", rerr)
+	}
 	if err != nil {
-		err = &TransferError{Op: o.name, Remote: o.peer.String(), Backend: o.x.Backend(), Err: err}
+		err = &TransferError{Op: o.name, Remote: o.peer.ID.String(), Backend: x.Backend(), Err: err}
 	}
 	o.err = err
 	close(o.done)
-	o.c.mu.Lock()
-	delete(o.c.active, o)
-	o.c.mu.Unlock()
-	// After done, so that Wait does not wait on a slow peer; the Connector
-	// still waits for it on Close.
-	if err != nil {
-		o.tellPeer(err)
+	c := o.c
+	c.mu.Lock()
+	delete(c.active, o)
+	c.mu.Unlock()
+	if err == nil {
+		c.watchers.Done()
+		return
 	}
+	// Telling the peer may block on the network: off the backend's
+	// goroutine, still owned by the Connector, which waits for it on Close.
+	go func() {
+		defer c.watchers.Done()
+		o.tellPeer(err)
+	}()
 }
 
 // tellPeer tells the passive side, best effort, that the operation failed or
@@ -410,7 +430,7 @@ func (o *activeOp) tellPeer(err error) {
 		code = noticeCancelled
 	}
 	if nerr := o.c.a.Notify(o.peer, o.key, encodeNotice(code, err.Error())); nerr != nil {
-		o.c.log.Debug("connect: could not tell the peer about a failed transfer", "op", o.name, "peer", o.peer, "err", nerr)
+		o.c.log.Debug("connect: could not tell the peer about a failed transfer", "op", o.name, "peer", o.peer.ID, "err", nerr)
 	}
 }
 

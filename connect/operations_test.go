@@ -512,10 +512,9 @@ func TestPeerLost(t *testing.T) {
 
 	pop := expose(t, passive, KindWrite, buffers([]int{64}, 1))
 	md := pop.Metadata()
-	require.NoError(t, activeConn.a.AddPeer(md.peer))
 	// A message of a code this version does not know: the peer binds
 	// the exposure, nothing more.
-	require.NoError(t, activeConn.a.Notify(md.peer.ID, md.key, []byte{0xee, 'x'}))
+	require.NoError(t, activeConn.a.Notify(md.peer, md.key, []byte{0xee, 'x'}))
 	require.Eventually(t, func() bool { return pop.Status() == StatusInProgress }, hangGuard, time.Millisecond)
 	require.NoError(t, activeConn.Close())
 
@@ -574,9 +573,8 @@ func TestMalformedNotificationsIgnored(t *testing.T) {
 	src := buffers([]int{64}, 1)
 	pop := expose(t, passive, KindRead, src)
 	md := pop.Metadata()
-	require.NoError(t, activeConn.a.AddPeer(md.peer))
 	for _, msg := range [][]byte{{}, {0}, {4, 'x'}, {0xff}} {
-		require.NoError(t, activeConn.a.Notify(md.peer.ID, md.key, msg))
+		require.NoError(t, activeConn.a.Notify(md.peer, md.key, msg))
 	}
 	assert.Equal(t, StatusInProgress, pop.Status(), "the peer is known, nothing is decided")
 
@@ -592,8 +590,7 @@ func TestPeerReportsFailure(t *testing.T) {
 	passive, activeConn := pair(t, "mem")
 	pop := expose(t, passive, KindRead, buffers([]int{64}, 1))
 	md := pop.Metadata()
-	require.NoError(t, activeConn.a.AddPeer(md.peer))
-	require.NoError(t, activeConn.a.Notify(md.peer.ID, md.key, encodeNotice(noticeFailed, "disk on fire\n")))
+	require.NoError(t, activeConn.a.Notify(md.peer, md.key, encodeNotice(noticeFailed, "disk on fire\n")))
 	err := pop.Wait(ctx)
 	require.ErrorIs(t, err, errPeerFailed)
 	assert.NotErrorIs(t, err, ErrCancelled)

@@ -62,7 +62,7 @@ func testAbuse(t *testing.T, cfg Config) {
 			ab, aSeed := side(t, a, []int{abuseSegLen})
 			e := expose(t, p, c.expose, pb)
 			region := pb.locals[0].Region
-			r := agent.Request{Op: c.op, Peer: p.ID(), Key: e.Key(), Segments: []agent.Segment{{
+			r := agent.Request{Op: c.op, Peer: p.Info(), Key: e.Key(), Segments: []agent.Segment{{
 				Local:  ab.locals[0],
 				Remote: agent.Region{Addr: region.Addr + 8<<10, Len: abuseSegLen},
 			}}}

@@ -24,7 +24,7 @@ import (
 // line on stdin, answering each with one JSON response line on stdout:
 //
 //	info                              -> info: the child agent's Info
-//	add-peer   info                   -> AddPeer(info)
+//	add-peer   info                   -> remember info for later posts
 //	expose     access sizes seed      -> id key regions: buffers filled with pattern seed, registered, exposed
 //	verify     id seed                -> whether exposure id's buffers hold pattern seed, guards intact
 //	revoke     id                     -> Revoke
@@ -118,6 +118,7 @@ func release(regs []*agent.Registration) {
 
 type childAgent struct {
 	a     *agent.Agent
+	peers map[uuid.UUID]agent.Info // from add-peer; posts name peers by ID
 	exps  map[int]*childExposure
 	xfers []*childXfer
 }
@@ -135,7 +136,7 @@ func runChild(f Factory, in io.Reader, out io.Writer) int {
 		fmt.Fprintln(os.Stderr, "backendtest child: agent.New:", err)
 		return 2
 	}
-	c := &childAgent{a: a, exps: map[int]*childExposure{}}
+	c := &childAgent{a: a, peers: map[uuid.UUID]agent.Info{}, exps: map[int]*childExposure{}}
 	defer c.close()
 	sc := bufio.NewScanner(in)
 	sc.Buffer(make([]byte, 64<<10), 64<<20)
@@ -183,9 +184,7 @@ func (c *childAgent) handle(req request) response {
 		if req.Info == nil {
 			return fail(errors.New("add-peer without info"))
 		}
-		if err := c.a.AddPeer(*req.Info); err != nil {
-			return fail(err)
-		}
+		c.peers[req.Info.ID] = *req.Info
 		return response{}
 	case "expose":
 		b := newBuffers(req.Sizes)
@@ -263,7 +262,12 @@ func (c *childAgent) post(req request) response {
 	if err != nil {
 		return fail(err)
 	}
-	x, err := c.a.Post(agent.Request{Op: req.Op, Peer: req.Peer, Key: agent.Key(req.Key), Segments: segments(b, req.Regions, req.Seed), Notify: req.Notify})
+	peer, ok := c.peers[req.Peer]
+	if !ok {
+		release(regs)
+		return fail(fmt.Errorf("post to peer %s, never added", req.Peer))
+	}
+	x, err := c.a.Post(agent.Request{Op: req.Op, Peer: peer, Key: agent.Key(req.Key), Segments: segments(b, req.Regions, req.Seed), Notify: req.Notify})
 	if err != nil {
 		release(regs)
 		return fail(err)

@@ -20,7 +20,6 @@ func testCrossProcess(t *testing.T, cfg Config) {
 	needMain(t)
 	a := newAgent(t, cfg)
 	c := startChild(t)
-	require.NoError(t, a.AddPeer(c.info))
 	c.must(request{Cmd: "add-peer", Info: ptr(a.Info())})
 	if !cfg.CrossProcess {
 		t.Run("NoBackend", func(t *testing.T) { noBackend(t, a, c) })
@@ -43,7 +42,7 @@ func testCrossProcess(t *testing.T, cfg Config) {
 	t.Run("Notify", func(t *testing.T) {
 		r := c.must(request{Cmd: "expose", Access: agent.AccessRead, Sizes: []int{1}, Seed: nextSeed()})
 		msg := []byte("standalone across processes")
-		require.NoError(t, a.Notify(c.info.ID, agent.Key(r.Key), msg))
+		require.NoError(t, a.Notify(c.info, agent.Key(r.Key), msg))
 		ev := c.must(request{Cmd: "wait-event", ID: r.ID}).Event
 		require.Equal(t, agent.EventNotify, ev.Kind, "event %+v", ev)
 		assert.Equal(t, a.ID(), ev.From)
@@ -59,7 +58,7 @@ func parentActive(t *testing.T, a *agent.Agent, c *child, op agent.Op, sizes []i
 	defer c.must(request{Cmd: "revoke", ID: r.ID})
 	ab, aSeed := side(t, a, sizes)
 	notify := []byte(fmt.Sprintf("parent %v done", op))
-	x, err := a.Post(agent.Request{Op: op, Peer: c.info.ID, Key: agent.Key(r.Key), Segments: segments(ab, r.Regions, pSeed), Notify: notify})
+	x, err := a.Post(agent.Request{Op: op, Peer: c.info, Key: agent.Key(r.Key), Segments: segments(ab, r.Regions, pSeed), Notify: notify})
 	require.NoError(t, err)
 	require.NoError(t, waitXfer(t, x), "%v over %s", op, x.Backend())
 	want := pSeed
@@ -106,7 +105,7 @@ func parentAbuse(t *testing.T, a *agent.Agent, c *child, op agent.Op) {
 			defer c.must(request{Cmd: "revoke", ID: r.ID})
 			lb, aSeed := side(t, a, []int{abuseSegLen})
 			region := r.Regions[0]
-			req := agent.Request{Op: op, Peer: c.info.ID, Key: agent.Key(r.Key), Segments: []agent.Segment{{
+			req := agent.Request{Op: op, Peer: c.info, Key: agent.Key(r.Key), Segments: []agent.Segment{{
 				Local: lb.locals[0], Remote: agent.Region{Addr: region.Addr + 8<<10, Len: abuseSegLen},
 			}}}
 			ab.tamper(&req, nil, region)
@@ -126,7 +125,7 @@ func parentAbuse(t *testing.T, a *agent.Agent, c *child, op agent.Op) {
 		r := c.must(request{Cmd: "expose", Access: op.Access(), Sizes: []int{abuseRegionLen}, Seed: pSeed})
 		c.must(request{Cmd: "revoke", ID: r.ID})
 		lb, aSeed := side(t, a, []int{abuseRegionLen})
-		x, err := a.Post(agent.Request{Op: op, Peer: c.info.ID, Key: agent.Key(r.Key), Segments: segments(lb, r.Regions, 0)})
+		x, err := a.Post(agent.Request{Op: op, Peer: c.info, Key: agent.Key(r.Key), Segments: segments(lb, r.Regions, 0)})
 		if err == nil {
 			err = waitXfer(t, x)
 		}
@@ -176,11 +175,11 @@ func noBackend(t *testing.T, a *agent.Agent, c *child) {
 	r := c.must(request{Cmd: "expose", Access: agent.AccessRead, Sizes: []int{4 << 10}, Seed: pSeed})
 	lb, aSeed := side(t, a, []int{4 << 10})
 	for _, op := range ops {
-		x, err := a.Post(agent.Request{Op: op, Peer: c.info.ID, Key: agent.Key(r.Key), Segments: segments(lb, r.Regions, 0)})
+		x, err := a.Post(agent.Request{Op: op, Peer: c.info, Key: agent.Key(r.Key), Segments: segments(lb, r.Regions, 0)})
 		require.ErrorIs(t, err, agent.ErrNoBackend, "%v from the parent to the child", op)
 		require.Nil(t, x)
 	}
-	require.ErrorIs(t, a.Notify(c.info.ID, agent.Key(r.Key), []byte("hello")), agent.ErrNoBackend, "Notify to the child")
+	require.ErrorIs(t, a.Notify(c.info, agent.Key(r.Key), []byte("hello")), agent.ErrNoBackend, "Notify to the child")
 	c.must(request{Cmd: "verify", ID: r.ID, Seed: pSeed})
 	require.NoError(t, lb.check(aSeed))
 

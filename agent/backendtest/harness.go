@@ -30,13 +30,10 @@ func newAgentBackends(t *testing.T, cfg Config) (*agent.Agent, []agent.Backend) 
 	return a, bs
 }
 
-// newPair starts an active and a passive agent that know each other.
+// newPair starts an active and a passive agent.
 func newPair(t *testing.T, cfg Config) (active, passive *agent.Agent) {
 	t.Helper()
-	active, passive = newAgent(t, cfg), newAgent(t, cfg)
-	require.NoError(t, active.AddPeer(passive.Info()))
-	require.NoError(t, passive.AddPeer(active.Info()))
-	return active, passive
+	return newAgent(t, cfg), newAgent(t, cfg)
 }
 
 // expose exposes b on a for acc and revokes the exposure when the test ends.

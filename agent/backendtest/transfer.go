@@ -71,7 +71,7 @@ func transfer(t *testing.T, a, p *agent.Agent, op agent.Op, sizes []int, notify 
 	pb, pSeed := side(t, p, sizes)
 	ab, aSeed := side(t, a, sizes)
 	e := expose(t, p, op.Access(), pb)
-	x, err := a.Post(agent.Request{Op: op, Peer: p.ID(), Key: e.Key(), Segments: segments(ab, pb.regions(), pSeed), Notify: notify})
+	x, err := a.Post(agent.Request{Op: op, Peer: p.Info(), Key: e.Key(), Segments: segments(ab, pb.regions(), pSeed), Notify: notify})
 	require.NoError(t, err, "Post")
 	want := pSeed
 	if op == agent.OpWrite {
@@ -129,7 +129,7 @@ func testNotify(t *testing.T, cfg Config) {
 		t.Run("Standalone/"+m.name, func(t *testing.T) {
 			pb, _ := side(t, p, []int{4 << 10})
 			e := expose(t, p, agent.AccessWrite, pb)
-			require.NoError(t, a.Notify(p.ID(), e.Key(), m.msg))
+			require.NoError(t, a.Notify(p.Info(), e.Key(), m.msg))
 			ev := waitEvent(t, e, hangGuard)
 			require.Equal(t, agent.EventNotify, ev.Kind, "event %+v", ev)
 			assert.Equal(t, a.ID(), ev.From)
@@ -139,7 +139,7 @@ func testNotify(t *testing.T, cfg Config) {
 	}
 	t.Run("Standalone/UnknownKey", func(t *testing.T) {
 		before := p.Stats().DroppedNotifications
-		require.NoError(t, a.Notify(p.ID(), agent.NewKey(), []byte("nobody listens")))
+		require.NoError(t, a.Notify(p.Info(), agent.NewKey(), []byte("nobody listens")))
 		eventually(t, func() bool { return p.Stats().DroppedNotifications > before }, "the passive agent counts a notification for an unknown key as dropped")
 	})
 	t.Run("Standalone/Revoked", func(t *testing.T) {
@@ -147,7 +147,7 @@ func testNotify(t *testing.T, cfg Config) {
 		e := expose(t, p, agent.AccessRead, pb)
 		e.Revoke()
 		before := p.Stats().DroppedNotifications
-		require.NoError(t, a.Notify(p.ID(), e.Key(), []byte("too late")))
+		require.NoError(t, a.Notify(p.Info(), e.Key(), []byte("too late")))
 		eventually(t, func() bool { return p.Stats().DroppedNotifications > before }, "the passive agent counts a notification for a revoked key as dropped")
 		noEvent(t, e)
 	})
@@ -227,7 +227,7 @@ func worker(a, p *agent.Agent, e *agent.Exposure, op agent.Op, region agent.Regi
 		if op == agent.OpRead {
 			clear(buf)
 		}
-		x, err := a.Post(agent.Request{Op: op, Peer: p.ID(), Key: e.Key(), Segments: segs})
+		x, err := a.Post(agent.Request{Op: op, Peer: p.Info(), Key: e.Key(), Segments: segs})
 		if err != nil {
 			return fmt.Errorf("round %d: Post: %w", r, err)
 		}
@@ -253,7 +253,6 @@ func worker(a, p *agent.Agent, e *agent.Exposure, op agent.Op, region agent.Regi
 func testUnsupported(t *testing.T, cfg Config) {
 	a, bs := newAgentBackends(t, cfg)
 	p := newAgent(t, cfg)
-	require.NoError(t, a.AddPeer(p.Info()))
 	for _, b := range bs {
 		if b.Supports(agent.KindVRAM) {
 			t.Skipf("backend %s supports VRAM", b.Name())
@@ -261,7 +260,7 @@ func testUnsupported(t *testing.T, cfg Config) {
 	}
 	for _, op := range ops {
 		x, err := a.Post(agent.Request{
-			Op: op, Peer: p.ID(), Key: agent.NewKey(),
+			Op: op, Peer: p.Info(), Key: agent.NewKey(),
 			Segments: []agent.Segment{{
 				Local:  agent.Device(0x10000, 4096, agent.KindVRAM, 0),
 				Remote: agent.Region{Addr: 0x20000, Len: 4096, Kind: agent.KindVRAM},
@@ -299,7 +298,7 @@ func testRegistration(t *testing.T, cfg Config) {
 	require.NoError(t, err)
 	defer e.Revoke()
 	lb, _ := side(t, a, []int{len(buf)})
-	x, err := a.Post(agent.Request{Op: agent.OpRead, Peer: p.ID(), Key: e.Key(), Segments: []agent.Segment{{Local: lb.locals[0], Remote: l.Region}}})
+	x, err := a.Post(agent.Request{Op: agent.OpRead, Peer: p.Info(), Key: e.Key(), Segments: []agent.Segment{{Local: lb.locals[0], Remote: l.Region}}})
 	require.NoError(t, err)
 	require.NoError(t, waitXfer(t, x))
 	require.NoError(t, lb.check(seed), "memory still registered serves a READ")

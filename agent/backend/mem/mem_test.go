@@ -32,17 +32,16 @@ func TestPostToClosedPeer(t *testing.T) {
 	a := newAgent(t)
 	p, err := agent.New(agent.WithBackends(mem.New()))
 	require.NoError(t, err)
-	require.NoError(t, a.AddPeer(p.Info()))
 	buf := make([]byte, 64)
 	e, err := p.Expose(agent.AccessRead, []agent.Local{agent.DRAM(buf)})
 	require.NoError(t, err)
 	require.NoError(t, p.Close())
 
-	x, err := a.Post(agent.Request{Op: agent.OpRead, Peer: p.ID(), Key: e.Key(), Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 64)), Remote: agent.DRAM(buf).Region}}})
+	x, err := a.Post(agent.Request{Op: agent.OpRead, Peer: p.Info(), Key: e.Key(), Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 64)), Remote: agent.DRAM(buf).Region}}})
 	require.ErrorIs(t, err, agent.ErrNoBackend)
 	require.ErrorIs(t, err, agent.ErrRemoteLost)
 	require.Nil(t, x)
-	require.ErrorIs(t, a.Notify(p.ID(), e.Key(), []byte("x")), agent.ErrNoBackend)
+	require.ErrorIs(t, a.Notify(p.Info(), e.Key(), []byte("x")), agent.ErrNoBackend)
 }
 
 // An agent whose mem backend fails to start, because another agent of this
@@ -50,12 +49,11 @@ func TestPostToClosedPeer(t *testing.T) {
 // the running agent with that ID is lost.
 func TestFailedStartDoesNotReportLiveAgentLost(t *testing.T) {
 	a, p := newAgent(t), newAgent(t)
-	require.NoError(t, a.AddPeer(p.Info()))
 	buf := make([]byte, 64)
 	e, err := p.Expose(agent.AccessRead, []agent.Local{agent.DRAM(buf)})
 	require.NoError(t, err)
 	defer e.Revoke()
-	x, err := a.Post(agent.Request{Op: agent.OpRead, Peer: p.ID(), Key: e.Key(), Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 64)), Remote: agent.DRAM(buf).Region}}})
+	x, err := a.Post(agent.Request{Op: agent.OpRead, Peer: p.Info(), Key: e.Key(), Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 64)), Remote: agent.DRAM(buf).Region}}})
 	require.NoError(t, err)
 	<-x.Done()
 	require.NoError(t, x.Err())

@@ -21,6 +21,12 @@ import (
 // goroutine, sparing small transfers a goroutine hand-off.
 const inlineMax = 64 << 10
 
+// peerKey names a remote agent at one address.
+type peerKey struct {
+	id   uuid.UUID
+	addr string
+}
+
 // peer is the dialling side's state for one remote agent: its data streams
 // and its control connection.
 type peer struct {
@@ -190,18 +196,21 @@ func (b *Backend) peerFor(info agent.Info) (*peer, error) {
 	if b.closed {
 		return nil, agent.ErrClosed
 	}
-	b.wg.Add(1) // the transfer's, released by xstate.finish or by the caller on error
-	if p := b.peers[info.ID]; p != nil {
-		return p, nil
-	}
 	raw, _ := info.Conn(Name)
 	ci, err := parseConnInfo(raw)
 	if err != nil {
-		b.wg.Done()
 		return nil, fmt.Errorf("tcp: peer %s: %w: %v", info.ID, agent.ErrInvalid, err)
 	}
+	b.wg.Add(1) // the transfer's, released by xstate.finish or by the caller on error
+	// Connections are keyed by identity and address together: a token that
+	// claims a known agent's identity at another address gets connections
+	// of its own and never redirects anyone else's transfers.
+	k := peerKey{info.ID, ci.addr}
+	if p := b.peers[k]; p != nil {
+		return p, nil
+	}
 	p := &peer{b: b, id: info.ID, addr: ci.addr, ready: make(chan struct{}), dead: make(chan struct{})}
-	b.peers[info.ID] = p
+	b.peers[k] = p
 	b.wg.Add(1)
 	go p.dial()
 	return p, nil
@@ -359,8 +368,8 @@ func (p *peer) fail(err error, report bool) {
 		close(p.dead)
 		b := p.b
 		b.mu.Lock()
-		if b.peers[p.id] == p {
-			delete(b.peers, p.id)
+		if k := (peerKey{p.id, p.addr}); b.peers[k] == p {
+			delete(b.peers, k)
 		}
 		b.mu.Unlock()
 		for _, s := range p.streams {

@@ -45,7 +45,7 @@ type Backend struct {
 
 	mu     sync.Mutex
 	closed bool
-	peers  map[uuid.UUID]*peer
+	peers  map[peerKey]*peer
 	conns  map[*wconn]struct{}
 
 	wg   sync.WaitGroup
@@ -55,7 +55,7 @@ type Backend struct {
 // New returns a TCP backend for one agent. Invalid options are reported by
 // Start, that is by the agent's constructor.
 func New(opts ...Option) *Backend {
-	b := &Backend{cfg: defaults(), peers: map[uuid.UUID]*peer{}, conns: map[*wconn]struct{}{}, stop: make(chan struct{})}
+	b := &Backend{cfg: defaults(), peers: map[peerKey]*peer{}, conns: map[*wconn]struct{}{}, stop: make(chan struct{})}
 	var errs []error
 	for _, o := range opts {
 		if err := o.apply(&b.cfg); err != nil {

@@ -192,7 +192,6 @@ func BenchmarkTCP(b *testing.B) {
 	a, err := agent.New(agent.WithBackends(tcp.New()))
 	require.NoError(b, err)
 	defer a.Close()
-	require.NoError(b, a.AddPeer(ch.hello.Info))
 	local := make([]byte, childSize)
 	for _, op := range []agent.Op{agent.OpRead, agent.OpWrite} {
 		for _, sh := range shapes {
@@ -213,7 +212,7 @@ func BenchmarkTCP(b *testing.B) {
 				b.ReportAllocs()
 				b.ResetTimer()
 				for b.Loop() {
-					x, err := a.Post(agent.Request{Op: op, Peer: ch.hello.Info.ID, Key: key, Segments: segs})
+					x, err := a.Post(agent.Request{Op: op, Peer: ch.hello.Info, Key: key, Segments: segs})
 					if err != nil {
 						b.Fatal(err)
 					}
@@ -285,7 +284,7 @@ func BenchmarkLatency4KiB(b *testing.B) {
 		exp, err := pa.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
 		require.NoError(b, err)
 		segs := []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.DRAM(src).Region}}
-		req := agent.Request{Op: agent.OpRead, Peer: pa.ID(), Key: exp.Key(), Segments: segs, Notify: []byte{1}}
+		req := agent.Request{Op: agent.OpRead, Peer: pa.Info(), Key: exp.Key(), Segments: segs, Notify: []byte{1}}
 		lat := make([]time.Duration, 0, 1<<16)
 		b.ReportAllocs()
 		for b.Loop() {

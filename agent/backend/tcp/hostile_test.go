@@ -207,10 +207,9 @@ func TestSilentPassivePeer(t *testing.T) {
 	}()
 	a, _ := newAgent(t, WithKeepalive(50*time.Millisecond, 300*time.Millisecond))
 	ci := connInfo{host: hostIdentity(), addr: ln.Addr().String()}
-	require.NoError(t, a.AddPeer(agent.Info{ID: fake, Conns: []agent.ConnInfo{{Backend: Name, Data: ci.marshal()}}}))
 	dst := make([]byte, 1<<20)
 	start := time.Now()
-	x, err := a.Post(agent.Request{Op: agent.OpRead, Peer: fake, Key: agent.NewKey(),
+	x, err := a.Post(agent.Request{Op: agent.OpRead, Peer: agent.Info{ID: fake, Conns: []agent.ConnInfo{{Backend: Name, Data: ci.marshal()}}}, Key: agent.NewKey(),
 		Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: 1 << 20}}}})
 	require.NoError(t, err)
 	select {
@@ -290,4 +289,75 @@ func FuzzServerFrames(f *testing.F) {
 			t.Fatal("read-only exposed memory changed")
 		}
 	})
+}
+
+// A token that claims a known agent's identity at another address gets
+// connections of its own: transfers made with the genuine token still go to
+// the genuine agent, and their keys never reach the impostor.
+func TestForgedIdentityDoesNotRedirect(t *testing.T) {
+	victim, _ := newAgent(t)
+	src := bytes.Repeat([]byte{7}, 4096)
+	exp, err := victim.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
+	require.NoError(t, err)
+
+	// The impostor answers handshakes as the victim and records every key
+	// it is sent.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.Close()
+	keys := make(chan agent.Key, 64)
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				var hs [hsSize]byte
+				if _, err := io.ReadFull(c, hs[:]); err != nil {
+					return
+				}
+				putHandshake(hs[:], 0, victim.ID(), uuid.Nil)
+				_, _ = c.Write(hs[:])
+				var hb [hdrSize]byte
+				for {
+					if _, err := io.ReadFull(c, hb[:]); err != nil {
+						return
+					}
+					var h header
+					h.get(hb[:])
+					keys <- h.key
+					return // hang up, so the decoy fails at once
+				}
+			}()
+		}
+	}()
+
+	active, _ := newAgent(t)
+	forged := connInfo{host: hostIdentity(), addr: ln.Addr().String()}
+	forgedInfo := agent.Info{ID: victim.ID(), Conns: []agent.ConnInfo{{Backend: Name, Data: forged.marshal()}}}
+	dst := make([]byte, 4096)
+	seg := []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.DRAM(src).Region}}
+	decoy, err := active.Post(agent.Request{Op: agent.OpRead, Peer: forgedInfo, Key: agent.NewKey(), Segments: seg})
+	require.NoError(t, err)
+	<-decoy.Done()
+	require.ErrorIs(t, decoy.Err(), agent.ErrRemoteLost)
+	require.Len(t, keys, 1, "the impostor got the forged token's transfer")
+
+	for range 3 {
+		x, err := active.Post(agent.Request{Op: agent.OpRead, Peer: victim.Info(), Key: exp.Key(), Segments: seg})
+		require.NoError(t, err)
+		<-x.Done()
+		require.NoError(t, x.Err())
+		require.Equal(t, src, dst)
+	}
+	for {
+		select {
+		case k := <-keys:
+			require.NotEqual(t, exp.Key(), k, "the genuine key reached the impostor")
+		default:
+			return
+		}
+	}
 }

@@ -18,7 +18,6 @@ func pair(t testing.TB, opts ...tcp.Option) (a, b *agent.Agent) {
 	b, err = agent.New(agent.WithBackends(tcp.New(opts...)))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = a.Close(); _ = b.Close() })
-	require.NoError(t, b.AddPeer(a.Info()))
 	return a, b
 }
 
@@ -32,7 +31,7 @@ func TestSmokeReadWrite(t *testing.T) {
 		exp, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
 		require.NoError(t, err)
 		dst := make([]byte, size)
-		x, err := b.Post(agent.Request{Op: agent.OpRead, Peer: a.ID(), Key: exp.Key(),
+		x, err := b.Post(agent.Request{Op: agent.OpRead, Peer: a.Info(), Key: exp.Key(),
 			Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.DRAM(src).Region}}, Notify: []byte("ok")})
 		require.NoError(t, err)
 		<-x.Done()
@@ -49,7 +48,7 @@ func TestSmokeReadWrite(t *testing.T) {
 		wexp, err := a.Expose(agent.AccessWrite, []agent.Local{agent.DRAM(dst)})
 		require.NoError(t, err)
 		clear(dst)
-		x, err = b.Post(agent.Request{Op: agent.OpWrite, Peer: a.ID(), Key: wexp.Key(),
+		x, err = b.Post(agent.Request{Op: agent.OpWrite, Peer: a.Info(), Key: wexp.Key(),
 			Segments: []agent.Segment{{Local: agent.DRAM(src), Remote: agent.DRAM(dst).Region}}})
 		require.NoError(t, err)
 		<-x.Done()
