@@ -117,7 +117,7 @@ func New(opts ...Option) (*Agent, error) {
 		xfers:    make(map[*Xfer]struct{}),
 	}
 	seen := map[string]bool{}
-	for i, b := range a.backends {
+	for _, b := range a.backends {
 		if seen[b.Name()] {
 			closeAll(a.backends)
 			return nil, fmt.Errorf("%w: backend %q given twice", ErrInvalid, b.Name())
@@ -125,8 +125,7 @@ func New(opts ...Option) (*Agent, error) {
 		seen[b.Name()] = true
 		ci, err := b.Start(a)
 		if err != nil {
-			closeAll(a.backends[:i+1])
-			closeAll(a.backends[i+1:])
+			closeAll(a.backends)
 			return nil, fmt.Errorf("start backend %s: %w", b.Name(), err)
 		}
 		a.conns = append(a.conns, ConnInfo{Backend: b.Name(), Data: ci})
@@ -224,6 +223,9 @@ func (a *Agent) Post(r Request) (*Xfer, error) {
 	if peer.ID == uuid.Nil {
 		return nil, fmt.Errorf("%w: request names no peer", ErrInvalid)
 	}
+	if len(r.Segments) == 0 {
+		return nil, fmt.Errorf("%w: request has no segments", ErrInvalid)
+	}
 	var total uint64
 	var kinds [2]bool
 	for i, s := range r.Segments {
@@ -286,12 +288,11 @@ func (a *Agent) Notify(peer Info, key Key, msg []byte) error {
 	if peer.ID == uuid.Nil {
 		return fmt.Errorf("%w: notification names no peer", ErrInvalid)
 	}
-	info := peer
-	b, err := a.choose(info, "", nil)
+	b, err := a.choose(peer, "", nil)
 	if err != nil {
 		return err
 	}
-	return b.Notify(info, key, msg)
+	return b.Notify(peer, key, msg)
 }
 
 // Deliver implements Host. The notification is dispatched on the caller's

@@ -197,7 +197,7 @@ func TestRevokeWaitsForLeases(t *testing.T) {
 	e, err := a.Expose(AccessWrite, []Local{DRAM(buf)})
 	require.NoError(t, err)
 
-	var leases []*Lease
+	var leases []Lease
 	for range 3 {
 		l, err := a.Open(peer, e.Key(), AccessWrite)
 		require.NoError(t, err)
@@ -283,7 +283,7 @@ func TestOpenRefusalsAreCounted(t *testing.T) {
 			before := a.Stats().Refused
 			l, err := a.Open(peer, c.key, c.acc)
 			require.ErrorIs(t, err, ErrAccessDenied)
-			require.Nil(t, l)
+			require.Zero(t, l, "a refused Open grants no lease")
 			assert.Equal(t, before+1, a.Stats().Refused)
 		})
 	}

@@ -49,7 +49,7 @@ type Host interface {
 	// reached through Lease.Slice while the lease is held, and the lease
 	// released promptly: revocation waits for outstanding leases. Refused
 	// accesses return an error wrapping ErrAccessDenied and are counted.
-	Open(peer uuid.UUID, key Key, acc Access) (*Lease, error)
+	Open(peer uuid.UUID, key Key, acc Access) (Lease, error)
 	// Deliver hands an incoming notification to the exposure owning key. It
 	// never blocks, and returns false once the agent is closed.
 	Deliver(from uuid.UUID, key Key, msg []byte) bool

@@ -135,6 +135,8 @@ func (e *Exposure) bind(peer uuid.UUID) {
 
 // Lease is a short-lived grant to touch an exposure's memory. Backends hold
 // one around each remote access (a frame, a copy) and release it promptly.
+// A Lease is a value with one owner: it is not safe for concurrent use. The
+// zero Lease holds nothing.
 type Lease struct {
 	e    *Exposure
 	done bool
@@ -165,9 +167,10 @@ func (l *Lease) Region(addr, n uint64) (Region, bool) {
 	return r.Region, ok
 }
 
-// Release ends the lease. It is idempotent per lease.
+// Release ends the lease. Releasing it again, or releasing the zero Lease,
+// does nothing.
 func (l *Lease) Release() {
-	if l.done {
+	if l.done || l.e == nil {
 		return
 	}
 	l.done = true
@@ -180,7 +183,7 @@ func (l *Lease) Release() {
 }
 
 // Open implements Host.
-func (a *Agent) Open(peer uuid.UUID, key Key, acc Access) (*Lease, error) {
+func (a *Agent) Open(peer uuid.UUID, key Key, acc Access) (Lease, error) {
 	a.expMu.RLock()
 	e := a.exps[key]
 	a.expMu.RUnlock()
@@ -196,7 +199,7 @@ func (a *Agent) Open(peer uuid.UUID, key Key, acc Access) (*Lease, error) {
 			e.leases++
 			e.bind(peer)
 			e.mu.Unlock()
-			return &Lease{e: e}, nil
+			return Lease{e: e}, nil
 		}
 		e.mu.Unlock()
 		refusal = fmt.Errorf("%w: exposure %v revoked", ErrAccessDenied, key)
@@ -204,8 +207,8 @@ func (a *Agent) Open(peer uuid.UUID, key Key, acc Access) (*Lease, error) {
 	// Close revokes every exposure: a peer reaching an agent that is going
 	// away has lost it, and is no abuser.
 	if a.isClosed() {
-		return nil, fmt.Errorf("%w: agent %s is closing", ErrRemoteLost, a.id)
+		return Lease{}, fmt.Errorf("%w: agent %s is closing", ErrRemoteLost, a.id)
 	}
 	a.refused.Add(1)
-	return nil, refusal
+	return Lease{}, refusal
 }

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"os"
 	"sync"
 	"testing"
 
@@ -17,7 +18,13 @@ import (
 	"github.com/goxfer/goxfer/agent/backend/mem"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) {
+	if os.Getenv(childEnv) != "" {
+		// A cross-process test's child: serve the parent, then exit.
+		os.Exit(runChild(os.Stdin, os.Stdout))
+	}
+	goleak.VerifyTestMain(m)
+}
 
 // transferBackends are the backends every transfer test runs over.
 var transferBackends = []string{"mem", "tcp"}

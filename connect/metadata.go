@@ -113,7 +113,9 @@ func (m Metadata) Kind() OperationKind { return m.kind }
 func (m Metadata) Len() int { return len(m.regions) }
 
 // Sizes returns the size in bytes of every descriptor the token names, in
-// order, in a fresh slice: the sizes local descriptors must have.
+// order, in a fresh slice: the sizes local descriptors must have. A token is
+// untrusted input: decoding bounds each size by math.MaxInt, not by what
+// this process can allocate, so check them before allocating buffers.
 func (m Metadata) Sizes() []int {
 	s := make([]int, len(m.regions))
 	for i, r := range m.regions {
@@ -349,6 +351,10 @@ func decodeMetadata(b []byte) (Metadata, error) {
 		switch {
 		case reg.Len == 0:
 			r.FailAtf(at, "descriptor %d: want a size of at least 1, found 0", i)
+		case reg.Len > math.MaxInt:
+			// Sizes reach callers as int (Sizes); one that does not fit is
+			// no region any process can expose.
+			r.FailAtf(at, "descriptor %d: want a size of at most %d, found %d", i, math.MaxInt, reg.Len)
 		case reg.Addr+reg.Len < reg.Addr:
 			r.FailAtf(at, "descriptor %d: address 0x%x + size %d overflows", i, reg.Addr, reg.Len)
 		case w>>1 > math.MaxUint32:

@@ -3,6 +3,7 @@ package connect
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -501,30 +502,83 @@ func TestConnectorCloseWithOpsInFlight(t *testing.T) {
 	goleak.VerifyNone(t)
 }
 
-// The mem backend reports the loss of a peer whose agent closes. The tcp
-// backend reports only abrupt losses (broken connections, keepalive
-// timeouts), which an in-process test cannot cause, not orderly goodbyes.
+// A peer whose agent closes in an orderly way is lost all the same: the mem
+// backend tells every agent in the process, the tcp backend hears its
+// goodbye. (Abrupt losses are TestCrossProcessActiveKilled's.)
 func TestPeerLost(t *testing.T) {
-	ctx := guarded(t)
-	passive := newConnector(t, WithBackends(mem.New()))
-	activeConn, err := NewConnector(quiet, WithBackends(mem.New()))
-	require.NoError(t, err)
+	for _, backend := range transferBackends {
+		t.Run(backend, func(t *testing.T) {
+			ctx := guarded(t)
+			only := func() Option {
+				if backend == "tcp" {
+					return WithBackends(tcp.New())
+				}
+				return WithBackends(mem.New())
+			}
+			passive := newConnector(t, only())
+			activeConn, err := NewConnector(quiet, only())
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = activeConn.Close() }) // closed below; this is for a failure before
 
-	pop := expose(t, passive, KindWrite, buffers([]int{64}, 1))
-	md := pop.Metadata()
-	// A message of a code this version does not know: the peer binds
-	// the exposure, nothing more.
-	require.NoError(t, activeConn.a.Notify(md.peer, md.key, []byte{0xee, 'x'}))
-	require.Eventually(t, func() bool { return pop.Status() == StatusInProgress }, hangGuard, time.Millisecond)
-	require.NoError(t, activeConn.Close())
+			pop := expose(t, passive, KindWrite, buffers([]int{64}, 1))
+			md := pop.Metadata()
+			// A message of a code this version does not know: the peer binds
+			// the exposure, nothing more.
+			require.NoError(t, activeConn.a.Notify(md.peer, md.key, []byte{0xee, 'x'}))
+			require.Eventually(t, func() bool { return pop.Status() == StatusInProgress }, hangGuard, time.Millisecond)
+			require.NoError(t, activeConn.Close())
 
-	err = pop.Wait(ctx)
-	require.ErrorIs(t, err, ErrRemoteLost)
-	var te *TransferError
-	require.ErrorAs(t, err, &te)
-	assert.Equal(t, "writable", te.Op)
-	assert.Equal(t, activeConn.a.ID().String(), te.Remote)
-	assert.Equal(t, StatusErrored, pop.Status())
+			err = pop.Wait(ctx)
+			require.ErrorIs(t, err, ErrRemoteLost)
+			var te *TransferError
+			require.ErrorAs(t, err, &te)
+			assert.Equal(t, "writable", te.Op)
+			assert.Equal(t, activeConn.a.ID().String(), te.Remote)
+			assert.Equal(t, StatusErrored, pop.Status())
+		})
+	}
+}
+
+// A live peer is never lost, however idle its connections, with any
+// keepalive WithKeepalive accepts: an idle connection sends keepalives often
+// enough that it is never silent for the timeout. The peer here has bound
+// the passive operation and then says nothing for several timeouts.
+func TestKeepaliveKeepsIdlePeer(t *testing.T) {
+	// Keepalives on an idle connection can be 1.5 intervals apart: a timeout
+	// shorter than two intervals would lose live peers, so it is refused.
+	_, err := NewConnector(quiet, WithTCPOptions(tcp.WithKeepalive(200*time.Millisecond, 250*time.Millisecond)))
+	require.ErrorIs(t, err, ErrInvalidOption)
+
+	for _, ka := range []struct{ interval, timeout time.Duration }{
+		{250 * time.Millisecond, 500 * time.Millisecond},
+		{100 * time.Millisecond, 200 * time.Millisecond},
+	} {
+		t.Run(fmt.Sprintf("%v/%v", ka.interval, ka.timeout), func(t *testing.T) {
+			t.Parallel()
+			newTCP := func() (*Connector, error) {
+				return NewConnector(quiet, WithBackends(tcp.New(tcp.WithKeepalive(ka.interval, ka.timeout))))
+			}
+			passive, err := newTCP()
+			require.NoError(t, err)
+			t.Cleanup(func() { assert.NoError(t, passive.Close()) })
+			activeConn, err := newTCP()
+			require.NoError(t, err)
+			t.Cleanup(func() { assert.NoError(t, activeConn.Close()) })
+
+			pop := expose(t, passive, KindWrite, buffers([]int{64}, 1))
+			md := pop.Metadata()
+			require.NoError(t, activeConn.a.Notify(md.peer, md.key, []byte{0xee, 'x'}))
+			require.Eventually(t, func() bool { return pop.Status() == StatusInProgress }, hangGuard, time.Millisecond)
+
+			silence := 4 * ka.timeout
+			idle, cancel := context.WithTimeout(t.Context(), silence)
+			defer cancel()
+			start := time.Now()
+			err = pop.Wait(idle)
+			require.ErrorIs(t, err, context.DeadlineExceeded, "a live peer idle for %v was reported lost after %v", silence, time.Since(start))
+			assert.Equal(t, StatusInProgress, pop.Status())
+		})
+	}
 }
 
 func TestClosedPeer(t *testing.T) {

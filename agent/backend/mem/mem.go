@@ -46,11 +46,12 @@ type Backend struct {
 
 	mu     sync.Mutex
 	closed bool
+	peers  map[uuid.UUID]*Backend // agents this one exchanged with
 	wg     sync.WaitGroup
 }
 
 // New returns an in-process backend for one agent.
-func New() *Backend { return &Backend{} }
+func New() *Backend { return &Backend{peers: map[uuid.UUID]*Backend{}} }
 
 // Name implements agent.Backend.
 func (b *Backend) Name() string { return Name }
@@ -119,20 +120,14 @@ func (b *Backend) copy(x *agent.Xfer) error {
 	if remote == nil {
 		return fmt.Errorf("mem: peer %s: %w", x.Peer.ID, agent.ErrRemoteLost)
 	}
-	var lease *agent.Lease
-	defer func() {
-		if lease != nil {
-			lease.Release()
-		}
-	}()
-	held := 0 // bytes copied under the current lease
+	b.met(remote)
+	var lease agent.Lease
+	defer func() { lease.Release() }()
+	held := chunk // bytes copied under the current lease; a full chunk opens one
 	for i, s := range x.Segments {
 		for off := uint64(0); off < s.Local.Len; {
-			if lease == nil || held >= chunk {
-				if lease != nil {
-					lease.Release()
-					lease = nil
-				}
+			if held >= chunk {
+				lease.Release()
 				select {
 				case <-x.Cancelled():
 					return x.CancelErr()
@@ -144,8 +139,11 @@ func (b *Backend) copy(x *agent.Xfer) error {
 				}
 				lease, held = l, 0
 			}
-			n := min(s.Local.Len-off, uint64(chunk))
+			n := min(s.Local.Len-off, uint64(chunk-held))
 			rem, err := lease.Slice(s.Remote.Addr+off, n)
+			if err == nil && rem == nil {
+				err = fmt.Errorf("%w: device memory cannot be copied by the mem backend", agent.ErrAccessDenied)
+			}
 			if err != nil {
 				return fmt.Errorf("mem: segment %d: %w", i, err)
 			}
@@ -159,14 +157,19 @@ func (b *Backend) copy(x *agent.Xfer) error {
 			held += int(n)
 		}
 	}
-	if lease != nil {
-		lease.Release()
-		lease = nil
-	}
+	lease.Release()
 	if x.Notify != nil {
 		return b.notify(remote, x.Key, x.Notify)
 	}
 	return nil
+}
+
+// met records that this agent has exchanged with remote, which hears of it
+// when this agent closes.
+func (b *Backend) met(remote *Backend) {
+	b.mu.Lock()
+	b.peers[remote.id] = remote
+	b.mu.Unlock()
 }
 
 // Notify implements agent.Backend.
@@ -175,6 +178,7 @@ func (b *Backend) Notify(peer agent.Info, key agent.Key, msg []byte) error {
 	if remote == nil {
 		return fmt.Errorf("mem: peer %s: %w", peer.ID, agent.ErrRemoteLost)
 	}
+	b.met(remote)
 	return b.notify(remote, key, msg)
 }
 
@@ -186,7 +190,9 @@ func (b *Backend) notify(remote *Backend, key agent.Key, msg []byte) error {
 }
 
 // Close implements agent.Backend: it waits for its transfers, leaves the
-// process registry and tells the other agents here that this one is gone.
+// process registry and tells the agents it exchanged with that this one is
+// gone. Its notifications were delivered synchronously, so the news never
+// overtakes them.
 func (b *Backend) Close() error {
 	b.mu.Lock()
 	if b.closed {
@@ -201,18 +207,23 @@ func (b *Backend) Close() error {
 	b.wg.Wait()
 	regMu.Lock()
 	registered := registry[b.id] == b
-	if !registered { // Start failed: the ID belongs to another live agent
-		regMu.Unlock()
-		return nil
-	}
-	delete(registry, b.id)
-	others := make([]*Backend, 0, len(registry))
-	for _, o := range registry {
-		others = append(others, o)
+	if registered {
+		delete(registry, b.id)
 	}
 	regMu.Unlock()
-	for _, o := range others {
-		o.host.PeerLost(b.id, fmt.Errorf("mem: agent %s closed: %w", b.id, agent.ErrRemoteLost))
+	if !registered { // Start failed: the ID belongs to another live agent
+		return nil
+	}
+	b.mu.Lock()
+	peers := make([]*Backend, 0, len(b.peers))
+	for _, p := range b.peers {
+		peers = append(peers, p)
+	}
+	b.mu.Unlock()
+	for _, p := range peers {
+		if lookup(p.id) == p {
+			p.host.PeerLost(b.id, fmt.Errorf("mem: agent %s closed: %w", b.id, agent.ErrRemoteLost))
+		}
 	}
 	return nil
 }

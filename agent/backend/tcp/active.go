@@ -57,6 +57,7 @@ type stream struct {
 
 	// under w.wmu
 	dead bool
+	err  error // why the stream died, set with dead
 	seq  uint64
 	head []byte // header and piece table of the frame being written
 	bufs [][]byte
@@ -144,10 +145,15 @@ func (b *Backend) Post(x *agent.Xfer) error {
 		end, n, pieces := nextFrame(x.Segments, cursor{}, uint64(b.cfg.chunk), b.cfg.maxPieces)
 		if end.seg == len(x.Segments) {
 			if s := p.tryStream(); s != nil {
-				st.refs.Add(1)
-				s.send(frame{st: st, n: n, typ: typ}, pieces)
-				st.release(nil)
-				return nil
+				// Inline only if the stream is free this instant: a small
+				// transfer never waits behind another one's frame here.
+				if s.w.wmu.TryLock() {
+					st.refs.Add(1)
+					s.sendLocked(frame{st: st, n: n, typ: typ}, pieces)
+					st.release(nil)
+					return nil
+				}
+				<-s.slots
 			}
 		}
 	}
@@ -314,6 +320,10 @@ func (p *peer) connect(ctx context.Context) error {
 			return agent.ErrClosed
 		}
 	}
+	select { // their ping intervals may be shorter than any the keepalive loop knows
+	case b.nudge <- struct{}{}:
+	default:
+	}
 	p.streams, p.ctrl = all[:n], all[n]
 	for _, s := range all {
 		b.wg.Add(1)
@@ -331,7 +341,8 @@ func closeStreams(ss []*stream) {
 func (p *peer) handshake(c *net.TCPConn, idx uint8) (*stream, error) {
 	b := p.b
 	var hs [hsSize]byte
-	putHandshake(hs[:], idx, b.id, p.id)
+	out := handshake{stream: idx, self: b.id, expect: p.id, timeout: b.cfg.timeout}
+	out.put(hs[:])
 	_ = c.SetDeadline(time.Now().Add(b.cfg.timeout))
 	if _, err := c.Write(hs[:]); err != nil {
 		return nil, fmt.Errorf("tcp: handshake with peer %s at %s: %w: %w", p.id, p.addr, agent.ErrRemoteLost, err)
@@ -340,17 +351,19 @@ func (p *peer) handshake(c *net.TCPConn, idx uint8) (*stream, error) {
 	if _, err := io.ReadFull(br, hs[:]); err != nil {
 		return nil, fmt.Errorf("tcp: handshake with peer %s at %s: %w: %w", p.id, p.addr, agent.ErrRemoteLost, err)
 	}
-	_, status, who, _, err := getHandshake(hs[:])
+	in, err := getHandshake(hs[:])
 	if err != nil {
 		return nil, fmt.Errorf("tcp: handshake with peer %s at %s: %w: %w", p.id, p.addr, agent.ErrRemoteLost, err)
 	}
-	if status != stOK || who != p.id {
-		return nil, fmt.Errorf("tcp: %s is now agent %s, not peer %s: %w", p.addr, who, p.id, agent.ErrRemoteLost)
+	if in.status != stOK || in.self != p.id {
+		return nil, fmt.Errorf("tcp: %s is now agent %s, not peer %s: %w", p.addr, in.self, p.id, agent.ErrRemoteLost)
 	}
 	_ = c.SetDeadline(time.Time{})
 	inflight := b.cfg.inflight
+	w := newWconn(c)
+	w.every.Store(int64(pingEvery(b.cfg.interval, in.timeout)))
 	return &stream{
-		p: p, w: newWconn(c), br: br,
+		p: p, w: w, br: br,
 		slots:   make(chan struct{}, inflight),
 		pending: make(chan frame, inflight),
 		head:    make([]byte, hdrSize+b.cfg.maxPieces*pieceSize),
@@ -431,12 +444,18 @@ func (b *Backend) Notify(info agent.Info, key agent.Key, msg []byte) error {
 // send writes a frame holding a slot of s. Its answer, or the stream's
 // failure, releases the slot and the frame's reference.
 func (s *stream) send(f frame, pieces int) {
+	s.w.wmu.Lock()
+	s.sendLocked(f, pieces)
+}
+
+// sendLocked is send with the write lock already held; it unlocks it.
+func (s *stream) sendLocked(f frame, pieces int) {
 	w := s.w
-	w.wmu.Lock()
 	if s.dead {
+		err := s.err
 		w.wmu.Unlock()
 		<-s.slots
-		f.st.release(s.p.failure())
+		f.st.release(err)
 		return
 	}
 	s.seq++
@@ -485,10 +504,6 @@ func (s *stream) read() {
 	defer b.wg.Done()
 	defer b.untrack(s.w)
 	err := s.loop()
-	s.w.wmu.Lock()
-	s.dead = true
-	s.w.wmu.Unlock()
-	_ = s.w.c.Close()
 	select {
 	case <-b.stop:
 		err = agent.ErrClosed
@@ -502,6 +517,12 @@ func (s *stream) read() {
 		}
 		err = fmt.Errorf("tcp: connection to peer %s: %w: %w", s.p.id, agent.ErrRemoteLost, err)
 	}
+	// From here on, frames that find the stream dead fail with err; those
+	// already pending are failed below.
+	s.w.wmu.Lock()
+	s.dead, s.err = true, err
+	s.w.wmu.Unlock()
+	_ = s.w.c.Close()
 	for {
 		select {
 		case f := <-s.pending:
@@ -518,6 +539,7 @@ func (s *stream) read() {
 func (s *stream) loop() error {
 	var h header
 	timeout := s.p.b.cfg.timeout
+	var unanswered time.Time // since when keepalives came while requests waited
 	for {
 		_ = s.w.c.SetReadDeadline(time.Now().Add(timeout))
 		if _, err := io.ReadFull(s.br, s.rhdr[:]); err != nil {
@@ -526,6 +548,15 @@ func (s *stream) loop() error {
 		h.get(s.rhdr[:])
 		switch h.typ {
 		case tPing:
+			// Keepalives prove the peer alive, not that it serves: a peer
+			// that keeps pinging but leaves requests unanswered is lost.
+			if len(s.pending) == 0 {
+				unanswered = time.Time{}
+			} else if now := time.Now(); unanswered.IsZero() {
+				unanswered = now
+			} else if now.Sub(unanswered) > timeout {
+				return fmt.Errorf("peer sends keepalives but left a request unanswered for more than %v", timeout)
+			}
 			continue
 		case tBye:
 			return errBye
@@ -539,6 +570,7 @@ func (s *stream) loop() error {
 		default:
 			return fmt.Errorf("%w: answer %d to no request", errProtocol, h.id)
 		}
+		unanswered = time.Time{}
 		err := s.land(&h, &f)
 		<-s.slots
 		if err != nil && !errors.Is(err, agent.ErrAccessDenied) {

@@ -43,19 +43,21 @@ type Backend struct {
 	self connInfo
 	ln   net.Listener
 
-	mu     sync.Mutex
-	closed bool
-	peers  map[peerKey]*peer
-	conns  map[*wconn]struct{}
+	mu      sync.Mutex
+	closed  bool
+	peers   map[peerKey]*peer
+	conns   map[*wconn]struct{}
+	inbound map[uuid.UUID]int // live connections from each peer
 
-	wg   sync.WaitGroup
-	stop chan struct{}
+	wg    sync.WaitGroup
+	stop  chan struct{}
+	nudge chan struct{} // wakes the keepalive loop early
 }
 
 // New returns a TCP backend for one agent. Invalid options are reported by
 // Start, that is by the agent's constructor.
 func New(opts ...Option) *Backend {
-	b := &Backend{cfg: defaults(), peers: map[peerKey]*peer{}, conns: map[*wconn]struct{}{}, stop: make(chan struct{})}
+	b := &Backend{cfg: defaults(), peers: map[peerKey]*peer{}, conns: map[*wconn]struct{}{}, inbound: map[uuid.UUID]int{}, stop: make(chan struct{}), nudge: make(chan struct{}, 1)}
 	var errs []error
 	for _, o := range opts {
 		if err := o.apply(&b.cfg); err != nil {
@@ -73,8 +75,13 @@ func (b *Backend) Name() string { return Name }
 // GPU-capable backend or staging.
 func (b *Backend) Supports(k agent.MemKind) bool { return k == agent.KindDRAM }
 
-// Addr returns the address the backend listens on, once started.
-func (b *Backend) Addr() net.Addr { return b.ln.Addr() }
+// Addr returns the address the backend listens on, or nil before Start.
+func (b *Backend) Addr() net.Addr {
+	if b.ln == nil {
+		return nil
+	}
+	return b.ln.Addr()
+}
 
 // Advertised returns the address published to peers, once started.
 func (b *Backend) Advertised() string { return b.self.addr }
@@ -141,6 +148,7 @@ type wconn struct {
 	c         *net.TCPConn
 	wmu       sync.Mutex
 	lastWrite atomic.Int64 // unix nanos
+	every     atomic.Int64 // ping after this long without a write, in ns
 	ping      [hdrSize]byte
 }
 
@@ -149,6 +157,16 @@ func newWconn(c *net.TCPConn) *wconn {
 	(&header{typ: tPing}).put(w.ping[:])
 	w.lastWrite.Store(time.Now().UnixNano())
 	return w
+}
+
+// setPingEvery sets how often w pings when idle and wakes the keepalive
+// loop, which may have to tick sooner.
+func (b *Backend) setPingEvery(w *wconn, every time.Duration) {
+	w.every.Store(int64(every))
+	select {
+	case b.nudge <- struct{}{}:
+	default:
+	}
 }
 
 func (b *Backend) track(w *wconn) bool {
@@ -167,35 +185,46 @@ func (b *Backend) untrack(w *wconn) {
 	b.mu.Unlock()
 }
 
-// keepalive pings connections that have not written for an interval.
+// keepalive pings connections that have not written for their ping
+// interval. It wakes every half of the shortest one, so an idle connection
+// pings at most 1.5 of its intervals apart.
 func (b *Backend) keepalive() {
 	defer b.wg.Done()
-	t := time.NewTicker(b.cfg.interval / 2)
+	t := time.NewTimer(b.cfg.interval / 2)
 	defer t.Stop()
 	var idle []*wconn
 	for {
 		select {
 		case <-b.stop:
 			return
-		case now := <-t.C:
-			idle = idle[:0]
-			b.mu.Lock()
-			for w := range b.conns {
-				if now.UnixNano()-w.lastWrite.Load() >= int64(b.cfg.interval) {
-					idle = append(idle, w)
-				}
+		case <-b.nudge:
+		case <-t.C:
+		}
+		now := time.Now()
+		tick := b.cfg.interval / 2
+		idle = idle[:0]
+		b.mu.Lock()
+		for w := range b.conns {
+			every := time.Duration(w.every.Load())
+			if every <= 0 {
+				every = b.cfg.interval
 			}
-			b.mu.Unlock()
-			for _, w := range idle {
-				if w.wmu.TryLock() { // busy connections are not idle
-					_ = w.c.SetWriteDeadline(now.Add(b.cfg.timeout))
-					if _, err := w.c.Write(w.ping[:]); err == nil {
-						w.lastWrite.Store(now.UnixNano())
-					}
-					w.wmu.Unlock()
-				}
+			tick = min(tick, every/2)
+			if now.UnixNano()-w.lastWrite.Load() >= int64(every) {
+				idle = append(idle, w)
 			}
 		}
+		b.mu.Unlock()
+		for _, w := range idle {
+			if w.wmu.TryLock() { // busy connections are not idle
+				_ = w.c.SetWriteDeadline(now.Add(b.cfg.timeout))
+				if _, err := w.c.Write(w.ping[:]); err == nil {
+					w.lastWrite.Store(now.UnixNano())
+				}
+				w.wmu.Unlock()
+			}
+		}
+		t.Reset(tick)
 	}
 }
 
@@ -225,10 +254,11 @@ func (b *Backend) Close() error {
 	var bye [hdrSize]byte
 	(&header{typ: tBye}).put(bye[:])
 	for _, w := range conns {
-		w.wmu.Lock()
-		_ = w.c.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
-		_, _ = w.c.Write(bye[:])
-		w.wmu.Unlock()
+		if w.wmu.TryLock() { // a connection busy writing just closes
+			_ = w.c.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
+			_, _ = w.c.Write(bye[:])
+			w.wmu.Unlock()
+		}
 		_ = w.c.Close()
 	}
 	for _, p := range peers {

@@ -40,7 +40,7 @@ func dialRaw(t testing.TB, b *Backend, expect uuid.UUID) *rawPeer {
 	t.Cleanup(func() { _ = c.Close() })
 	p := &rawPeer{t: t, c: c, id: uuid.New()}
 	var hs [hsSize]byte
-	putHandshake(hs[:], 0, p.id, expect)
+	(&handshake{self: p.id, expect: expect, timeout: 4 * time.Second}).put(hs[:])
 	_, err = c.Write(hs[:])
 	require.NoError(t, err)
 	return p
@@ -52,8 +52,8 @@ func (p *rawPeer) answer() (status uint8, who uuid.UUID, err error) {
 	if _, err := io.ReadFull(p.c, hs[:]); err != nil {
 		return 0, who, err
 	}
-	_, status, who, _, err = getHandshake(hs[:])
-	return status, who, err
+	h, err := getHandshake(hs[:])
+	return h.status, h.self, err
 }
 
 func (p *rawPeer) frame(h header, table [][2]uint64, payload []byte) {
@@ -199,7 +199,7 @@ func TestSilentPassivePeer(t *testing.T) {
 				if _, err := io.ReadFull(c, hs[:]); err != nil {
 					return
 				}
-				putHandshake(hs[:], 0, fake, uuid.Nil)
+				(&handshake{self: fake}).put(hs[:])
 				_, _ = c.Write(hs[:])
 				_, _ = io.Copy(io.Discard, c)
 			}()
@@ -318,7 +318,7 @@ func TestForgedIdentityDoesNotRedirect(t *testing.T) {
 				if _, err := io.ReadFull(c, hs[:]); err != nil {
 					return
 				}
-				putHandshake(hs[:], 0, victim.ID(), uuid.Nil)
+				(&handshake{self: victim.ID()}).put(hs[:])
 				_, _ = c.Write(hs[:])
 				var hb [hdrSize]byte
 				for {

@@ -86,12 +86,14 @@ func WithStreams(n int) Option {
 }
 
 // WithKeepalive sets how often an idle connection sends a keepalive and how
-// long a connection may stay silent before its peer is declared lost
-// (ErrRemoteLost). timeout must exceed interval. Default: 1 s and 4 s.
+// long a peer may stay silent, or leave a request unanswered, before it is
+// declared lost (ErrRemoteLost). Keepalives on an idle connection can be up
+// to 1.5 intervals apart, so timeout must be at least twice interval.
+// Default: 1 s and 4 s.
 func WithKeepalive(interval, timeout time.Duration) Option {
 	return optionFunc(func(c *config) error {
-		if interval <= 0 || timeout <= interval {
-			return fmt.Errorf("%w: keepalive interval %v and timeout %v: need 0 < interval < timeout", ErrInvalidOption, interval, timeout)
+		if interval <= 0 || timeout < 2*interval {
+			return fmt.Errorf("%w: keepalive interval %v and timeout %v: need interval > 0 and timeout >= 2*interval", ErrInvalidOption, interval, timeout)
 		}
 		c.interval, c.timeout = interval, timeout
 		return nil

@@ -78,8 +78,32 @@ func (b *Backend) serve(w *wconn) {
 		b.host.Refused()
 	}
 	// A goodbye is an orderly close, but the peer is gone all the same:
-	// exposures it was using must not wait for it.
-	b.host.PeerLost(s.peer, fmt.Errorf("tcp: connection from peer %s: %w: %w", s.peer, agent.ErrRemoteLost, err))
+	// exposures it was using must not wait for it. Only the peer's last
+	// connection reports it: every notification its control connection
+	// carried has then been dispatched, so the loss never overtakes a
+	// completion, and a stranger who claims a live peer's identity and
+	// hangs up reports nothing.
+	if b.left(s.peer) {
+		b.host.PeerLost(s.peer, fmt.Errorf("tcp: connection from peer %s: %w: %w", s.peer, agent.ErrRemoteLost, err))
+	}
+}
+
+// joined counts a live connection from peer.
+func (b *Backend) joined(peer uuid.UUID) {
+	b.mu.Lock()
+	b.inbound[peer]++
+	b.mu.Unlock()
+}
+
+// left uncounts a connection from peer and reports whether it was the last.
+func (b *Backend) left(peer uuid.UUID) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.inbound[peer]--; b.inbound[peer] > 0 {
+		return false
+	}
+	delete(b.inbound, peer)
+	return true
 }
 
 var errBye = errors.New("tcp: peer said goodbye")
@@ -90,26 +114,40 @@ func (s *server) handshake() error {
 	if _, err := io.ReadFull(s.br, hs[:]); err != nil {
 		return err
 	}
-	_, _, peer, expect, err := getHandshake(hs[:])
+	in, err := getHandshake(hs[:])
 	if err != nil {
 		return err
 	}
+	peer, expect := in.self, in.expect
 	var status uint8
 	if expect != s.b.id {
 		status = stDenied // an agent that used to live at this address
 	}
-	putHandshake(hs[:], 0, s.b.id, uuid.Nil)
-	hs[7] = status
+	out := handshake{status: status, self: s.b.id, timeout: s.b.cfg.timeout}
+	out.put(hs[:])
+	ok := status == stOK && peer != uuid.Nil
+	if ok {
+		s.b.setPingEvery(s.w, pingEvery(s.b.cfg.interval, in.timeout))
+	}
+	if ok {
+		// Counted before the peer can use the connection: otherwise its
+		// other connections could all close, and report it lost, before
+		// this one, which may carry its last notification, is counted.
+		s.peer = peer
+		s.b.joined(peer)
+	}
 	s.w.wmu.Lock() // the keepalive loop must not ping before the answer
 	_, err = s.w.c.Write(hs[:])
 	s.w.wmu.Unlock()
 	if err != nil {
+		if ok && s.b.left(peer) {
+			s.b.host.PeerLost(peer, fmt.Errorf("tcp: handshake with peer %s: %w: %w", peer, agent.ErrRemoteLost, err))
+		}
 		return err
 	}
-	if status != stOK || peer == uuid.Nil {
+	if !ok {
 		return fmt.Errorf("%w: handshake expected agent %s, this is %s", errProtocol, expect, s.b.id)
 	}
-	s.peer = peer
 	_ = s.w.c.SetDeadline(time.Time{})
 	return nil
 }
@@ -185,6 +223,7 @@ func (s *server) access(h *header) error {
 		acc = agent.AccessWrite
 	}
 	iov, denied := s.iov[:0], error(nil)
+	defer func() { clear(s.iov[:cap(s.iov)]) }() // hold no reference to exposed memory between frames
 	lease, err := s.b.host.Open(s.peer, h.key, acc)
 	if errors.Is(err, agent.ErrRemoteLost) {
 		return err // this agent is closing: drop the connection, the peer sees it lost

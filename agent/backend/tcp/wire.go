@@ -5,8 +5,10 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"math"
 	"net"
 	"os"
+	"time"
 
 	"github.com/google/uuid"
 
@@ -31,7 +33,7 @@ import (
 const (
 	hdrSize   = 40
 	pieceSize = 16
-	hsSize    = 40
+	hsSize    = 48
 
 	tRead     = 1 // active→passive: read the pieces; answered by tReadResp
 	tReadResp = 2 // passive→active: status, then the pieces' bytes in order
@@ -83,25 +85,49 @@ func (h *header) get(b []byte) {
 	copy(h.key[:], b[24:40])
 }
 
-// handshake: magic[4] version u8 stream u8 - u16 self[16] expect[16].
-// The answer has the same shape with expect zero and the status in byte 7.
-func putHandshake(b []byte, stream uint8, self, expect uuid.UUID) {
-	copy(b[0:4], magic[:])
-	b[4], b[5], b[6], b[7] = protoVersion, stream, 0, 0
-	copy(b[8:24], self[:])
-	copy(b[24:40], expect[:])
+// handshake: magic[4] version u8 stream u8 - u8 status u8 self[16]
+// expect[16] timeout u32 (the sender's keepalive timeout in milliseconds)
+// - u32. The answer has the same shape, with expect zero.
+type handshake struct {
+	stream, status uint8
+	self, expect   uuid.UUID
+	timeout        time.Duration
 }
 
-func getHandshake(b []byte) (stream, status uint8, self, expect uuid.UUID, err error) {
+func (h *handshake) put(b []byte) {
+	_ = b[hsSize-1]
+	copy(b[0:4], magic[:])
+	b[4], b[5], b[6], b[7] = protoVersion, h.stream, 0, h.status
+	copy(b[8:24], h.self[:])
+	copy(b[24:40], h.expect[:])
+	binary.LittleEndian.PutUint32(b[40:], uint32(min(h.timeout.Milliseconds(), math.MaxUint32)))
+	binary.LittleEndian.PutUint32(b[44:], 0)
+}
+
+func getHandshake(b []byte) (handshake, error) {
+	var h handshake
 	if [4]byte(b[0:4]) != magic {
-		return 0, 0, self, expect, fmt.Errorf("%w: handshake magic %x, want %x", errProtocol, b[0:4], magic)
+		return h, fmt.Errorf("%w: handshake magic %x, want %x", errProtocol, b[0:4], magic)
 	}
 	if b[4] != protoVersion {
-		return 0, 0, self, expect, fmt.Errorf("%w: protocol version %d, want %d", errProtocol, b[4], protoVersion)
+		return h, fmt.Errorf("%w: protocol version %d, want %d", errProtocol, b[4], protoVersion)
 	}
-	copy(self[:], b[8:24])
-	copy(expect[:], b[24:40])
-	return b[5], b[7], self, expect, nil
+	h.stream, h.status = b[5], b[7]
+	copy(h.self[:], b[8:24])
+	copy(h.expect[:], b[24:40])
+	h.timeout = time.Duration(binary.LittleEndian.Uint32(b[40:])) * time.Millisecond
+	return h, nil
+}
+
+// pingEvery is how often a connection pings when idle: often enough for its
+// own keepalive interval and for the peer's timeout, whichever asks more, so
+// agents configured differently never declare each other lost.
+func pingEvery(interval, peerTimeout time.Duration) time.Duration {
+	every := interval
+	if peerTimeout > 0 {
+		every = min(every, peerTimeout/3)
+	}
+	return max(every, 10*time.Millisecond) // a hostile peer gets no ping storm
 }
 
 // connInfo is what the backend publishes: version u8, host identity [8],
@@ -163,7 +189,9 @@ func isLoopback(addr string) bool {
 	return ip != nil && ip.IsLoopback()
 }
 
-// piece is one contiguous span of a frame: bytes [off, off+n) of segment seg.
+// cursor is a position in a transfer's segments: byte off of segment seg.
+// A frame covers the bytes from one cursor to the next; each contiguous span
+// of one segment in it is a piece.
 type cursor struct {
 	seg int
 	off uint64
