@@ -477,6 +477,7 @@ func TestPostValidates(t *testing.T) {
 	}{
 		{"bad op", Request{Op: 0, Peer: peer, Segments: []Segment{seg}}},
 		{"no peer", Request{Op: OpRead, Segments: []Segment{seg}}},
+		{"no segments", Request{Op: OpRead, Peer: peer}},
 		{"length mismatch", Request{Op: OpRead, Peer: peer, Segments: []Segment{seg, {Local: DRAM(buf), Remote: Region{Addr: 0x2000, Len: 63}}}}},
 		{"empty local", Request{Op: OpWrite, Peer: peer, Segments: []Segment{{Local: Local{Region: Region{Addr: 0x1000}}}}}},
 		{"DRAM bytes do not match the region", Request{Op: OpWrite, Peer: peer, Segments: []Segment{{Local: Local{Region: Region{Addr: 0x1000, Len: 64}, Mem: buf}, Remote: Region{Addr: 0x1000, Len: 64}}}}},

@@ -233,6 +233,7 @@ func TestCorruptMetadata(t *testing.T) {
 		{"descriptor count past end", func() []byte { r := validRaw(); r.nregs = u64(1 << 50); return r.token() }(), "offset 58: want 1 to 2 descriptors (21 bytes left, 10 or more each), found 1125899906842624"},
 		{"zero size", func() []byte { r := validRaw(); r.regions[1][1] = 0; return r.token() }(), "offset 70: descriptor 1: want a size of at least 1, found 0"},
 		{"overflow", func() []byte { r := validRaw(); r.regions[0] = [3]uint64{1<<64 - 10, 10, 0}; return r.token() }(), "offset 59: descriptor 0: address 0xfffffffffffffff6 + size 10 overflows"},
+		{"size beyond int", func() []byte { r := validRaw(); r.regions[0] = [3]uint64{4096, 1<<63 + 4096, 0}; return r.token() }(), "descriptor 0: want a size of at most 9223372036854775807, found 9223372036854779904"},
 		{"host device", func() []byte { r := validRaw(); r.regions[0][2] = 2 << 1; return r.token() }(), "want device 0 for host memory, found 2"},
 		{"huge device", func() []byte { r := validRaw(); r.regions[1][2] = 1<<34 | 1; return r.token() }(), "want a device below 2^32, found 8589934592"},
 		{"trailing bytes", func() []byte { r := validRaw(); r.extra = []byte{0, 0}; return r.token() }(), "want the checksum next, found 2 extra bytes"},

@@ -748,3 +748,30 @@ func TestTransferError(t *testing.T) {
 	assert.EqualError(t, &TransferError{Op: "writable", Err: ErrClosed}, "connect: writable: goxfer: closed")
 	assert.True(t, errors.Is(ErrAccessDenied, agent.ErrAccessDenied))
 }
+
+// The usual "write, then exit" pattern: a completion the active side
+// reported must reach the passive side before the news that it left, on
+// every backend.
+func TestCompletionBeforeDeparture(t *testing.T) {
+	for _, backend := range transferBackends {
+		t.Run(backend, func(t *testing.T) {
+			ctx := guarded(t)
+			passive, err := NewConnector(quiet)
+			require.NoError(t, err)
+			t.Cleanup(func() { assert.NoError(t, passive.Close()) })
+			for i := range 100 {
+				activeConn, err := NewConnector(quiet, WithBackend(backend))
+				require.NoError(t, err)
+				buf := make([]byte, 64<<10)
+				op, err := passive.CreateWritable(ctx, NewDescriptor(buf))
+				require.NoError(t, err)
+				w, err := activeConn.BeginWrite(ctx, op.Metadata(), NewDescriptor(make([]byte, 64<<10)))
+				require.NoError(t, err)
+				require.NoError(t, w.Wait(ctx))
+				require.NoError(t, activeConn.Close())
+				require.NoError(t, op.Wait(ctx), "round %d: the passive side lost a completed write to the peer's departure", i)
+				require.NoError(t, op.Close())
+			}
+		})
+	}
+}

@@ -67,3 +67,28 @@ func TestFailedStartDoesNotReportLiveAgentLost(t *testing.T) {
 	default:
 	}
 }
+
+// Device memory cannot be copied by the CPU: a request that reaches a VRAM
+// exposure (whatever kind it claims) is refused, never "completed" with no
+// byte moved.
+func TestDeviceMemoryRefused(t *testing.T) {
+	pa, err := agent.New(agent.WithBackends(mem.New()))
+	require.NoError(t, err)
+	defer pa.Close()
+	aa, err := agent.New(agent.WithBackends(mem.New()))
+	require.NoError(t, err)
+	defer aa.Close()
+	vram := agent.Device(0x7f0000000000, 4096, agent.KindVRAM, 0)
+	exp, err := pa.Expose(agent.AccessWrite, []agent.Local{vram})
+	require.NoError(t, err)
+	x, err := aa.Post(agent.Request{Op: agent.OpWrite, Peer: pa.Info(), Key: exp.Key(), Notify: []byte("done"),
+		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 4096)), Remote: agent.Region{Addr: vram.Addr, Len: 4096}}}})
+	require.NoError(t, err)
+	<-x.Done()
+	require.ErrorIs(t, x.Err(), agent.ErrAccessDenied)
+	select {
+	case ev := <-exp.Events():
+		t.Fatalf("the exposure heard %+v for a transfer that moved nothing", ev)
+	default:
+	}
+}

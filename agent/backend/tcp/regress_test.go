@@ -1,0 +1,203 @@
+package tcp
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"io"
+	"math/rand/v2"
+	"net"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/goxfer/goxfer/agent"
+)
+
+// fakePassive listens, answers handshakes as id, and hands each connection
+// to serve. It stops with the test.
+func fakePassive(t *testing.T, id uuid.UUID, serve func(c net.Conn)) agent.Info {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var conns []net.Conn
+	wg.Go(func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+			wg.Go(func() {
+				defer c.Close()
+				var hs [hsSize]byte
+				if _, err := io.ReadFull(c, hs[:]); err != nil {
+					return
+				}
+				(&handshake{self: id}).put(hs[:])
+				if _, err := c.Write(hs[:]); err != nil {
+					return
+				}
+				serve(c)
+			})
+		}
+	})
+	t.Cleanup(func() {
+		_ = ln.Close()
+		mu.Lock()
+		for _, c := range conns {
+			_ = c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	})
+	ci := connInfo{host: hostIdentity(), addr: ln.Addr().String()}
+	return agent.Info{ID: id, Conns: []agent.ConnInfo{{Backend: Name, Data: ci.marshal()}}}
+}
+
+// A peer whose connections die after a few honest answers: every transfer
+// either has all its bytes or fails with ErrRemoteLost; none reports success
+// without its data.
+func TestDyingStreamsNeverFakeSuccess(t *testing.T) {
+	peer := fakePassive(t, uuid.New(), func(c net.Conn) {
+		payload := bytes.Repeat([]byte{0xAB}, 4096)
+		var hb [hdrSize]byte
+		table := make([]byte, pieceSize)
+		for served, limit := 0, 1+rand.IntN(6); served < limit; {
+			if _, err := io.ReadFull(c, hb[:]); err != nil {
+				return
+			}
+			var h header
+			h.get(hb[:])
+			if h.typ == tPing {
+				continue
+			}
+			if h.typ != tRead || h.count != 1 {
+				return
+			}
+			if _, err := io.ReadFull(c, table); err != nil {
+				return
+			}
+			n := binary.LittleEndian.Uint64(table[8:])
+			ans := header{typ: tReadResp, id: h.id, length: n}
+			ans.put(hb[:])
+			if _, err := c.Write(append(hb[:], payload[:n]...)); err != nil {
+				return
+			}
+			served++
+		}
+	})
+	a, _ := newAgent(t, WithStreams(1))
+	var ok, lost atomic.Int64
+	var wg sync.WaitGroup
+	deadline := time.Now().Add(2 * time.Second)
+	for range 8 {
+		wg.Go(func() {
+			dst := make([]byte, 4096)
+			for time.Now().Before(deadline) {
+				clear(dst)
+				x, err := a.Post(agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
+					Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: 4096}}}})
+				if !assert.NoError(t, err) {
+					return
+				}
+				<-x.Done()
+				switch err := x.Err(); {
+				case err == nil:
+					if !assert.Equal(t, payload4K(), dst, "a READ reported success without its bytes") {
+						return
+					}
+					ok.Add(1)
+				case errors.Is(err, agent.ErrRemoteLost):
+					lost.Add(1)
+				default:
+					t.Errorf("unexpected error: %v", err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	t.Logf("%d reads complete, %d lost with their connection", ok.Load(), lost.Load())
+	require.Positive(t, ok.Load())
+}
+
+func payload4K() []byte { return bytes.Repeat([]byte{0xAB}, 4096) }
+
+// A peer that keeps sending keepalives but never answers a request is lost
+// within the keepalive timeout: Cancel and Close cannot hang on it.
+func TestStalledPeerIsBounded(t *testing.T) {
+	peer := fakePassive(t, uuid.New(), func(c net.Conn) {
+		var ping [hdrSize]byte
+		(&header{typ: tPing}).put(ping[:])
+		go func() { _, _ = io.Copy(io.Discard, c) }()
+		for {
+			if _, err := c.Write(ping[:]); err != nil {
+				return
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	})
+	a, _ := newAgent(t, WithKeepalive(100*time.Millisecond, 500*time.Millisecond))
+	dst := make([]byte, 1<<20)
+	x, err := a.Post(agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
+		Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: 1 << 20}}}})
+	require.NoError(t, err)
+	time.Sleep(100 * time.Millisecond)
+	start := time.Now()
+	x.Cancel(nil)
+	select {
+	case <-x.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("Cancel hung on a peer that pings but never answers")
+	}
+	require.Error(t, x.Err())
+	t.Logf("cancelled transfer to a stalled peer ended after %v (timeout 500ms): %v", time.Since(start), x.Err())
+	closed := make(chan error)
+	go func() { closed <- a.Close() }()
+	select {
+	case <-closed:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Close hung")
+	}
+}
+
+// Claiming a live peer's identity and hanging up reports nothing: only the
+// peer's own last connection can.
+func TestStrangerCannotReportPeerLost(t *testing.T) {
+	pa, pb := newAgent(t)
+	aa, _ := newAgent(t)
+	src := make([]byte, 64)
+	exp, err := pa.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
+	require.NoError(t, err)
+	x, err := aa.Post(agent.Request{Op: agent.OpRead, Peer: pa.Info(), Key: exp.Key(),
+		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 64)), Remote: agent.DRAM(src).Region}}})
+	require.NoError(t, err)
+	<-x.Done()
+	require.NoError(t, x.Err())
+	require.Equal(t, aa.ID(), exp.Peer())
+
+	c, err := net.Dial("tcp", pb.Addr().String())
+	require.NoError(t, err)
+	var hs [hsSize]byte
+	(&handshake{self: aa.ID(), expect: pa.ID()}).put(hs[:])
+	_, err = c.Write(hs[:])
+	require.NoError(t, err)
+	_, err = io.ReadFull(c, hs[:])
+	require.NoError(t, err)
+	require.NoError(t, c.Close())
+	select {
+	case ev := <-exp.Events():
+		t.Fatalf("a stranger's hang-up was taken for the peer's loss: %+v", ev)
+	case <-time.After(500 * time.Millisecond):
+	}
+}
