@@ -178,6 +178,10 @@ func (b *Backend) drive(st *xstate, typ uint8) {
 		return
 	}
 	chunk := uint64(b.cfg.chunk)
+	if typ == tWrite && len(p.streams) > 1 && x.Bytes() > 2*chunk {
+		b.driveParallel(st, chunk)
+		return
+	}
 	for c := (cursor{}); c.seg < len(x.Segments); {
 		if st.failed() {
 			return
@@ -192,6 +196,51 @@ func (b *Backend) drive(st *xstate, typ uint8) {
 		s.send(frame{st: st, start: c, n: n, typ: typ}, pieces)
 		c = end
 	}
+}
+
+// driveParallel posts a large WRITE with one writer per stream, each taking
+// the next frame when its stream has a free slot. Writing a WRITE frame
+// blocks until the socket drains, so one writer would move the bytes at the
+// speed of one connection.
+func (b *Backend) driveParallel(st *xstate, chunk uint64) {
+	x, p := st.x, st.p
+	var mu sync.Mutex
+	var c cursor
+	next := func() (f frame, pieces int, ok bool) {
+		mu.Lock()
+		defer mu.Unlock()
+		if c.seg >= len(x.Segments) || st.failed() {
+			return f, 0, false
+		}
+		end, n, pieces := nextFrame(x.Segments, c, chunk, b.cfg.maxPieces)
+		f = frame{st: st, start: c, n: n, typ: tWrite}
+		c = end
+		return f, pieces, true
+	}
+	var wg sync.WaitGroup
+	for _, s := range p.streams {
+		wg.Go(func() {
+			for {
+				select {
+				case s.slots <- struct{}{}:
+				case <-x.Cancelled():
+					st.fail(x.CancelErr())
+					return
+				case <-p.dead:
+					st.fail(p.failure())
+					return
+				}
+				f, pieces, ok := next()
+				if !ok {
+					<-s.slots
+					return
+				}
+				st.refs.Add(1)
+				s.send(f, pieces)
+			}
+		})
+	}
+	wg.Wait()
 }
 
 // peerFor returns the peer's state, dialling it in the background if it is
