@@ -129,22 +129,6 @@ type child struct {
 	cmd   *exec.Cmd
 }
 
-func startChild(b *testing.B) *child {
-	b.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^$", "-test.bench=^$")
-	cmd.Env = append(os.Environ(), benchChildEnv+"=1")
-	cmd.Stderr = os.Stderr
-	stdin, err := cmd.StdinPipe()
-	require.NoError(b, err)
-	stdout, err := cmd.StdoutPipe()
-	require.NoError(b, err)
-	require.NoError(b, cmd.Start())
-	c := &child{stdin: stdin, cmd: cmd}
-	require.NoError(b, json.NewDecoder(bufio.NewReader(stdout)).Decode(&c.hello))
-	b.Cleanup(func() { _ = stdin.Close(); _ = cmd.Wait() })
-	return c
-}
-
 var (
 	childOnce sync.Once
 	theChild  *child
