@@ -1,21 +1,13 @@
 package connect
 
 import (
-	"bufio"
-	"bytes"
 	"context"
-	"encoding/binary"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
-	"math/rand/v2"
 	"os"
-	"os/exec"
-	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -23,6 +15,9 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent/backend/tcp"
+	"github.com/goxfer/goxfer/internal/pattern"
+	"github.com/goxfer/goxfer/internal/retry"
+	"github.com/goxfer/goxfer/internal/testproc"
 )
 
 // Cross-process tests: the test binary re-executes itself as a child
@@ -85,6 +80,9 @@ type childRequest struct {
 	Token string        `json:"token,omitempty"`
 	Async bool          `json:"async,omitempty"`
 }
+
+// Name names the request in failure messages.
+func (r childRequest) Name() string { return r.Cmd }
 
 type childResponse struct {
 	Err      string        `json:"err,omitempty"`
@@ -168,14 +166,14 @@ func (r childResponse) err() error {
 // a backend may use it.
 type childPassive struct {
 	op  waiter
-	mem *slab
+	mem *pattern.Slab
 }
 
 type childActive struct {
 	op     active
 	cancel context.CancelFunc
 	kind   OperationKind
-	mem    *slab
+	mem    *pattern.Slab
 	seed   uint64
 }
 
@@ -207,21 +205,11 @@ func runChild(in io.Reader, out io.Writer) int {
 		return 2
 	}
 	s := &childServer{c: c, passive: map[int]*childPassive{}, active: map[int]*childActive{}}
-	sc := bufio.NewScanner(in)
-	sc.Buffer(make([]byte, 64<<10), 64<<20)
-	enc := json.NewEncoder(out)
+	handle := func(req childRequest) (childResponse, bool) { return s.handle(req), false }
 	code := 0
-	for sc.Scan() {
-		var req childRequest
-		resp := failed(json.Unmarshal(sc.Bytes(), &req))
-		if resp.Err == "" {
-			resp = s.handle(req)
-		}
-		if err := enc.Encode(resp); err != nil {
-			fmt.Fprintln(os.Stderr, "connect child: write response:", err)
-			code = 2
-			break
-		}
+	if err := testproc.Serve(in, out, handle, failed); err != nil {
+		fmt.Fprintln(os.Stderr, "connect child:", err)
+		code = 2
 	}
 	for _, a := range s.active {
 		a.cancel()
@@ -240,16 +228,16 @@ func (s *childServer) handle(req childRequest) childResponse {
 	case "id":
 		return childResponse{Agent: s.c.a.ID().String()}
 	case "expose":
-		mem := newSlab(req.Sizes)
-		mem.fill(req.Seed)
+		mem := pattern.NewSlab(req.Sizes)
+		mem.Fill(req.Seed)
 		var (
 			op  waiter
 			err error
 		)
 		if req.Kind == KindWrite {
-			op, err = s.c.CreateWritable(ctx, mem.descriptors()...)
+			op, err = s.c.CreateWritable(ctx, descriptors(mem.Bufs())...)
 		} else {
-			op, err = s.c.CreateReadable(ctx, mem.descriptors()...)
+			op, err = s.c.CreateReadable(ctx, descriptors(mem.Bufs())...)
 		}
 		if err != nil {
 			return failed(err)
@@ -291,7 +279,7 @@ func (s *childServer) handle(req childRequest) childResponse {
 		r.Status = p.op.Status().String()
 		return r
 	case "verify":
-		if err := p.mem.check(req.Seed); err != nil {
+		if err := p.mem.Check(req.Seed); err != nil {
 			return childResponse{Check: err.Error()}
 		}
 		return childResponse{}
@@ -307,13 +295,13 @@ func (s *childServer) begin(req childRequest) childResponse {
 	if err != nil {
 		return failed(err)
 	}
-	a := &childActive{kind: md.Kind(), mem: newSlab(md.Sizes()), seed: req.Seed}
+	a := &childActive{kind: md.Kind(), mem: pattern.NewSlab(md.Sizes()), seed: req.Seed}
 	// READ memory starts with other bytes than the ones it must receive,
 	// to show whether a failed transfer touched it.
-	a.mem.fill(a.initial())
+	a.mem.Fill(a.initial())
 	ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
 	a.cancel = cancel
-	a.op, err = begin(ctx, s.c, md, a.mem.bufs)
+	a.op, err = begin(ctx, s.c, md, a.mem.Bufs())
 	if err != nil {
 		cancel()
 		return failed(err)
@@ -343,15 +331,15 @@ func (a *childActive) finish(ctx context.Context) childResponse {
 	r := failed(err)
 	r.Backend, r.Status = a.op.Backend(), a.op.Status().String()
 	if err == nil {
-		if cerr := a.mem.check(a.seed); cerr != nil {
+		if cerr := a.mem.Check(a.seed); cerr != nil {
 			r.Check = cerr.Error()
 		}
 		return r
 	}
-	if cerr := a.mem.checkGuards(); cerr != nil {
+	if cerr := a.mem.CheckGuards(); cerr != nil {
 		r.Check = cerr.Error()
 	}
-	if cerr := a.mem.check(a.initial()); cerr != nil {
+	if cerr := a.mem.Check(a.initial()); cerr != nil {
 		r.Touched = cerr.Error()
 	}
 	return r
@@ -359,315 +347,45 @@ func (a *childActive) finish(ctx context.Context) childResponse {
 
 // child is the parent's handle on a child process.
 type child struct {
-	t      *testing.T
-	cmd    *exec.Cmd
-	stdin  io.WriteCloser
-	lines  chan []byte
-	quit   chan struct{}
-	eof    chan struct{}
-	stderr lockedBuffer
-	killed bool
-	agent  string // the child's agent ID
+	*testproc.Child[childRequest, childResponse]
+	t     *testing.T
+	agent string // the child's agent ID
 }
 
 // startChild starts a child process, with env added to its environment; it
-// ends when the test does.
+// ends when the test does. A child that exits with an error (a data race it
+// detected, say) fails the test.
 func startChild(t *testing.T, env ...string) *child {
 	t.Helper()
-	c := &child{t: t, lines: make(chan []byte), quit: make(chan struct{}), eof: make(chan struct{})}
-	c.cmd = exec.Command(os.Args[0], "-test.run=^$")
 	// A race-enabled child sleeps a second before exiting to let racing
 	// goroutines be caught; this one has closed everything by then.
 	gorace := strings.TrimSpace(os.Getenv("GORACE") + " atexit_sleep_ms=0")
-	c.cmd.Env = append(append(os.Environ(), childEnv+"=1", "GORACE="+gorace), env...)
-	c.cmd.Stderr = &c.stderr
-	var err error
-	c.stdin, err = c.cmd.StdinPipe()
-	require.NoError(t, err)
-	stdout, err := c.cmd.StdoutPipe()
-	require.NoError(t, err)
-	require.NoError(t, c.cmd.Start(), "start child process")
-	go c.read(stdout)
-	t.Cleanup(c.stop)
+	c := &child{t: t, Child: testproc.Start[childRequest, childResponse](t, childEnv, testproc.Options{
+		Env:          append([]string{"GORACE=" + gorace}, env...),
+		AnswerWithin: hangGuard + 5*time.Second, // the child's own guard fires first
+		ExitWithin:   hangGuard,
+	})}
 	c.agent = c.must(childRequest{Cmd: "id"}).Agent
 	return c
 }
 
-func (c *child) read(stdout io.Reader) {
-	defer close(c.eof)
-	sc := bufio.NewScanner(stdout)
-	sc.Buffer(make([]byte, 64<<10), 64<<20)
-	for sc.Scan() {
-		select {
-		case c.lines <- slices.Clone(sc.Bytes()):
-		case <-c.quit:
-		}
-	}
-}
-
-// stop ends the child: closing its stdin makes it close its Connector and
-// exit; one that does not is killed. A child that exits with an error (a
-// data race it detected, say) fails the test.
-func (c *child) stop() {
-	close(c.quit)
-	_ = c.stdin.Close()
-	select {
-	case <-c.eof:
-	case <-time.After(hangGuard):
-		c.t.Errorf("child process did not exit within %v of its stdin closing; killing it", hangGuard)
-		c.kill()
-		<-c.eof
-	}
-	if err := c.cmd.Wait(); err != nil && !c.killed {
-		c.t.Errorf("child process: %v", err)
-	}
-	if c.t.Failed() {
-		c.t.Logf("child process stderr:\n%s", c.stderr.String())
-	}
-}
-
-// kill kills the child with SIGKILL: no goodbye, no Close.
-func (c *child) kill() {
-	c.killed = true
-	_ = c.cmd.Process.Kill()
-}
-
-// do sends req to the child and returns its answer.
-func (c *child) do(req childRequest) childResponse {
-	c.t.Helper()
-	line, err := json.Marshal(req)
-	require.NoError(c.t, err)
-	if _, err := c.stdin.Write(append(line, '\n')); err != nil {
-		c.t.Fatalf("child %s: %v\nstderr:\n%s", req.Cmd, err, c.stderr.String())
-	}
-	select {
-	case l := <-c.lines:
-		var resp childResponse
-		require.NoError(c.t, json.Unmarshal(l, &resp), "child answered %q", l)
-		return resp
-	case <-c.eof:
-		c.t.Fatalf("child %s: child exited\nstderr:\n%s", req.Cmd, c.stderr.String())
-	case <-time.After(hangGuard + 5*time.Second): // the child's own guard fires first
-		c.kill()
-		c.t.Fatalf("child %s: no answer within %v", req.Cmd, hangGuard)
-	}
-	return childResponse{}
-}
-
-// must is do for commands that must succeed and leave memory as expected.
+// must is Do for commands that must succeed and leave memory as expected.
 func (c *child) must(req childRequest) childResponse {
 	c.t.Helper()
-	resp := c.do(req)
+	resp := c.Do(req)
 	require.NoError(c.t, resp.err(), "child %s", req.Cmd)
 	require.Empty(c.t, resp.Check, "child %s", req.Cmd)
 	return resp
 }
 
-// lockedBuffer collects a child's stderr.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
-
-// The pattern is deterministic in (seed, descriptor index, offset), so two
-// processes produce and check the same bytes, and a misplaced, shifted,
-// swapped or missing byte shows: descriptor d is a random base block (per
-// seed) rotated by a hash of d, and the first 8 bytes of each 64 KiB block
-// are a hash of the seed, d and the block index. Filling copies whole runs,
-// which keeps it cheap under the race detector. Seed 0 is all zeros.
-const patternBlock = 64 << 10
-
-var patternBases sync.Map // seed -> []byte
-
-func patternBase(seed uint64) []byte {
-	if b, ok := patternBases.Load(seed); ok {
-		return b.([]byte)
+// retryKinds runs f for each kind, in a subtest named prefix and the kind,
+// until it interrupts a transfer in flight (see retry.Until).
+func retryKinds(t *testing.T, prefix string, f func(t *testing.T, kind OperationKind) bool) {
+	for _, kind := range kinds {
+		t.Run(prefix+kind.String(), func(t *testing.T) {
+			retry.Until(t, attempts, func(t *testing.T) bool { return f(t, kind) })
+		})
 	}
-	var s [32]byte
-	binary.LittleEndian.PutUint64(s[:], seed)
-	b := make([]byte, patternBlock)
-	_, _ = rand.NewChaCha8(s).Read(b)
-	v, _ := patternBases.LoadOrStore(seed, b)
-	return v.([]byte)
-}
-
-func mix(x uint64) uint64 { // splitmix64 finalizer
-	x ^= x >> 30
-	x *= 0xbf58476d1ce4e5b9
-	x ^= x >> 27
-	x *= 0x94d049bb133111eb
-	return x ^ x>>31
-}
-
-func fillPattern(b []byte, seed uint64, desc int) {
-	if seed == 0 {
-		clear(b)
-		return
-	}
-	base := patternBase(seed)
-	rot := int(mix(seed^mix(uint64(desc))) % patternBlock)
-	for i := 0; i < len(b); {
-		i += copy(b[i:], base[(i+rot)%patternBlock:])
-	}
-	for blk := 0; blk*patternBlock < len(b); blk++ {
-		var stamp [8]byte
-		binary.LittleEndian.PutUint64(stamp[:], mix(seed^mix(uint64(desc)+1)^mix(uint64(blk)+0x51ed27)))
-		copy(b[blk*patternBlock:], stamp[:])
-	}
-}
-
-var seedCounter struct {
-	sync.Mutex
-	n uint64
-}
-
-// nextSeed returns a seed not used before in this process.
-func nextSeed() uint64 {
-	seedCounter.Lock()
-	defer seedCounter.Unlock()
-	seedCounter.n++
-	return seedCounter.n
-}
-
-// guardLen bytes of guardByte surround every descriptor of a slab: a
-// backend that writes past a descriptor's end or before its start hits
-// them. guardLen is odd, so descriptors are not aligned as allocations are.
-const (
-	guardLen  = 7
-	guardByte = 0xa5
-)
-
-// slab is the memory of one side of a transfer: descriptors carved from one
-// allocation, with guard bytes around each.
-type slab struct {
-	mem  []byte
-	offs []int
-	bufs [][]byte
-}
-
-func newSlab(sizes []int) *slab {
-	total := guardLen
-	for _, n := range sizes {
-		total += n + guardLen
-	}
-	s := &slab{mem: make([]byte, total)}
-	for i := range s.mem[:guardLen] {
-		s.mem[i] = guardByte
-	}
-	off := guardLen
-	for _, n := range sizes {
-		s.offs = append(s.offs, off)
-		s.bufs = append(s.bufs, s.mem[off:off+n:off+n])
-		for i := off + n; i < off+n+guardLen; i++ {
-			s.mem[i] = guardByte
-		}
-		off += n + guardLen
-	}
-	return s
-}
-
-func (s *slab) descriptors() []Descriptor { return descriptors(s.bufs) }
-
-func (s *slab) fill(seed uint64) {
-	for i, b := range s.bufs {
-		fillPattern(b, seed, i)
-	}
-}
-
-// check reports the first descriptor that does not hold pattern seed, or
-// the first guard byte overwritten.
-func (s *slab) check(seed uint64) error {
-	var want []byte
-	for i, b := range s.bufs {
-		if cap(want) < len(b) {
-			want = make([]byte, len(b))
-		}
-		w := want[:len(b)]
-		fillPattern(w, seed, i)
-		if !bytes.Equal(b, w) {
-			// Find the first difference a page at a time: a loop over every
-			// byte is slow under the race detector.
-			page := 0
-			for bytes.Equal(b[page:min(page+4096, len(b))], w[page:min(page+4096, len(w))]) {
-				page += 4096
-			}
-			first := page
-			for b[first] == w[first] {
-				first++
-			}
-			return fmt.Errorf("descriptor %d of %d bytes, pattern %d: the first difference at offset %d: got 0x%02x, want 0x%02x",
-				i, len(b), seed, first, b[first], w[first])
-		}
-	}
-	return s.checkGuards()
-}
-
-// checkGuards reports the first guard byte overwritten.
-func (s *slab) checkGuards() error {
-	prev := 0
-	for i, off := range s.offs {
-		if err := checkGuard(s.mem[prev:off], i); err != nil {
-			return err
-		}
-		prev = off + len(s.bufs[i])
-	}
-	return checkGuard(s.mem[prev:], len(s.offs))
-}
-
-func checkGuard(g []byte, i int) error {
-	for j, c := range g {
-		if c != guardByte {
-			return fmt.Errorf("guard bytes before descriptor %d overwritten: byte %d is 0x%02x", i, j, c)
-		}
-	}
-	return nil
-}
-
-// createOp creates a passive operation of kind over mem, closed when the
-// test ends.
-func createOp(t *testing.T, c *Connector, kind OperationKind, mem *slab) waiter {
-	t.Helper()
-	var (
-		op  waiter
-		err error
-	)
-	if kind == KindRead {
-		op, err = c.CreateReadable(t.Context(), mem.descriptors()...)
-	} else {
-		op, err = c.CreateWritable(t.Context(), mem.descriptors()...)
-	}
-	require.NoError(t, err)
-	t.Cleanup(func() { assert.NoError(t, op.Close()) })
-	return op
-}
-
-// retry runs f until it reports that it interrupted a transfer in flight,
-// each time in a subtest of its own, so that the processes and memory of an
-// attempt are gone before the next.
-func retry(t *testing.T, f func(t *testing.T) bool) {
-	t.Helper()
-	for i := 1; i <= attempts; i++ {
-		var hit bool
-		if !t.Run(fmt.Sprintf("attempt%d", i), func(t *testing.T) { hit = f(t) }) {
-			return
-		}
-		if hit {
-			return
-		}
-	}
-	t.Fatalf("no transfer was still in flight when interrupted, in %d attempts", attempts)
 }
 
 // awaitPeer waits until a peer has used op (it is StatusInProgress).
@@ -696,19 +414,19 @@ func TestCrossProcessTransfer(t *testing.T) {
 		for _, kind := range kinds {
 			for _, l := range layouts {
 				t.Run(kind.String()+"/"+l.name, func(t *testing.T) {
-					seed := nextSeed()
-					mem := newSlab(l.sizes)
+					seed := pattern.NextSeed()
+					mem := pattern.NewSlab(l.sizes)
 					if kind == KindRead {
-						mem.fill(seed)
+						mem.Fill(seed)
 					}
-					pop := createOp(t, parent, kind, mem)
+					pop := expose(t, parent, kind, mem.Bufs())
 					resp := c.must(childRequest{Cmd: "begin", Token: pop.Metadata().String(), Seed: seed})
 					assert.Equal(t, "tcp", resp.Backend)
 					assert.Equal(t, "DONE", resp.Status)
 
 					require.NoError(t, pop.Wait(ctx))
 					assert.Equal(t, StatusComplete, pop.Status())
-					require.NoError(t, mem.check(seed), "the exposed memory after the child's %v", kind)
+					require.NoError(t, mem.Check(seed), "the exposed memory after the child's %v", kind)
 					require.NoError(t, pop.Close())
 					requireUnregistered(t, parent)
 				})
@@ -720,7 +438,7 @@ func TestCrossProcessTransfer(t *testing.T) {
 		for _, kind := range kinds {
 			for _, l := range layouts {
 				t.Run(kind.String()+"/"+l.name, func(t *testing.T) {
-					seed := nextSeed()
+					seed := pattern.NextSeed()
 					exposed := seed
 					if kind == KindWrite {
 						exposed = 0
@@ -732,16 +450,16 @@ func TestCrossProcessTransfer(t *testing.T) {
 					require.Equal(t, l.sizes, md.Sizes())
 					assert.Equal(t, c.agent, md.peer.ID.String())
 
-					local := newSlab(l.sizes)
+					local := pattern.NewSlab(l.sizes)
 					if kind == KindWrite {
-						local.fill(seed)
+						local.Fill(seed)
 					}
-					aop, err := begin(ctx, parent, md, local.bufs)
+					aop, err := begin(ctx, parent, md, local.Bufs())
 					require.NoError(t, err)
 					require.NoError(t, aop.Wait(ctx))
 					assert.Equal(t, StatusComplete, aop.Status())
 					assert.Equal(t, "tcp", aop.Backend())
-					require.NoError(t, local.check(seed), "the local memory after the %v", kind)
+					require.NoError(t, local.Check(seed), "the local memory after the %v", kind)
 					requireUnregistered(t, parent)
 
 					w := c.must(childRequest{Cmd: "wait", ID: r.ID})
@@ -754,125 +472,151 @@ func TestCrossProcessTransfer(t *testing.T) {
 	})
 }
 
-func TestCrossProcessPassiveKilled(t *testing.T) {
-	for _, kind := range kinds {
-		t.Run(kind.String(), func(t *testing.T) {
-			retry(t, func(t *testing.T) bool {
-				ctx := guarded(t)
-				parent := newConnector(t)
-				c := startChild(t)
-				r := c.must(childRequest{Cmd: "expose", Kind: kind, Sizes: []int{largeTransfer}})
-				md, err := ParseMetadata(r.Token)
-				require.NoError(t, err)
-				aop, err := begin(ctx, parent, md, [][]byte{make([]byte, largeTransfer)})
-				require.NoError(t, err)
-				c.must(childRequest{Cmd: "wait-access", ID: r.ID})
-				if aop.Status() != StatusInProgress {
-					return false
-				}
-				start := time.Now()
-				c.kill()
-				err = aop.Wait(ctx)
-				lost := time.Since(start)
-				if err == nil {
-					return false // it finished before the kill
-				}
-				t.Logf("%v failed %v after the passive process was killed: %v", kind, lost, err)
-				require.ErrorIs(t, err, ErrRemoteLost)
-				var te *TransferError
-				require.ErrorAs(t, err, &te)
-				assert.Equal(t, "tcp", te.Backend)
-				assert.Equal(t, c.agent, te.Remote)
-				assert.Equal(t, StatusErrored, aop.Status())
-				assert.LessOrEqual(t, lost, lostWithin, "time to report the lost peer")
-				requireUnregistered(t, parent)
-				return true
-			})
-		})
+// A cut is one attempt of a fault test: a transfer of largeTransfer bytes
+// between this process and a child, interrupted by stopping the child while
+// the bytes move.
+type cut struct {
+	parent *Connector
+	c      *child
+	op     interface { // the parent's operation
+		Wait(context.Context) error
+		Status() Status
 	}
+	err error // what its Wait returned
+}
+
+// cutPassive makes the child passive: it exposes memory for kind, this
+// process begins the transfer, and the child is stopped (see cut.stop) once
+// it sees the first access. It returns false if the transfer was not in
+// flight then. opts and env configure the parent's Connector and the child.
+func cutPassive(t *testing.T, kind OperationKind, stop func(*child), how string, opts []Option, env ...string) (cut, bool) {
+	t.Helper()
+	ctx := guarded(t)
+	k := cut{parent: newConnector(t, opts...), c: startChild(t, env...)}
+	r := k.c.must(childRequest{Cmd: "expose", Kind: kind, Sizes: []int{largeTransfer}})
+	md, err := ParseMetadata(r.Token)
+	require.NoError(t, err)
+	k.op, err = begin(ctx, k.parent, md, [][]byte{make([]byte, largeTransfer)})
+	require.NoError(t, err)
+	k.c.must(childRequest{Cmd: "wait-access", ID: r.ID})
+	if k.op.Status() != StatusInProgress {
+		return k, false
+	}
+	return k, k.stop(t, ctx, stop, fmt.Sprintf("%v failed", kind), "passive process "+how)
+}
+
+// cutActive makes the child active: this process exposes memory for kind,
+// the child begins the transfer, and the child is stopped (see cut.stop)
+// once bytes move. It returns false if the transfer finished first. opts
+// and env configure the parent's Connector and the child.
+func cutActive(t *testing.T, kind OperationKind, stop func(*child), how string, opts []Option, env ...string) (cut, bool) {
+	t.Helper()
+	// A generous bound: the loss must come well before it.
+	ctx := guarded(t)
+	k := cut{parent: newConnector(t, opts...), c: startChild(t, env...)}
+	pop := expose(t, k.parent, kind, pattern.NewSlab([]int{largeTransfer}).Bufs())
+	k.op = pop
+	k.c.must(childRequest{Cmd: "begin", Token: pop.Metadata().String(), Async: true})
+	awaitPeer(t, pop)
+	return k, k.stop(t, ctx, stop, fmt.Sprintf("passive %v heard", kind), "active process "+how)
+}
+
+// stop stops the child with stop and awaits the parent's operation, which
+// must then fail with ErrRemoteLost within lostWithin; it logs "heard <time>
+// after the <what>". It returns false if the operation completed instead.
+func (k *cut) stop(t *testing.T, ctx context.Context, stop func(*child), heard, what string) bool {
+	t.Helper()
+	start := time.Now()
+	stop(k.c)
+	k.err = k.op.Wait(ctx)
+	lost := time.Since(start)
+	if k.err == nil {
+		return false // it finished before the stop
+	}
+	t.Logf("%s %v after the %s: %v", heard, lost, what, k.err)
+	require.ErrorIs(t, k.err, ErrRemoteLost)
+	assert.LessOrEqual(t, lost, lostWithin, "time to report the lost peer")
+	return true
+}
+
+// requireErrored checks that the parent's operation errored with a
+// *TransferError that names the child, and returns it.
+func (k *cut) requireErrored(t *testing.T) *TransferError {
+	t.Helper()
+	var te *TransferError
+	require.ErrorAs(t, k.err, &te)
+	assert.Equal(t, k.c.agent, te.Remote)
+	assert.Equal(t, StatusErrored, k.op.Status())
+	return te
+}
+
+func TestCrossProcessPassiveKilled(t *testing.T) {
+	retryKinds(t, "", func(t *testing.T, kind OperationKind) bool {
+		k, hit := cutPassive(t, kind, (*child).Kill, "was killed", nil)
+		if hit {
+			assert.Equal(t, "tcp", k.requireErrored(t).Backend)
+			requireUnregistered(t, k.parent)
+		}
+		return hit
+	})
 }
 
 func TestCrossProcessActiveKilled(t *testing.T) {
-	for _, kind := range kinds {
-		t.Run(kind.String(), func(t *testing.T) {
-			retry(t, func(t *testing.T) bool {
-				// A generous bound: the loss must come well before it.
-				ctx := guarded(t)
-				parent := newConnector(t)
-				c := startChild(t)
-				pop := createOp(t, parent, kind, newSlab([]int{largeTransfer}))
-				c.must(childRequest{Cmd: "begin", Token: pop.Metadata().String(), Async: true})
-				awaitPeer(t, pop)
-				start := time.Now()
-				c.kill()
-				err := pop.Wait(ctx)
-				lost := time.Since(start)
-				if err == nil {
-					return false // it finished before the kill
-				}
-				t.Logf("passive %v heard %v after the active process was killed: %v", kind, lost, err)
-				require.ErrorIs(t, err, ErrRemoteLost)
-				var te *TransferError
-				require.ErrorAs(t, err, &te)
-				assert.Equal(t, c.agent, te.Remote)
-				assert.Equal(t, StatusErrored, pop.Status())
-				assert.LessOrEqual(t, lost, lostWithin, "time to report the lost peer")
-				return true
-			})
-		})
-	}
+	retryKinds(t, "", func(t *testing.T, kind OperationKind) bool {
+		k, hit := cutActive(t, kind, (*child).Kill, "was killed", nil)
+		if hit {
+			k.requireErrored(t)
+		}
+		return hit
+	})
 }
 
 func TestCrossProcessActiveCancelled(t *testing.T) {
-	for _, kind := range kinds {
-		t.Run(kind.String(), func(t *testing.T) {
-			retry(t, func(t *testing.T) bool {
-				ctx := guarded(t)
-				parent := newConnector(t)
-				c := startChild(t)
-				seed := nextSeed()
-				mem := newSlab([]int{stopTransfer})
-				mem.fill(seed)
-				pop := createOp(t, parent, kind, mem)
-				r := c.must(childRequest{Cmd: "begin", Token: pop.Metadata().String(), Seed: seed, Async: true})
-				assert.Equal(t, "PROC", r.Status, "the child's operation after Begin")
-				assert.Equal(t, "tcp", r.Backend)
-				awaitPeer(t, pop) // bytes are moving
+	retryKinds(t, "", func(t *testing.T, kind OperationKind) bool {
+		ctx := guarded(t)
+		parent := newConnector(t)
+		c := startChild(t)
+		seed := pattern.NextSeed()
+		mem := pattern.NewSlab([]int{stopTransfer})
+		mem.Fill(seed)
+		pop := expose(t, parent, kind, mem.Bufs())
+		r := c.must(childRequest{Cmd: "begin", Token: pop.Metadata().String(), Seed: seed, Async: true})
+		assert.Equal(t, "PROC", r.Status, "the child's operation after Begin")
+		assert.Equal(t, "tcp", r.Backend)
+		awaitPeer(t, pop) // bytes are moving
 
-				type waited struct {
-					err error
-					at  time.Time
-				}
-				passiveDone := make(chan waited, 1)
-				go func() {
-					err := pop.Wait(ctx)
-					passiveDone <- waited{err, time.Now()}
-				}()
-				start := time.Now()
-				resp := c.do(childRequest{Cmd: "cancel", ID: r.ID})
-				pw := <-passiveDone
-				if resp.Err == "" {
-					require.NoError(t, pw.err)
-					return false // it finished before the cancel
-				}
-				aerr := resp.err()
-				require.ErrorIs(t, aerr, ErrCancelled)
-				require.ErrorIs(t, aerr, context.Canceled)
-				assert.Equal(t, "STOP", resp.Status)
-				assert.Empty(t, resp.Check, "the guards around the child's local memory")
+		type waited struct {
+			err error
+			at  time.Time
+		}
+		passiveDone := make(chan waited, 1)
+		go func() {
+			err := pop.Wait(ctx)
+			passiveDone <- waited{err, time.Now()}
+		}()
+		start := time.Now()
+		resp := c.Do(childRequest{Cmd: "cancel", ID: r.ID})
+		pw := <-passiveDone
+		if resp.Err == "" {
+			require.NoError(t, pw.err)
+			return false // it finished before the cancel
+		}
+		aerr := resp.err()
+		require.ErrorIs(t, aerr, ErrCancelled)
+		require.ErrorIs(t, aerr, context.Canceled)
+		assert.Equal(t, "STOP", resp.Status)
+		assert.Empty(t, resp.Check, "the guards around the child's local memory")
 
-				err, heard := pw.err, pw.at.Sub(start)
-				t.Logf("passive %v heard %v after the child was told to cancel: %v", kind, heard, err)
-				require.ErrorIs(t, err, ErrCancelled)
-				var te *TransferError
-				require.ErrorAs(t, err, &te)
-				assert.Equal(t, c.agent, te.Remote)
-				assert.Equal(t, StatusCancelled, pop.Status())
-				assert.LessOrEqual(t, heard, lostWithin, "time to hear of the cancel")
-				return true
-			})
-		})
-	}
+		err, heard := pw.err, pw.at.Sub(start)
+		t.Logf("passive %v heard %v after the child was told to cancel: %v", kind, heard, err)
+		require.ErrorIs(t, err, ErrCancelled)
+		var te *TransferError
+		require.ErrorAs(t, err, &te)
+		assert.Equal(t, c.agent, te.Remote)
+		assert.Equal(t, StatusCancelled, pop.Status())
+		assert.LessOrEqual(t, heard, lostWithin, "time to hear of the cancel")
+		return true
+	})
 }
 
 func TestCrossProcessClosedPassive(t *testing.T) {
@@ -882,17 +626,17 @@ func TestCrossProcessClosedPassive(t *testing.T) {
 	sizes := []int{4096, 100000, 3}
 	for _, kind := range kinds {
 		t.Run(kind.String(), func(t *testing.T) {
-			seed := nextSeed()
-			mem := newSlab(sizes)
-			mem.fill(seed)
-			pop := createOp(t, parent, kind, mem)
+			seed := pattern.NextSeed()
+			mem := pattern.NewSlab(sizes)
+			mem.Fill(seed)
+			pop := expose(t, parent, kind, mem.Bufs())
 			token := pop.Metadata().String()
 			require.NoError(t, pop.Close())
 			require.ErrorIs(t, pop.Wait(ctx), ErrClosed)
 			requireUnregistered(t, parent)
 
 			// The child's WRITE carries other bytes than the parent holds.
-			resp := c.do(childRequest{Cmd: "begin", Token: token, Seed: seed + 1<<32})
+			resp := c.Do(childRequest{Cmd: "begin", Token: token, Seed: seed + 1<<32})
 			err := resp.err()
 			require.ErrorIs(t, err, ErrAccessDenied)
 			var te *TransferError
@@ -902,7 +646,7 @@ func TestCrossProcessClosedPassive(t *testing.T) {
 			assert.Equal(t, "ERR", resp.Status)
 			assert.Empty(t, resp.Check, "the guards around the child's local memory")
 			assert.Empty(t, resp.Touched, "the child's local memory")
-			require.NoError(t, mem.check(seed), "the parent's memory")
+			require.NoError(t, mem.Check(seed), "the parent's memory")
 		})
 	}
 }
@@ -912,32 +656,28 @@ func TestCrossProcessClosedPassive(t *testing.T) {
 // be reused, and the peer's transfer fails with ErrAccessDenied. The race
 // detector watches the reuse.
 func TestCrossProcessCloseMidTransfer(t *testing.T) {
-	for _, kind := range kinds {
-		t.Run(kind.String(), func(t *testing.T) {
-			retry(t, func(t *testing.T) bool {
-				parent := newConnector(t)
-				c := startChild(t)
-				seed := nextSeed()
-				mem := newSlab([]int{stopTransfer})
-				pop := createOp(t, parent, kind, mem)
-				r := c.must(childRequest{Cmd: "begin", Token: pop.Metadata().String(), Seed: seed, Async: true})
-				awaitPeer(t, pop)
-				require.NoError(t, pop.Close())
-				// The memory is ours again: reuse it while the child's
-				// transfer may still run.
-				mem.fill(seed + 1<<32)
+	retryKinds(t, "", func(t *testing.T, kind OperationKind) bool {
+		parent := newConnector(t)
+		c := startChild(t)
+		seed := pattern.NextSeed()
+		mem := pattern.NewSlab([]int{stopTransfer})
+		pop := expose(t, parent, kind, mem.Bufs())
+		r := c.must(childRequest{Cmd: "begin", Token: pop.Metadata().String(), Seed: seed, Async: true})
+		awaitPeer(t, pop)
+		require.NoError(t, pop.Close())
+		// The memory is ours again: reuse it while the child's
+		// transfer may still run.
+		mem.Fill(seed + 1<<32)
 
-				resp := c.do(childRequest{Cmd: "await", ID: r.ID})
-				if resp.Err == "" {
-					return false // it finished before the Close
-				}
-				t.Logf("the child's %v after the parent's Close: %v", kind, resp.Err)
-				require.ErrorIs(t, resp.err(), ErrAccessDenied)
-				assert.Empty(t, resp.Check, "the guards around the child's local memory")
-				require.NoError(t, mem.check(seed+1<<32), "memory reused after Close")
-				requireUnregistered(t, parent)
-				return true
-			})
-		})
-	}
+		resp := c.Do(childRequest{Cmd: "await", ID: r.ID})
+		if resp.Err == "" {
+			return false // it finished before the Close
+		}
+		t.Logf("the child's %v after the parent's Close: %v", kind, resp.Err)
+		require.ErrorIs(t, resp.err(), ErrAccessDenied)
+		assert.Empty(t, resp.Check, "the guards around the child's local memory")
+		require.NoError(t, mem.Check(seed+1<<32), "memory reused after Close")
+		requireUnregistered(t, parent)
+		return true
+	})
 }

@@ -8,7 +8,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent/backend/tcp"
@@ -17,9 +16,8 @@ import (
 // freeze stops the child with SIGSTOP: its connections stay open and
 // silent. It is killed when the test ends.
 func (c *child) freeze() {
-	c.killed = true
-	require.NoError(c.t, c.cmd.Process.Signal(syscall.SIGSTOP))
-	c.t.Cleanup(func() { _ = c.cmd.Process.Kill() }) // runs before stop
+	require.NoError(c.t, c.Signal(syscall.SIGSTOP))
+	c.t.Cleanup(c.Kill) // runs before the child's own cleanup
 }
 
 // Keepalives catch a peer that hangs without closing its connections. Both
@@ -31,56 +29,14 @@ const (
 )
 
 func TestCrossProcessPeerFrozen(t *testing.T) {
-	keepalive := WithTCPOptions(tcp.WithKeepalive(frozenInterval, frozenTimeout))
+	keepalive := []Option{WithTCPOptions(tcp.WithKeepalive(frozenInterval, frozenTimeout))}
 	childKeepalive := fmt.Sprintf("%s=%v/%v", childKeepaliveEnv, frozenInterval, frozenTimeout)
-	for _, kind := range kinds {
-		t.Run("passive/"+kind.String(), func(t *testing.T) {
-			retry(t, func(t *testing.T) bool {
-				ctx := guarded(t)
-				parent := newConnector(t, keepalive)
-				c := startChild(t, childKeepalive)
-				r := c.must(childRequest{Cmd: "expose", Kind: kind, Sizes: []int{largeTransfer}})
-				md, err := ParseMetadata(r.Token)
-				require.NoError(t, err)
-				aop, err := begin(ctx, parent, md, [][]byte{make([]byte, largeTransfer)})
-				require.NoError(t, err)
-				c.must(childRequest{Cmd: "wait-access", ID: r.ID})
-				if aop.Status() != StatusInProgress {
-					return false
-				}
-				start := time.Now()
-				c.freeze()
-				err = aop.Wait(ctx)
-				lost := time.Since(start)
-				if err == nil {
-					return false
-				}
-				t.Logf("%v failed %v after the passive process froze: %v", kind, lost, err)
-				require.ErrorIs(t, err, ErrRemoteLost)
-				assert.LessOrEqual(t, lost, lostWithin, "time to report the lost peer")
-				return true
-			})
-		})
-		t.Run("active/"+kind.String(), func(t *testing.T) {
-			retry(t, func(t *testing.T) bool {
-				ctx := guarded(t)
-				parent := newConnector(t, keepalive)
-				c := startChild(t, childKeepalive)
-				pop := createOp(t, parent, kind, newSlab([]int{largeTransfer}))
-				c.must(childRequest{Cmd: "begin", Token: pop.Metadata().String(), Async: true})
-				awaitPeer(t, pop)
-				start := time.Now()
-				c.freeze()
-				err := pop.Wait(ctx)
-				lost := time.Since(start)
-				if err == nil {
-					return false
-				}
-				t.Logf("passive %v heard %v after the active process froze: %v", kind, lost, err)
-				require.ErrorIs(t, err, ErrRemoteLost)
-				assert.LessOrEqual(t, lost, lostWithin, "time to report the lost peer")
-				return true
-			})
-		})
-	}
+	retryKinds(t, "passive/", func(t *testing.T, kind OperationKind) bool {
+		_, hit := cutPassive(t, kind, (*child).freeze, "froze", keepalive, childKeepalive)
+		return hit
+	})
+	retryKinds(t, "active/", func(t *testing.T, kind OperationKind) bool {
+		_, hit := cutActive(t, kind, (*child).freeze, "froze", keepalive, childKeepalive)
+		return hit
+	})
 }

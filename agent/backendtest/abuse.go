@@ -73,8 +73,8 @@ func testAbuse(t *testing.T, cfg Config) {
 				err = waitXfer(t, x)
 			}
 			require.ErrorIs(t, err, agent.ErrAccessDenied)
-			require.NoError(t, pb.check(pSeed), "passive memory after a refused %v", c.op)
-			require.NoError(t, ab.check(aSeed), "active memory after a refused %v", c.op)
+			require.NoError(t, pb.Check(pSeed), "passive memory after a refused %v", c.op)
+			require.NoError(t, ab.Check(aSeed), "active memory after a refused %v", c.op)
 			assert.Greater(t, p.Stats().Refused, before, "the passive agent counts the refusal")
 			noEvent(t, e)
 		})

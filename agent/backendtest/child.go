@@ -1,23 +1,17 @@
 package backendtest
 
 import (
-	"bufio"
-	"bytes"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"os"
-	"os/exec"
-	"slices"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
-	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/internal/testproc"
 )
 
 // A child process runs one agent and obeys commands, one JSON request per
@@ -52,6 +46,9 @@ type request struct {
 	Notify  []byte         `json:"notify"`
 	Async   bool           `json:"async,omitempty"`
 }
+
+// Name names the request in failure messages.
+func (r request) Name() string { return r.Cmd }
 
 type response struct {
 	Err     string         `json:"err,omitempty"`
@@ -138,24 +135,10 @@ func runChild(f Factory, in io.Reader, out io.Writer) int {
 	}
 	c := &childAgent{a: a, peers: map[uuid.UUID]agent.Info{}, exps: map[int]*childExposure{}}
 	defer c.close()
-	sc := bufio.NewScanner(in)
-	sc.Buffer(make([]byte, 64<<10), 64<<20)
-	enc := json.NewEncoder(out)
-	for sc.Scan() {
-		var req request
-		var resp response
-		if err := json.Unmarshal(sc.Bytes(), &req); err != nil {
-			resp = fail(fmt.Errorf("bad request: %w", err))
-		} else {
-			resp = c.handle(req)
-		}
-		if err := enc.Encode(resp); err != nil {
-			fmt.Fprintln(os.Stderr, "backendtest child: write response:", err)
-			return 2
-		}
-		if req.Cmd == "exit" {
-			return 0
-		}
+	handle := func(req request) (response, bool) { return c.handle(req), req.Cmd == "exit" }
+	if err := testproc.Serve(in, out, handle, fail); err != nil {
+		fmt.Fprintln(os.Stderr, "backendtest child:", err)
+		return 2
 	}
 	return 0
 }
@@ -188,7 +171,7 @@ func (c *childAgent) handle(req request) response {
 		return response{}
 	case "expose":
 		b := newBuffers(req.Sizes)
-		b.fill(req.Seed)
+		b.Fill(req.Seed)
 		regs, err := b.registerAll(c.a)
 		if err != nil {
 			return fail(err)
@@ -215,7 +198,7 @@ func (c *childAgent) handle(req request) response {
 	}
 	switch req.Cmd {
 	case "verify":
-		if err := ce.bufs.check(req.Seed); err != nil {
+		if err := ce.bufs.Check(req.Seed); err != nil {
 			return fail(err)
 		}
 		return response{}
@@ -256,7 +239,7 @@ func (c *childAgent) post(req request) response {
 	}
 	b := newBuffers(sizes)
 	if req.Op == agent.OpWrite {
-		b.fill(req.Seed)
+		b.Fill(req.Seed)
 	}
 	regs, err := b.registerAll(c.a)
 	if err != nil {
@@ -288,7 +271,7 @@ func (c *childAgent) post(req request) response {
 		return fail(err)
 	}
 	if req.Op == agent.OpRead {
-		if err := b.check(req.Seed); err != nil {
+		if err := b.Check(req.Seed); err != nil {
 			return fail(err)
 		}
 	}
@@ -297,15 +280,9 @@ func (c *childAgent) post(req request) response {
 
 // child is the parent's handle on a child process.
 type child struct {
-	t      *testing.T
-	cmd    *exec.Cmd
-	stdin  io.WriteCloser
-	lines  chan []byte
-	quit   chan struct{}
-	eof    chan struct{}
-	stderr lockedBuffer
-	killed bool
-	info   agent.Info
+	*testproc.Child[request, response]
+	t    *testing.T
+	info agent.Info
 }
 
 // needMain fails t unless TestMain went through Main or Child.
@@ -321,107 +298,20 @@ func needMain(t *testing.T) {
 func startChild(t *testing.T) *child {
 	t.Helper()
 	needMain(t)
-	c := &child{t: t, lines: make(chan []byte), quit: make(chan struct{}), eof: make(chan struct{})}
-	c.cmd = exec.Command(os.Args[0], "-test.run=^$")
-	c.cmd.Env = append(os.Environ(), childEnv+"=1")
-	c.cmd.Stderr = &c.stderr
-	var err error
-	c.stdin, err = c.cmd.StdinPipe()
-	require.NoError(t, err)
-	stdout, err := c.cmd.StdoutPipe()
-	require.NoError(t, err)
-	require.NoError(t, c.cmd.Start(), "start child process")
-	go c.read(stdout)
-	t.Cleanup(c.stop)
+	c := &child{t: t, Child: testproc.Start[request, response](t, childEnv, testproc.Options{
+		AnswerWithin: hangGuard,
+		ExitWithin:   30 * time.Second,
+	})}
 	c.info = *c.must(request{Cmd: "info"}).Info
 	return c
 }
 
-func (c *child) read(stdout io.Reader) {
-	defer close(c.eof)
-	sc := bufio.NewScanner(stdout)
-	sc.Buffer(make([]byte, 64<<10), 64<<20)
-	for sc.Scan() {
-		select {
-		case c.lines <- slices.Clone(sc.Bytes()):
-		case <-c.quit:
-		}
-	}
-}
-
-// stop ends the child: it closes stdin so the child closes its agent and
-// exits, or kills it if it does not.
-func (c *child) stop() {
-	close(c.quit)
-	_ = c.stdin.Close()
-	select {
-	case <-c.eof:
-	case <-time.After(30 * time.Second):
-		c.t.Errorf("child process did not exit within 30s of its stdin closing; killing it")
-		c.kill()
-		<-c.eof
-	}
-	err := c.cmd.Wait()
-	if err != nil && !c.killed {
-		c.t.Errorf("child process: %v", err)
-	}
-	if c.t.Failed() {
-		c.t.Logf("child process stderr:\n%s", c.stderr.String())
-	}
-}
-
-// kill kills the child with SIGKILL.
-func (c *child) kill() {
-	c.killed = true
-	_ = c.cmd.Process.Kill()
-}
-
-// do sends req to the child and returns its answer.
-func (c *child) do(req request) response {
-	c.t.Helper()
-	line, err := json.Marshal(req)
-	require.NoError(c.t, err)
-	if _, err := c.stdin.Write(append(line, '\n')); err != nil {
-		c.t.Fatalf("child %s: %v\nstderr:\n%s", req.Cmd, err, c.stderr.String())
-	}
-	select {
-	case l := <-c.lines:
-		var resp response
-		require.NoError(c.t, json.Unmarshal(l, &resp), "child answered %q", l)
-		return resp
-	case <-c.eof:
-		c.t.Fatalf("child %s: child exited\nstderr:\n%s", req.Cmd, c.stderr.String())
-	case <-time.After(hangGuard):
-		c.kill()
-		c.t.Fatalf("child %s: no answer within %v", req.Cmd, hangGuard)
-	}
-	return response{}
-}
-
-// must is do for commands that must succeed.
+// must is Do for commands that must succeed.
 func (c *child) must(req request) response {
 	c.t.Helper()
-	resp := c.do(req)
+	resp := c.Do(req)
 	if resp.Err != "" {
 		c.t.Fatalf("child %s: %s", req.Cmd, resp.Err)
 	}
 	return resp
-}
-
-// lockedBuffer collects a child's stderr.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }

@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/internal/pattern"
 )
 
 var crossLayouts = []layout{layouts[0], layouts[2], layouts[3], layouts[5], layouts[6]}
@@ -40,7 +41,7 @@ func testCrossProcess(t *testing.T, cfg Config) {
 		t.Run(fmt.Sprintf("ChildActive/Abuse/%v", op), func(t *testing.T) { childAbuse(t, a, c, op) })
 	}
 	t.Run("Notify", func(t *testing.T) {
-		r := c.must(request{Cmd: "expose", Access: agent.AccessRead, Sizes: []int{1}, Seed: nextSeed()})
+		r := c.must(request{Cmd: "expose", Access: agent.AccessRead, Sizes: []int{1}, Seed: pattern.NextSeed()})
 		msg := []byte("standalone across processes")
 		require.NoError(t, a.Notify(c.info, agent.Key(r.Key), msg))
 		ev := c.must(request{Cmd: "wait-event", ID: r.ID}).Event
@@ -53,7 +54,7 @@ func testCrossProcess(t *testing.T, cfg Config) {
 
 // parentActive: the child exposes, this process transfers.
 func parentActive(t *testing.T, a *agent.Agent, c *child, op agent.Op, sizes []int) {
-	pSeed := nextSeed()
+	pSeed := pattern.NextSeed()
 	r := c.must(request{Cmd: "expose", Access: op.Access(), Sizes: sizes, Seed: pSeed})
 	defer c.must(request{Cmd: "revoke", ID: r.ID})
 	ab, aSeed := side(t, a, sizes)
@@ -69,7 +70,7 @@ func parentActive(t *testing.T, a *agent.Agent, c *child, op agent.Op, sizes []i
 	require.Equal(t, agent.EventNotify, ev.Kind, "event %+v", ev)
 	assert.Equal(t, a.ID(), ev.From)
 	assert.Equal(t, notify, ev.Msg)
-	require.NoError(t, ab.check(want), "parent memory")
+	require.NoError(t, ab.Check(want), "parent memory")
 	c.must(request{Cmd: "verify", ID: r.ID, Seed: want})
 }
 
@@ -79,7 +80,7 @@ func childActive(t *testing.T, a *agent.Agent, c *child, op agent.Op, sizes []in
 	e := expose(t, a, op.Access(), pb)
 	want := pSeed
 	if op == agent.OpWrite {
-		want = nextSeed()
+		want = pattern.NextSeed()
 	}
 	notify := []byte(fmt.Sprintf("child %v done", op))
 	c.must(request{Cmd: "post", Op: op, Peer: a.ID(), Key: keyBytes(e.Key()), Regions: pb.regions(), Seed: want, Notify: notify})
@@ -87,7 +88,7 @@ func childActive(t *testing.T, a *agent.Agent, c *child, op agent.Op, sizes []in
 	require.Equal(t, agent.EventNotify, ev.Kind, "event %+v", ev)
 	assert.Equal(t, c.info.ID, ev.From)
 	assert.Equal(t, notify, ev.Msg)
-	require.NoError(t, pb.check(want), "parent memory")
+	require.NoError(t, pb.Check(want), "parent memory")
 	assert.Equal(t, c.info.ID, e.Peer())
 }
 
@@ -100,7 +101,7 @@ func parentAbuse(t *testing.T, a *agent.Agent, c *child, op agent.Op) {
 			continue
 		}
 		t.Run(ab.name, func(t *testing.T) {
-			pSeed := nextSeed()
+			pSeed := pattern.NextSeed()
 			r := c.must(request{Cmd: "expose", Access: ab.expose, Sizes: []int{abuseRegionLen}, Seed: pSeed})
 			defer c.must(request{Cmd: "revoke", ID: r.ID})
 			lb, aSeed := side(t, a, []int{abuseSegLen})
@@ -116,12 +117,12 @@ func parentAbuse(t *testing.T, a *agent.Agent, c *child, op agent.Op) {
 			}
 			require.ErrorIs(t, err, agent.ErrAccessDenied)
 			c.must(request{Cmd: "verify", ID: r.ID, Seed: pSeed})
-			require.NoError(t, lb.check(aSeed), "parent memory after a refused %v", op)
+			require.NoError(t, lb.Check(aSeed), "parent memory after a refused %v", op)
 			assert.Greater(t, c.must(request{Cmd: "stats"}).Stats.Refused, before, "the child counts the refusal")
 		})
 	}
 	t.Run("AfterRevoke", func(t *testing.T) {
-		pSeed := nextSeed()
+		pSeed := pattern.NextSeed()
 		r := c.must(request{Cmd: "expose", Access: op.Access(), Sizes: []int{abuseRegionLen}, Seed: pSeed})
 		c.must(request{Cmd: "revoke", ID: r.ID})
 		lb, aSeed := side(t, a, []int{abuseRegionLen})
@@ -131,7 +132,7 @@ func parentAbuse(t *testing.T, a *agent.Agent, c *child, op agent.Op) {
 		}
 		require.ErrorIs(t, err, agent.ErrAccessDenied)
 		c.must(request{Cmd: "verify", ID: r.ID, Seed: pSeed})
-		require.NoError(t, lb.check(aSeed))
+		require.NoError(t, lb.Check(aSeed))
 	})
 }
 
@@ -159,9 +160,9 @@ func childAbuse(t *testing.T, a *agent.Agent, c *child, op agent.Op) {
 				e.Revoke()
 			}
 			before := a.Stats().Refused
-			resp := c.do(request{Cmd: "post", Op: op, Peer: a.ID(), Key: keyBytes(key), Regions: regions, Seed: nextSeed()})
+			resp := c.Do(request{Cmd: "post", Op: op, Peer: a.ID(), Key: keyBytes(key), Regions: regions, Seed: pattern.NextSeed()})
 			require.Contains(t, resp.Is, "ErrAccessDenied", "child's transfer failed with %q", resp.Err)
-			require.NoError(t, pb.check(pSeed), "parent memory after a refused %v", op)
+			require.NoError(t, pb.Check(pSeed), "parent memory after a refused %v", op)
 			assert.Greater(t, a.Stats().Refused, before, "the parent counts the refusal")
 			noEvent(t, e)
 		})
@@ -171,7 +172,7 @@ func childAbuse(t *testing.T, a *agent.Agent, c *child, op agent.Op) {
 // noBackend checks that an in-process backend refuses transfers and
 // notifications to an agent in another process, in both directions.
 func noBackend(t *testing.T, a *agent.Agent, c *child) {
-	pSeed := nextSeed()
+	pSeed := pattern.NextSeed()
 	r := c.must(request{Cmd: "expose", Access: agent.AccessRead, Sizes: []int{4 << 10}, Seed: pSeed})
 	lb, aSeed := side(t, a, []int{4 << 10})
 	for _, op := range ops {
@@ -181,14 +182,14 @@ func noBackend(t *testing.T, a *agent.Agent, c *child) {
 	}
 	require.ErrorIs(t, a.Notify(c.info, agent.Key(r.Key), []byte("hello")), agent.ErrNoBackend, "Notify to the child")
 	c.must(request{Cmd: "verify", ID: r.ID, Seed: pSeed})
-	require.NoError(t, lb.check(aSeed))
+	require.NoError(t, lb.Check(aSeed))
 
 	pb, pSeed := side(t, a, []int{4 << 10})
 	e := expose(t, a, agent.AccessWrite, pb)
 	for _, op := range ops {
-		resp := c.do(request{Cmd: "post", Op: op, Peer: a.ID(), Key: keyBytes(e.Key()), Regions: pb.regions(), Seed: nextSeed(), Notify: []byte("x")})
+		resp := c.Do(request{Cmd: "post", Op: op, Peer: a.ID(), Key: keyBytes(e.Key()), Regions: pb.regions(), Seed: pattern.NextSeed(), Notify: []byte("x")})
 		require.Contains(t, resp.Is, "ErrNoBackend", "%v from the child to the parent failed with %q", op, resp.Err)
 	}
-	require.NoError(t, pb.check(pSeed))
+	require.NoError(t, pb.Check(pSeed))
 	noEvent(t, e)
 }

@@ -14,6 +14,8 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/internal/pattern"
+	"github.com/goxfer/goxfer/internal/retry"
 )
 
 const (
@@ -29,16 +31,22 @@ const (
 
 func testFault(t *testing.T, cfg Config) {
 	for _, op := range ops {
-		t.Run(fmt.Sprintf("PassiveClosed/%v", op), func(t *testing.T) { retry(t, func(t *testing.T) bool { return passiveClosed(t, cfg, op) }) })
-		t.Run(fmt.Sprintf("ActiveClosed/%v", op), func(t *testing.T) { retry(t, func(t *testing.T) bool { return activeClosed(t, cfg, op) }) })
-		t.Run(fmt.Sprintf("Cancel/%v", op), func(t *testing.T) { retry(t, func(t *testing.T) bool { return cancelInFlight(t, cfg, op) }) })
+		t.Run(fmt.Sprintf("PassiveClosed/%v", op), func(t *testing.T) {
+			retry.Until(t, attempts, func(t *testing.T) bool { return passiveClosed(t, cfg, op) })
+		})
+		t.Run(fmt.Sprintf("ActiveClosed/%v", op), func(t *testing.T) {
+			retry.Until(t, attempts, func(t *testing.T) bool { return activeClosed(t, cfg, op) })
+		})
+		t.Run(fmt.Sprintf("Cancel/%v", op), func(t *testing.T) {
+			retry.Until(t, attempts, func(t *testing.T) bool { return cancelInFlight(t, cfg, op) })
+		})
 	}
 	t.Run("RevokeDuringWrite", func(t *testing.T) { revokeDuringWrite(t, cfg) })
-	t.Run("CloseInFlight", func(t *testing.T) { retry(t, func(t *testing.T) bool { return closeInFlight(t, cfg) }) })
+	t.Run("CloseInFlight", func(t *testing.T) { retry.Until(t, attempts, func(t *testing.T) bool { return closeInFlight(t, cfg) }) })
 	for _, op := range ops {
 		t.Run(fmt.Sprintf("PassiveKilled/%v", op), func(t *testing.T) {
 			needCrossProcess(t, cfg)
-			retry(t, func(t *testing.T) bool { return passiveKilled(t, cfg, op) })
+			retry.Until(t, attempts, func(t *testing.T) bool { return passiveKilled(t, cfg, op) })
 		})
 		t.Run(fmt.Sprintf("ActiveKilled/%v", op), func(t *testing.T) {
 			needCrossProcess(t, cfg)
@@ -53,23 +61,6 @@ func needCrossProcess(t *testing.T, cfg Config) {
 		t.Skip("in-process backend: PassiveClosed and ActiveClosed cover lost peers")
 	}
 	needMain(t)
-}
-
-// retry runs f until it reports that it interrupted a transfer in flight,
-// each time in a subtest of its own, so that the agents and memory of an
-// attempt are gone before the next.
-func retry(t *testing.T, f func(t *testing.T) bool) {
-	t.Helper()
-	for i := 1; i <= attempts; i++ {
-		var hit bool
-		if !t.Run(fmt.Sprintf("attempt%d", i), func(t *testing.T) { hit = f(t) }) {
-			return
-		}
-		if hit {
-			return
-		}
-	}
-	t.Fatalf("no transfer was still in flight when interrupted, in %d attempts", attempts)
 }
 
 // inflight is a large transfer posted from a to p.
@@ -168,7 +159,7 @@ func cancelInFlight(t *testing.T, cfg Config, op agent.Op) bool {
 	x.Cancel(errors.New("again"))
 	require.Equal(t, err, x.Err(), "cancelling a finished transfer changes nothing")
 	if op == agent.OpRead {
-		require.NoError(t, f.pb.check(f.pSeed), "a cancelled READ leaves the passive memory alone")
+		require.NoError(t, f.pb.Check(f.pSeed), "a cancelled READ leaves the passive memory alone")
 	}
 	// The agents are still usable.
 	transfer(t, a, p, op, []int{4 << 10}, []byte("after cancel"))
@@ -189,14 +180,14 @@ func revokeDuringWrite(t *testing.T, cfg Config) {
 				return
 			}
 			f.e.Revoke()
-			snap := bytes.Clone(f.pb.slab)
+			snap := bytes.Clone(f.pb.Mem())
 			err := waitXfer(t, f.x)
 			if err != nil {
 				require.ErrorIs(t, err, agent.ErrAccessDenied)
 				hits++
 			}
-			if d := firstDiff(f.pb.slab, snap); d >= 0 {
-				t.Fatalf("byte %d of the exposed memory changed after Revoke returned", d-guardLen)
+			if d := firstDiff(f.pb.Mem(), snap); d >= 0 {
+				t.Fatalf("byte %d of the exposed memory changed after Revoke returned", d-pattern.GuardLen)
 			}
 			// Every byte is the old or the new pattern: no torn garbage.
 			require.NoError(t, oldOrNew(f.pb.locals[0].Mem, f.pSeed, f.aSeed))
@@ -224,11 +215,11 @@ func oldOrNew(b []byte, old, new uint64) error {
 	for off := 0; off < len(b); off += blk {
 		got := b[off:min(off+blk, len(b))]
 		o, n := wo[:len(got)], wn[:len(got)]
-		fillPattern(o, old, 0, uint64(off))
+		pattern.Fill(o, old, 0, uint64(off))
 		if bytes.Equal(got, o) {
 			continue
 		}
-		fillPattern(n, new, 0, uint64(off))
+		pattern.Fill(n, new, 0, uint64(off))
 		if bytes.Equal(got, n) {
 			continue
 		}
@@ -297,7 +288,7 @@ func closeInFlight(t *testing.T, cfg Config) bool {
 func passiveKilled(t *testing.T, cfg Config, op agent.Op) bool {
 	a := newAgent(t, cfg)
 	c := startChild(t)
-	r := c.must(request{Cmd: "expose", Access: op.Access(), Sizes: []int{largeCrossProcess}, Seed: nextSeed()})
+	r := c.must(request{Cmd: "expose", Access: op.Access(), Sizes: []int{largeCrossProcess}, Seed: pattern.NextSeed()})
 	ab, _ := side(t, a, []int{largeCrossProcess})
 	x, err := a.Post(agent.Request{Op: op, Peer: c.info, Key: agent.Key(r.Key), Segments: segments(ab, r.Regions, 0)})
 	require.NoError(t, err)
@@ -307,7 +298,7 @@ func passiveKilled(t *testing.T, cfg Config, op agent.Op) bool {
 		return false
 	}
 	start := time.Now()
-	c.kill()
+	c.Kill()
 	err = waitXfer(t, x)
 	lost := time.Since(start)
 	if err == nil {
@@ -327,7 +318,7 @@ func activeKilled(t *testing.T, cfg Config, op agent.Op) {
 	c.must(request{Cmd: "add-peer", Info: ptr(p.Info())})
 	pb, _ := side(t, p, []int{largeCrossProcess})
 	e := expose(t, p, op.Access(), pb)
-	c.must(request{Cmd: "post", Op: op, Peer: p.ID(), Key: keyBytes(e.Key()), Regions: pb.regions(), Seed: nextSeed(), Async: true})
+	c.must(request{Cmd: "post", Op: op, Peer: p.ID(), Key: keyBytes(e.Key()), Regions: pb.regions(), Seed: pattern.NextSeed(), Async: true})
 	deadline := time.Now().Add(hangGuard)
 	for e.Peer() == uuid.Nil {
 		require.True(t, time.Now().Before(deadline), "the child's transfer did not access the exposure within %v", hangGuard)
@@ -335,7 +326,7 @@ func activeKilled(t *testing.T, cfg Config, op agent.Op) {
 	}
 	require.Equal(t, c.info.ID, e.Peer())
 	start := time.Now()
-	c.kill()
+	c.Kill()
 	ev := waitEvent(t, e, hangGuard)
 	lost := time.Since(start)
 	t.Logf("passive exposure heard %v after the active process was killed: %v", lost, ev.Err)

@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/internal/pattern"
 )
 
 // newAgent starts an agent on a fresh set of the backends under test and
@@ -50,8 +51,8 @@ func expose(t *testing.T, a *agent.Agent, acc agent.Access, b *buffers) *agent.E
 func side(t *testing.T, a *agent.Agent, sizes []int) (*buffers, uint64) {
 	t.Helper()
 	b := newBuffers(sizes)
-	seed := nextSeed()
-	b.fill(seed)
+	seed := pattern.NextSeed()
+	b.Fill(seed)
 	b.register(t, a)
 	return b, seed
 }

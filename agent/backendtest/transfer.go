@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/internal/pattern"
 )
 
 var ops = []agent.Op{agent.OpRead, agent.OpWrite}
@@ -83,18 +84,18 @@ func transfer(t *testing.T, a, p *agent.Agent, op agent.Op, sizes []int, notify 
 		assert.Equal(t, a.ID(), ev.From, "notification sender")
 		assert.True(t, bytes.Equal(notify, ev.Msg), "notification %q, want %q", ev.Msg, notify)
 		if op == agent.OpWrite {
-			require.NoError(t, pb.check(want), "passive memory when the bound notification arrived")
+			require.NoError(t, pb.Check(want), "passive memory when the bound notification arrived")
 		}
 		e.Revoke()
 		if op == agent.OpRead {
-			pb.fill(nextSeed())
+			pb.Fill(pattern.NextSeed())
 		}
 	}
 	require.NoError(t, waitXfer(t, x), "%v over %s", op, x.Backend())
 	e.Revoke()
-	require.NoError(t, ab.check(want), "active memory")
+	require.NoError(t, ab.Check(want), "active memory")
 	if notify == nil || op == agent.OpWrite {
-		require.NoError(t, pb.check(want), "passive memory")
+		require.NoError(t, pb.Check(want), "passive memory")
 	}
 	assert.Equal(t, a.ID(), e.Peer(), "exposure's peer")
 	assert.Equal(t, uint64(sum(sizes)), x.Bytes())
@@ -121,7 +122,7 @@ func testNotify(t *testing.T, cfg Config) {
 		}
 	}
 	big := make([]byte, 64<<10)
-	fillPattern(big, nextSeed(), 0, 0)
+	pattern.Fill(big, pattern.NextSeed(), 0, 0)
 	for _, m := range []struct {
 		name string
 		msg  []byte
@@ -179,7 +180,7 @@ func testConcurrent(t *testing.T, cfg Config) {
 			pb, pSeed := side(t, p, []int{workers * window})
 			e := expose(t, p, op.Access(), pb)
 			region := pb.locals[0].Region
-			aSeed := nextSeed()
+			aSeed := pattern.NextSeed()
 			var (
 				wg   sync.WaitGroup
 				mu   sync.Mutex
@@ -201,7 +202,7 @@ func testConcurrent(t *testing.T, cfg Config) {
 			if op == agent.OpWrite {
 				want = aSeed
 			}
-			require.NoError(t, pb.check(want), "passive memory")
+			require.NoError(t, pb.Check(want), "passive memory")
 		})
 	}
 }
@@ -211,7 +212,7 @@ func testConcurrent(t *testing.T, cfg Config) {
 func worker(a, p *agent.Agent, e *agent.Exposure, op agent.Op, region agent.Region, off, window, rounds int, pSeed, aSeed uint64) error {
 	buf := make([]byte, window)
 	if op == agent.OpWrite {
-		fillPattern(buf, aSeed, 0, uint64(off))
+		pattern.Fill(buf, aSeed, 0, uint64(off))
 	}
 	reg, err := a.Register(agent.DRAM(buf))
 	if err != nil {
@@ -240,7 +241,7 @@ func worker(a, p *agent.Agent, e *agent.Exposure, op agent.Op, region agent.Regi
 			return fmt.Errorf("round %d: %w", r, err)
 		}
 		if op == agent.OpRead {
-			if err := checkPattern(buf, pSeed, 0, uint64(off)); err != nil {
+			if err := pattern.Check(buf, pSeed, 0, uint64(off)); err != nil {
 				return fmt.Errorf("round %d: %w", r, err)
 			}
 		}
@@ -276,8 +277,8 @@ func testUnsupported(t *testing.T, cfg Config) {
 func testRegistration(t *testing.T, cfg Config) {
 	a, p := newPair(t, cfg)
 	buf := make([]byte, 64<<10+5)
-	seed := nextSeed()
-	fillPattern(buf, seed, 0, 0)
+	seed := pattern.NextSeed()
+	pattern.Fill(buf, seed, 0, 0)
 	l := agent.DRAM(buf)
 
 	regions, refs := p.Registered()
@@ -301,7 +302,7 @@ func testRegistration(t *testing.T, cfg Config) {
 	x, err := a.Post(agent.Request{Op: agent.OpRead, Peer: p.Info(), Key: e.Key(), Segments: []agent.Segment{{Local: lb.locals[0], Remote: l.Region}}})
 	require.NoError(t, err)
 	require.NoError(t, waitXfer(t, x))
-	require.NoError(t, lb.check(seed), "memory still registered serves a READ")
+	require.NoError(t, lb.Check(seed), "memory still registered serves a READ")
 
 	require.NoError(t, r1.Release())
 	regions, refs = p.Registered()

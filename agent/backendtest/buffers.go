@@ -1,0 +1,76 @@
+package backendtest
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/internal/pattern"
+)
+
+// buffers is the memory of one side of a transfer: a pattern.Slab, its
+// descriptors as agent memory.
+type buffers struct {
+	*pattern.Slab
+	locals []agent.Local
+}
+
+func newBuffers(sizes []int) *buffers {
+	b := &buffers{Slab: pattern.NewSlab(sizes)}
+	for _, mem := range b.Bufs() {
+		b.locals = append(b.locals, agent.DRAM(mem))
+	}
+	return b
+}
+
+// regions returns the descriptors' regions, as a remote agent addresses them.
+func (b *buffers) regions() []agent.Region {
+	rs := make([]agent.Region, len(b.locals))
+	for i, l := range b.locals {
+		rs[i] = l.Region
+	}
+	return rs
+}
+
+// register registers every descriptor with a and releases them when the
+// test ends.
+func (b *buffers) register(t testing.TB, a *agent.Agent) {
+	t.Helper()
+	regs, err := b.registerAll(a)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		for _, r := range regs {
+			_ = r.Release()
+		}
+	})
+}
+
+func (b *buffers) registerAll(a *agent.Agent) ([]*agent.Registration, error) {
+	regs := make([]*agent.Registration, 0, len(b.locals))
+	for i, l := range b.locals {
+		r, err := a.Register(l)
+		if err != nil {
+			for _, r := range regs {
+				_ = r.Release()
+			}
+			return nil, fmt.Errorf("register descriptor %d: %w", i, err)
+		}
+		regs = append(regs, r)
+	}
+	return regs, nil
+}
+
+// segments pairs local descriptor i with remote region i, listed in a
+// shuffled order so that backends must honour addresses, not positions.
+func segments(local *buffers, remote []agent.Region, shuffleSeed uint64) []agent.Segment {
+	segs := make([]agent.Segment, len(local.locals))
+	for i, l := range local.locals {
+		segs[i] = agent.Segment{Local: l, Remote: remote[i]}
+	}
+	r := rand.New(rand.NewPCG(shuffleSeed, 0x9e3779b97f4a7c15))
+	r.Shuffle(len(segs), func(i, j int) { segs[i], segs[j] = segs[j], segs[i] })
+	return segs
+}
