@@ -36,7 +36,7 @@ func defaults() config {
 		streams:   4,
 		interval:  time.Second,
 		timeout:   4 * time.Second,
-		chunk:     1 << 20,
+		chunk:     2 << 20,
 		inflight:  4,
 		maxPieces: 1024,
 		maxFrame:  16 << 20,
@@ -101,7 +101,7 @@ func WithKeepalive(interval, timeout time.Duration) Option {
 }
 
 // WithChunkSize sets the most bytes one frame carries; larger descriptors are
-// split, smaller ones batched into one frame up to this size. Default: 1 MiB.
+// split, smaller ones batched into one frame up to this size. Default: 2 MiB.
 func WithChunkSize(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 4<<10 || n > 16<<20 {
