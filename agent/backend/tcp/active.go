@@ -36,8 +36,8 @@ type peer struct {
 
 	ready   chan struct{} // closed when dialling ended
 	dead    chan struct{} // closed when the peer failed
-	streams []*stream     // data streams; set before ready is closed
-	ctrl    *stream       // notifications only
+	streams []*stream     // data streams; set (under mu) before ready is closed
+	ctrl    *stream       // notifications only; likewise
 	rr      atomic.Uint32
 
 	mu       sync.Mutex
@@ -373,7 +373,9 @@ func (p *peer) connect(ctx context.Context) error {
 	case b.nudge <- struct{}{}:
 	default:
 	}
+	p.mu.Lock() // fail, from Close, may look at them concurrently
 	p.streams, p.ctrl = all[:n], all[n]
+	p.mu.Unlock()
 	for _, s := range all {
 		b.wg.Add(1)
 		go s.read()
@@ -426,6 +428,7 @@ func (p *peer) fail(err error, report bool) {
 	p.failOnce.Do(func() {
 		p.mu.Lock()
 		p.err = err
+		streams, ctrl := p.streams, p.ctrl
 		p.mu.Unlock()
 		close(p.dead)
 		b := p.b
@@ -434,11 +437,11 @@ func (p *peer) fail(err error, report bool) {
 			delete(b.peers, k)
 		}
 		b.mu.Unlock()
-		for _, s := range p.streams {
+		for _, s := range streams {
 			_ = s.w.c.Close()
 		}
-		if p.ctrl != nil {
-			_ = p.ctrl.w.c.Close()
+		if ctrl != nil {
+			_ = ctrl.w.c.Close()
 		}
 		if report {
 			b.host.PeerLost(p.id, err)
