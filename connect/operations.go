@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
 	"sync"
 
@@ -359,7 +360,7 @@ func (c *Connector) begin(ctx context.Context, o *activeOp, op agent.Op, md Meta
 	c.mu.Unlock()
 	x, err := c.a.Post(agent.Request{
 		Op: op, Peer: md.peer, Key: md.key, Segments: segs,
-		Notify: encodeNotice(noticeDone, ""), Backend: c.force,
+		Notify: doneNotice, Backend: c.force,
 		OnDone: o.finish,
 	})
 	if err != nil {
@@ -381,7 +382,9 @@ func (c *Connector) begin(ctx context.Context, o *activeOp, op agent.Op, md Meta
 		o.stop = stop
 	}
 	o.mu.Unlock()
-	c.log.Debug("connect: transfer posted", "op", o.name, "peer", o.peer.ID, "backend", x.Backend(), "descriptors", len(segs), "bytes", x.Bytes())
+	if c.log.Enabled(ctx, slog.LevelDebug) { // spares the hot path the arguments' allocations
+		c.log.Debug("connect: transfer posted", "op", o.name, "peer", o.peer.ID, "backend", x.Backend(), "descriptors", len(segs), "bytes", x.Bytes())
+	}
 	return nil
 }
 
@@ -401,11 +404,14 @@ func (o *activeOp) finish(x *agent.Xfer, err error) {
 		err = &TransferError{Op: o.name, Remote: o.peer.ID.String(), Backend: x.Backend(), Err: err}
 	}
 	o.err = err
-	close(o.done)
 	c := o.c
 	c.mu.Lock()
 	delete(c.active, o)
 	c.mu.Unlock()
+	// Waking the waiter is the last thing done on this goroutine before it
+	// goes back to the network: the waiter then runs at once instead of
+	// waiting for the bookkeeping.
+	close(o.done)
 	if err == nil {
 		c.watchers.Done()
 		return
@@ -486,6 +492,10 @@ const (
 
 	maxReason = 256
 )
+
+// doneNotice is the notification of a successful transfer; backends only
+// read it.
+var doneNotice = encodeNotice(noticeDone, "")
 
 func encodeNotice(code byte, reason string) []byte {
 	if len(reason) > maxReason {
