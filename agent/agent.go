@@ -69,7 +69,7 @@ type Agent struct {
 	log      *slog.Logger
 
 	regMu sync.Mutex
-	regs  map[regKey]*regEntry
+	regs  map[regKey]regEntry
 
 	expMu sync.RWMutex
 	exps  map[Key]*Exposure
@@ -112,7 +112,7 @@ func New(opts ...Option) (*Agent, error) {
 		id:       o.id,
 		backends: o.backends,
 		log:      o.logger.With("agent", o.id.String()[:8]),
-		regs:     make(map[regKey]*regEntry),
+		regs:     make(map[regKey]regEntry),
 		exps:     make(map[Key]*Exposure),
 		xfers:    make(map[*Xfer]struct{}),
 	}

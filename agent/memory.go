@@ -1,9 +1,11 @@
 package agent
 
 import (
+	"cmp"
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
+	"slices"
 	"sort"
 	"sync"
 	"unsafe"
@@ -108,10 +110,15 @@ type Registrar interface {
 	DeregisterMem(handle any) error
 }
 
+// regKey names a registered region. It has no padding, so the map hashes
+// it as plain memory: registering thousands of blocks is map-bound.
 type regKey struct {
 	addr, len uint64
-	kind      MemKind
-	dev       uint32
+	where     uint64 // kind<<32 | device
+}
+
+func keyOf(l Local) regKey {
+	return regKey{l.Addr, l.Len, uint64(l.Kind)<<32 | uint64(l.Device)}
 }
 
 type regEntry struct {
@@ -119,66 +126,98 @@ type regEntry struct {
 	handles []any // per backend implementing Registrar, in backend order
 }
 
-// Registration is one reference to registered memory. Release drops it; the
-// memory is deregistered from the backends when its last reference goes.
-// Registering the same region twice yields two references to one entry, so
-// two operations over one buffer never deregister each other.
+// Registration holds one reference to each of a set of registered regions.
+// Release drops them; a region is deregistered from the backends when its
+// last reference goes. Registering the same region twice yields two
+// references to one entry, so two operations over one buffer never
+// deregister each other.
 type Registration struct {
 	a    *Agent
-	key  regKey
+	keys []regKey
 	once sync.Once
 }
 
-// Register registers l with every backend that needs registration and
-// returns a reference to it. Safe for concurrent use.
-func (a *Agent) Register(l Local) (*Registration, error) {
-	if err := l.check(); err != nil {
-		return nil, err
+// Register registers every region of ls with every backend that needs
+// registration and returns one Registration holding a reference to each:
+// one call and one lock for a KV hand-off's thousands of blocks. On error no
+// reference is left taken. Safe for concurrent use.
+func (a *Agent) Register(ls ...Local) (*Registration, error) {
+	for i, l := range ls {
+		if err := l.check(); err != nil {
+			return nil, fmt.Errorf("region %d: %w", i, err)
+		}
 	}
-	k := regKey{l.Addr, l.Len, l.Kind, l.Device}
+	r := &Registration{a: a, keys: make([]regKey, 0, len(ls))}
 	a.regMu.Lock()
 	defer a.regMu.Unlock()
 	if a.isClosed() {
 		return nil, ErrClosed
 	}
-	if e, ok := a.regs[k]; ok {
+	for i, l := range ls {
+		k := keyOf(l)
+		e, ok := a.regs[k]
+		if !ok {
+			var err error
+			if e, err = a.registerNew(l); err != nil {
+				a.unref(r.keys)
+				return nil, fmt.Errorf("region %d: %w", i, err)
+			}
+		}
 		e.refs++
-		return &Registration{a: a, key: k}, nil
+		a.regs[k] = e
+		r.keys = append(r.keys, k)
 	}
-	e := &regEntry{refs: 1}
+	return r, nil
+}
+
+// registerNew registers l with the backends that need it.
+func (a *Agent) registerNew(l Local) (regEntry, error) {
+	var e regEntry
 	for _, b := range a.backends {
-		r, ok := b.(Registrar)
+		reg, ok := b.(Registrar)
 		if !ok {
 			continue
 		}
-		h, err := r.RegisterMem(l)
+		h, err := reg.RegisterMem(l)
 		if err != nil {
-			a.deregister(e)
-			return nil, fmt.Errorf("register 0x%x+%d with %s: %w", l.Addr, l.Len, b.Name(), err)
+			_ = a.deregister(e)
+			return regEntry{}, fmt.Errorf("register 0x%x+%d with %s: %w", l.Addr, l.Len, b.Name(), err)
 		}
 		e.handles = append(e.handles, h)
 	}
-	a.regs[k] = e
-	return &Registration{a: a, key: k}, nil
+	return e, nil
 }
 
-// Release drops this reference. It is idempotent.
+// Release drops the registration's references. It is idempotent.
 func (r *Registration) Release() error {
 	var err error
 	r.once.Do(func() {
-		a := r.a
-		a.regMu.Lock()
-		defer a.regMu.Unlock()
-		e := a.regs[r.key]
-		if e == nil {
-			return
-		}
-		if e.refs--; e.refs == 0 {
-			delete(a.regs, r.key)
-			err = a.deregister(e)
-		}
+		r.a.regMu.Lock()
+		defer r.a.regMu.Unlock()
+		err = r.a.unref(r.keys)
 	})
 	return err
+}
+
+// unref drops one reference to each key, deregistering entries that reach
+// zero. The caller holds regMu.
+func (a *Agent) unref(keys []regKey) error {
+	var errs []error
+	for _, k := range keys {
+		e, ok := a.regs[k]
+		if !ok {
+			continue
+		}
+		if e.refs--; e.refs > 0 {
+			a.regs[k] = e
+			continue
+		}
+		delete(a.regs, k)
+		if err := a.deregister(e); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return joinErrs(errs)
 }
 
 // Registered reports how many distinct regions are registered and how many
@@ -192,7 +231,7 @@ func (a *Agent) Registered() (regions, refs int) {
 	return len(a.regs), refs
 }
 
-func (a *Agent) deregister(e *regEntry) error {
+func (a *Agent) deregister(e regEntry) error {
 	var errs []error
 	i := 0
 	for _, b := range a.backends {
@@ -218,7 +257,10 @@ type regionSet struct {
 
 func newRegionSet(ls []Local) regionSet {
 	regs := append([]Local(nil), ls...)
-	sort.Slice(regs, func(i, j int) bool { return regs[i].Addr < regs[j].Addr })
+	byAddr := func(a, b Local) int { return cmp.Compare(a.Addr, b.Addr) }
+	if !slices.IsSortedFunc(regs, byAddr) { // blocks from a pool usually come in order
+		slices.SortFunc(regs, byAddr)
+	}
 	maxEnd := make([]uint64, len(regs))
 	var m uint64
 	for i, r := range regs {

@@ -135,27 +135,11 @@ func (c *Connector) enter(ctx context.Context) error {
 	return nil
 }
 
-// register takes one registration reference per local region. On error it
-// releases those already taken.
-func (c *Connector) register(ls []agent.Local) ([]*agent.Registration, error) {
-	regs := make([]*agent.Registration, 0, len(ls))
-	for i, l := range ls {
-		r, err := c.a.Register(l)
-		if err != nil {
-			_ = release(regs)
-			return nil, fmt.Errorf("connect: register descriptor %d: %w", i, err)
-		}
-		regs = append(regs, r)
+// register takes a reference to every local region, in one call.
+func (c *Connector) register(ls []agent.Local) (*agent.Registration, error) {
+	r, err := c.a.Register(ls...)
+	if err != nil {
+		return nil, fmt.Errorf("connect: register descriptors: %w", err)
 	}
-	return regs, nil
-}
-
-func release(regs []*agent.Registration) error {
-	var errs []error
-	for _, r := range regs {
-		if err := r.Release(); err != nil {
-			errs = append(errs, err)
-		}
-	}
-	return errors.Join(errs...)
+	return r, nil
 }

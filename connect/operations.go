@@ -139,7 +139,7 @@ type passiveOp struct {
 	name string // "readable" or "writable"
 	md   Metadata
 	exp  *agent.Exposure
-	regs []*agent.Registration
+	regs *agent.Registration
 
 	closeOnce sync.Once
 	closeErr  error
@@ -169,13 +169,13 @@ func (c *Connector) create(ctx context.Context, o *passiveOp, kind OperationKind
 	}
 	exp, err := c.a.Expose(acc, ls)
 	if err != nil {
-		_ = release(regs)
+		_ = regs.Release()
 		return fmt.Errorf("connect: expose: %w", err)
 	}
 	md := newMetadata(kind, exp.Key(), c.info, ls)
 	if err := md.check(); err != nil {
 		exp.Revoke()
-		_ = release(regs)
+		_ = regs.Release()
 		return err
 	}
 	*o = passiveOp{c: c, name: name, md: md, exp: exp, regs: regs, done: make(chan struct{})}
@@ -230,7 +230,7 @@ func (o *passiveOp) Status() Status {
 func (o *passiveOp) Close() error {
 	o.closeOnce.Do(func() {
 		o.exp.Revoke()
-		o.closeErr = release(o.regs)
+		o.closeErr = o.regs.Release()
 		o.drain() // a completion that arrived before Close still counts
 		o.finish(StatusCancelled, ErrClosed)
 		o.c.mu.Lock()
@@ -308,7 +308,7 @@ type activeOp struct {
 	x    *agent.Xfer
 	peer agent.Info
 	key  agent.Key
-	regs []*agent.Registration
+	regs *agent.Registration
 
 	mu       sync.Mutex
 	stop     func() bool // detaches the transfer from Begin's context
@@ -367,7 +367,7 @@ func (c *Connector) begin(ctx context.Context, o *activeOp, op agent.Op, md Meta
 		c.mu.Lock()
 		delete(c.active, o)
 		c.mu.Unlock()
-		_ = release(regs)
+		_ = regs.Release()
 		err = &TransferError{Op: o.name, Remote: o.peer.ID.String(), Backend: c.force, Err: err}
 		o.tellPeer(err)
 		c.watchers.Done()
@@ -397,7 +397,7 @@ func (o *activeOp) finish(x *agent.Xfer, err error) {
 		o.stop()
 	}
 	o.mu.Unlock()
-	if rerr := release(o.regs); rerr != nil {
+	if rerr := o.regs.Release(); rerr != nil {
 		o.c.log.Warn("connect: releasing memory failed", "op", o.name, "err", rerr)
 	}
 	if err != nil {
