@@ -88,13 +88,6 @@ type Agent struct {
 	fallbacks sync.Map // "peer/backend" already logged
 }
 
-type pumpItem struct {
-	from uuid.UUID
-	key  Key
-	msg  []byte
-	lost error // non-nil: a peer-lost event for from
-}
-
 // New starts an agent with the given backends. On error nothing is left
 // running and the backends have been closed.
 func New(opts ...Option) (*Agent, error) {
@@ -295,57 +288,51 @@ func (a *Agent) Notify(peer Info, key Key, msg []byte) error {
 	return b.Notify(peer, key, msg)
 }
 
-// Deliver implements Host. The notification is dispatched on the caller's
-// goroutine: a lookup by key and a non-blocking send, no hand-off.
+// Deliver implements Host. It is the agent's notification dispatcher: a
+// lookup by key and a non-blocking send to the exposure's small queue, on
+// the caller's goroutine, with no hand-off. Notifications for no known key,
+// or that find the queue full, are counted dropped.
 func (a *Agent) Deliver(from uuid.UUID, key Key, msg []byte) bool {
 	if a.isClosed() {
 		return false
 	}
-	a.dispatch(pumpItem{from: from, key: key, msg: msg})
+	a.expMu.RLock()
+	e := a.exps[key]
+	a.expMu.RUnlock()
+	if e == nil {
+		a.dropped.Add(1)
+		return true
+	}
+	e.mu.Lock()
+	e.bind(from)
+	e.mu.Unlock()
+	a.send(e, Event{Kind: EventNotify, From: from, Msg: msg})
 	return true
 }
 
-// PeerLost implements Host.
+// PeerLost implements Host: every exposure bound to peer hears of it.
+// Exposures no peer has used yet are bound to nobody and hear nothing.
 func (a *Agent) PeerLost(peer uuid.UUID, cause error) {
+	if peer == uuid.Nil {
+		return
+	}
 	if cause == nil {
 		cause = ErrRemoteLost
 	}
-	a.dispatch(pumpItem{from: peer, lost: cause})
+	a.expMu.RLock()
+	defer a.expMu.RUnlock()
+	for _, e := range a.exps {
+		e.mu.Lock()
+		mine := e.peer == peer
+		e.mu.Unlock()
+		if mine {
+			a.send(e, Event{Kind: EventPeerLost, From: peer, Err: cause})
+		}
+	}
 }
 
 // Refused implements Host.
 func (a *Agent) Refused() { a.refused.Add(1) }
-
-// dispatch is the agent's notification pump: every notification and
-// peer-loss event goes through it to the exposure owning its key (or to the
-// exposures bound to the lost peer). It never blocks: each exposure has a
-// small buffered queue, and events that find it full are counted dropped.
-func (a *Agent) dispatch(it pumpItem) {
-	if it.lost != nil {
-		a.expMu.RLock()
-		for _, e := range a.exps {
-			e.mu.Lock()
-			mine := e.peer == it.from && e.peer != uuid.Nil // unbound exposures have no peer to lose
-			e.mu.Unlock()
-			if mine {
-				a.send(e, Event{Kind: EventPeerLost, From: it.from, Err: it.lost})
-			}
-		}
-		a.expMu.RUnlock()
-		return
-	}
-	a.expMu.RLock()
-	e := a.exps[it.key]
-	a.expMu.RUnlock()
-	if e == nil {
-		a.dropped.Add(1)
-		return
-	}
-	e.mu.Lock()
-	e.bind(it.from)
-	e.mu.Unlock()
-	a.send(e, Event{Kind: EventNotify, From: it.from, Msg: it.msg})
-}
 
 func (a *Agent) send(e *Exposure, ev Event) {
 	select {
@@ -393,13 +380,6 @@ func (a *Agent) Close() error {
 			errs = append(errs, fmt.Errorf("close backend %s: %w", b.Name(), err))
 		}
 	}
-	a.closeErr = joinErrs(errs)
+	a.closeErr = errors.Join(errs...)
 	return a.closeErr
-}
-
-func joinErrs(errs []error) error {
-	if len(errs) == 0 {
-		return nil
-	}
-	return errors.Join(errs...)
 }

@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"slices"
 	"sort"
@@ -217,7 +218,7 @@ func (a *Agent) unref(keys []regKey) error {
 			errs = append(errs, err)
 		}
 	}
-	return joinErrs(errs)
+	return errors.Join(errs...)
 }
 
 // Registered reports how many distinct regions are registered and how many
@@ -244,7 +245,7 @@ func (a *Agent) deregister(e regEntry) error {
 		}
 		i++
 	}
-	return joinErrs(errs)
+	return errors.Join(errs...)
 }
 
 // regionSet answers "which exposed region holds [addr, addr+n)" quickly for

@@ -326,7 +326,9 @@ func TestForgedIdentityDoesNotRedirect(t *testing.T) {
 						return
 					}
 					var h header
-					h.get(hb[:])
+					if h.get(hb[:]); h.typ == tPing {
+						continue
+					}
 					keys <- h.key
 					return // hang up, so the decoy fails at once
 				}
