@@ -331,6 +331,37 @@ func (a *Agent) PeerLost(peer uuid.UUID, cause error) {
 	}
 }
 
+// PeerDeparted declares peer gone on word from outside the backends, such
+// as a presence registry that stopped hearing its heartbeats: every transfer
+// in flight with peer is aborted with cause, and every exposure bound to
+// peer hears EventPeerLost, as when a backend loses the peer. A nil cause
+// means ErrRemoteLost; a cause that does not match ErrRemoteLost is joined
+// to it. Transfers posted afterwards are not refused: if the peer is in fact
+// alive they proceed. Safe for concurrent use.
+func (a *Agent) PeerDeparted(peer uuid.UUID, cause error) {
+	if peer == uuid.Nil || a.isClosed() {
+		return
+	}
+	switch {
+	case cause == nil:
+		cause = ErrRemoteLost
+	case !errors.Is(cause, ErrRemoteLost):
+		cause = fmt.Errorf("%w: %w", ErrRemoteLost, cause)
+	}
+	a.xferMu.Lock()
+	var xs []*Xfer
+	for x := range a.xfers {
+		if x.Peer.ID == peer {
+			xs = append(xs, x)
+		}
+	}
+	a.xferMu.Unlock()
+	for _, x := range xs {
+		x.abort(cause)
+	}
+	a.PeerLost(peer, cause)
+}
+
 // Refused implements Host.
 func (a *Agent) Refused() { a.refused.Add(1) }
 

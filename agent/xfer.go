@@ -121,12 +121,22 @@ func (x *Xfer) Cancel(cause error) {
 	})
 }
 
+// abort cancels the transfer with err as its outcome, not joined to
+// ErrCancelled: the transfer did not stop by anyone's choice.
+func (x *Xfer) abort(err error) {
+	x.cancelOnce.Do(func() {
+		x.cause.Store(&err)
+		close(x.cancel)
+	})
+}
+
 // Cancelled is closed when the transfer has been cancelled. Backends select
 // on it between chunks.
 func (x *Xfer) Cancelled() <-chan struct{} { return x.cancel }
 
 // CancelErr returns the error a backend should finish a cancelled transfer
-// with: ErrCancelled joined with the cause given to Cancel.
+// with: ErrCancelled joined with the cause given to Cancel, or the error of
+// an agent that aborted the transfer (Agent.PeerDeparted).
 func (x *Xfer) CancelErr() error {
 	if p := x.cause.Load(); p != nil {
 		return *p

@@ -23,6 +23,8 @@ type Connector struct {
 	log   *slog.Logger
 	force string
 
+	resolver Resolver // for compact tokens; nil if none
+
 	mu      sync.Mutex
 	closing bool
 	calls   sync.WaitGroup // Create and Begin calls in progress
@@ -65,12 +67,13 @@ func NewConnector(opts ...Option) (*Connector, error) {
 		return nil, fmt.Errorf("%w: WithBackend(%q): the backends are %q", ErrInvalidOption, o.force, a.Backends())
 	}
 	return &Connector{
-		a:       a,
-		info:    a.Info(),
-		log:     a.Logger(),
-		force:   o.force,
-		passive: make(map[*passiveOp]struct{}),
-		active:  make(map[*activeOp]struct{}),
+		a:        a,
+		info:     a.Info(),
+		log:      a.Logger(),
+		force:    o.force,
+		resolver: o.resolver,
+		passive:  make(map[*passiveOp]struct{}),
+		active:   make(map[*activeOp]struct{}),
 	}, nil
 }
 

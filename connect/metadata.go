@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"hash/crc32"
 	"math"
+	"slices"
 	"strings"
 
 	"github.com/google/uuid"
@@ -56,8 +57,9 @@ func (k OperationKind) String() string {
 //	kind     u8 (1 READ, 2 WRITE)
 //	key      [16]byte
 //	agent    [16]byte, the agent's UUID
-//	backends uvarint count (1..16), each: u8 name length (1..32), name
-//	         ([a-z0-9._-]), uvarint data length (<= 4096), data
+//	backends uvarint count (0..16), each: u8 name length (1..32), name
+//	         ([a-z0-9._-]), uvarint data length (<= 4096), data; none in
+//	         a compact token (see Compact)
 //	regions  uvarint count (>= 1), each: u64 address, uvarint size (>= 1),
 //	         uvarint device<<1 | memory kind (0 host, 1 GPU)
 //	crc      u32, CRC-32C (Castagnoli) of every byte before it
@@ -84,9 +86,8 @@ const (
 	// minRegionLen is the fewest bytes one region takes, which bounds the
 	// count a decoder believes before allocating.
 	minRegionLen = 8 + 1 + 1
-	// minLen is the shortest valid token: one backend with a one-letter name
-	// and no data, one region.
-	minLen = headerLen + 1 + (1 + 1 + 1) + 1 + minRegionLen + crcLen
+	// minLen is the shortest valid token: compact (no backends), one region.
+	minLen = headerLen + 1 + 1 + minRegionLen + crcLen
 )
 
 var (
@@ -105,6 +106,24 @@ func newMetadata(kind OperationKind, key agent.Key, info agent.Info, ls []agent.
 	}
 	return Metadata{kind: kind, key: key, peer: info, regions: regions}
 }
+
+// Agent returns the ID of the agent that made the token: the Connector
+// whose memory it names (Connector.AgentInfo().ID()).
+func (m Metadata) Agent() uuid.UUID { return m.peer.ID }
+
+// Compact returns the token without the endpoints of the agent that made
+// it, which saves their bytes (about 70 with the default backends). A
+// Connector given a compact token looks the agent up with its Resolver
+// (WithResolver), such as a presence registry the agent joined; without
+// one, BeginRead and BeginWrite fail with ErrNoBackend. A compact token
+// grants the same access as the full one.
+func (m Metadata) Compact() Metadata {
+	m.peer.Conns = nil
+	return m
+}
+
+// IsCompact reports whether the token names its agent without endpoints.
+func (m Metadata) IsCompact() bool { return m.kind != 0 && len(m.peer.Conns) == 0 }
 
 // Kind returns the access the token grants.
 func (m Metadata) Kind() OperationKind { return m.kind }
@@ -130,10 +149,7 @@ func (m Metadata) Size() int {
 	if m.kind == 0 {
 		return 0
 	}
-	n := headerLen + wire.UvarintLen(uint64(len(m.peer.Conns)))
-	for _, c := range m.peer.Conns {
-		n += 1 + len(c.Backend) + wire.UvarintLen(uint64(len(c.Data))) + len(c.Data)
-	}
+	n := headerLen + connsLen(m.peer.Conns)
 	n += wire.UvarintLen(uint64(len(m.regions)))
 	for _, r := range m.regions {
 		n += 8 + wire.UvarintLen(r.Len) + wire.UvarintLen(where(r))
@@ -200,13 +216,7 @@ func (m Metadata) MarshalBinary() ([]byte, error) {
 	b = append(b, metaVersion, byte(m.kind))
 	b = append(b, m.key[:]...)
 	b = append(b, m.peer.ID[:]...)
-	b = binary.AppendUvarint(b, uint64(len(m.peer.Conns)))
-	for _, c := range m.peer.Conns {
-		b = append(b, byte(len(c.Backend)))
-		b = append(b, c.Backend...)
-		b = binary.AppendUvarint(b, uint64(len(c.Data)))
-		b = append(b, c.Data...)
-	}
+	b = appendConns(b, m.peer.Conns)
 	b = binary.AppendUvarint(b, uint64(len(m.regions)))
 	for _, r := range m.regions {
 		b = binary.LittleEndian.AppendUint64(b, r.Addr)
@@ -236,10 +246,22 @@ func (m Metadata) check() error {
 	if m.kind != KindRead && m.kind != KindWrite {
 		return fmt.Errorf("%w: kind %v", ErrInvalidMetadata, m.kind)
 	}
-	if n := len(m.peer.Conns); n < 1 || n > maxConns {
-		return fmt.Errorf("%w: want 1 to %d backends, found %d", ErrInvalidMetadata, maxConns, n)
+	if err := checkConns(m.peer.Conns, 0); err != nil {
+		return err
 	}
-	for _, c := range m.peer.Conns {
+	if len(m.regions) == 0 {
+		return fmt.Errorf("%w: no descriptors", ErrInvalidMetadata)
+	}
+	return nil
+}
+
+// checkConns checks connection information for encoding: at least least
+// and at most maxConns backends, with valid names and bounded data.
+func checkConns(cs []agent.ConnInfo, least int) error {
+	if n := len(cs); n < least || n > maxConns {
+		return fmt.Errorf("%w: want %d to %d backends, found %d", ErrInvalidMetadata, least, maxConns, n)
+	}
+	for _, c := range cs {
 		if err := checkName(c.Backend); err != nil {
 			return fmt.Errorf("%w: %v", ErrInvalidMetadata, err)
 		}
@@ -247,10 +269,65 @@ func (m Metadata) check() error {
 			return fmt.Errorf("%w: backend %s: want at most %d bytes of connection data, found %d", ErrInvalidMetadata, c.Backend, maxConnDataLen, len(c.Data))
 		}
 	}
-	if len(m.regions) == 0 {
-		return fmt.Errorf("%w: no descriptors", ErrInvalidMetadata)
-	}
 	return nil
+}
+
+// appendConns appends the backends section of the binary forms.
+func appendConns(b []byte, cs []agent.ConnInfo) []byte {
+	b = binary.AppendUvarint(b, uint64(len(cs)))
+	for _, c := range cs {
+		b = append(b, byte(len(c.Backend)))
+		b = append(b, c.Backend...)
+		b = binary.AppendUvarint(b, uint64(len(c.Data)))
+		b = append(b, c.Data...)
+	}
+	return b
+}
+
+// connsLen is the length of appendConns' output.
+func connsLen(cs []agent.ConnInfo) int {
+	n := wire.UvarintLen(uint64(len(cs)))
+	for _, c := range cs {
+		n += 1 + len(c.Backend) + wire.UvarintLen(uint64(len(c.Data))) + len(c.Data)
+	}
+	return n
+}
+
+// readConns decodes a backends section of least to maxConns backends; on
+// failure r holds the error. The data is copied.
+func readConns(r *wire.Reader, least uint64) []agent.ConnInfo {
+	at := r.Offset()
+	n := r.Uvarint("backend count")
+	if r.Err() == nil && (n < least || n > maxConns) {
+		r.FailAtf(at, "want %d to %d backends, found %d", least, maxConns, n)
+	}
+	if r.Err() != nil {
+		return nil
+	}
+	cs := make([]agent.ConnInfo, 0, n)
+	for i := uint64(0); i < n && r.Err() == nil; i++ {
+		at = r.Offset()
+		name := string(r.Bytes(int(r.Byte("backend name length")), "backend name"))
+		if r.Err() != nil {
+			break
+		}
+		if err := checkName(name); err != nil {
+			r.FailAtf(at, "backend %d: %v", i, err)
+			break
+		}
+		if slices.ContainsFunc(cs, func(c agent.ConnInfo) bool { return c.Backend == name }) {
+			r.FailAtf(at, "backend %d: %q given twice", i, name)
+			break
+		}
+		at = r.Offset()
+		dlen := r.Uvarint("connection data length")
+		if r.Err() == nil && dlen > maxConnDataLen {
+			r.FailAtf(at, "backend %s: want at most %d bytes of connection data, found %d", name, maxConnDataLen, dlen)
+		}
+		data := bytes.Clone(r.Bytes(int(dlen), "connection data"))
+		cs = append(cs, agent.ConnInfo{Backend: name, Data: data})
+	}
+	return cs
 }
 
 func checkName(s string) error {
@@ -301,39 +378,10 @@ func decodeMetadata(b []byte) (Metadata, error) {
 		r.FailAtf(at, "want an agent ID, found the nil UUID")
 	}
 
-	at = r.Offset()
-	n := r.Uvarint("backend count")
-	if r.Err() == nil && (n < 1 || n > maxConns) {
-		r.FailAtf(at, "want 1 to %d backends, found %d", maxConns, n)
-	}
-	if r.Err() == nil {
-		m.peer.Conns = make([]agent.ConnInfo, 0, n)
-	}
-	for i := uint64(0); i < n && r.Err() == nil; i++ {
-		at = r.Offset()
-		name := string(r.Bytes(int(r.Byte("backend name length")), "backend name"))
-		if r.Err() != nil {
-			break
-		}
-		if err := checkName(name); err != nil {
-			r.FailAtf(at, "backend %d: %v", i, err)
-			break
-		}
-		if _, dup := m.peer.Conn(name); dup {
-			r.FailAtf(at, "backend %d: %q given twice", i, name)
-			break
-		}
-		at = r.Offset()
-		dlen := r.Uvarint("connection data length")
-		if r.Err() == nil && dlen > maxConnDataLen {
-			r.FailAtf(at, "backend %s: want at most %d bytes of connection data, found %d", name, maxConnDataLen, dlen)
-		}
-		data := bytes.Clone(r.Bytes(int(dlen), "connection data"))
-		m.peer.Conns = append(m.peer.Conns, agent.ConnInfo{Backend: name, Data: data})
-	}
+	m.peer.Conns = readConns(r, 0)
 
 	at = r.Offset()
-	n = r.Uvarint("descriptor count")
+	n := r.Uvarint("descriptor count")
 	if left := r.Remaining(); r.Err() == nil && (n < 1 || n > uint64(left/minRegionLen)) {
 		r.FailAtf(at, "want 1 to %d descriptors (%d bytes left, %d or more each), found %d", left/minRegionLen, left, minRegionLen, n)
 	}

@@ -343,6 +343,10 @@ func (c *Connector) begin(ctx context.Context, o *activeOp, op agent.Op, md Meta
 		}
 		segs[i] = agent.Segment{Local: l, Remote: r}
 	}
+	peer, err := c.resolve(ctx, md)
+	if err != nil {
+		return err
+	}
 	if err := c.enter(ctx); err != nil {
 		return err
 	}
@@ -352,14 +356,14 @@ func (c *Connector) begin(ctx context.Context, o *activeOp, op agent.Op, md Meta
 	if err != nil {
 		return err
 	}
-	*o = activeOp{c: c, name: op.String(), peer: md.peer, key: md.key, regs: regs, done: make(chan struct{})}
+	*o = activeOp{c: c, name: op.String(), peer: peer, key: md.key, regs: regs, done: make(chan struct{})}
 	// Tracked before posting: a small transfer may finish inside Post.
 	c.mu.Lock()
 	c.active[o] = struct{}{}
 	c.watchers.Add(1)
 	c.mu.Unlock()
 	x, err := c.a.Post(agent.Request{
-		Op: op, Peer: md.peer, Key: md.key, Segments: segs,
+		Op: op, Peer: peer, Key: md.key, Segments: segs,
 		Notify: doneNotice, Backend: c.force,
 		OnDone: o.finish,
 	})

@@ -23,6 +23,7 @@ type options struct {
 	tcp      []tcp.Option
 	force    string
 	logger   *slog.Logger
+	resolver Resolver
 }
 
 // WithBackends replaces the default backends with bs, in order of
@@ -74,6 +75,22 @@ func WithLogger(l *slog.Logger) Option {
 			return fmt.Errorf("%w: WithLogger needs a logger", ErrInvalidOption)
 		}
 		o.logger = l
+		return nil
+	})
+}
+
+// WithResolver sets how the Connector finds the agent a compact token names
+// (Metadata.Compact), for example a transport/nats presence registry. Full
+// tokens never consult it. The Connector calls r.Resolve from BeginRead and
+// BeginWrite, with their context.
+//
+// Default: none; compact tokens fail with ErrNoBackend.
+func WithResolver(r Resolver) Option {
+	return optionFunc(func(o *options) error {
+		if r == nil {
+			return fmt.Errorf("%w: WithResolver needs a Resolver", ErrInvalidOption)
+		}
+		o.resolver = r
 		return nil
 	})
 }
