@@ -69,3 +69,31 @@ func checkDecoded(t *testing.T, md Metadata) {
 		t.Fatalf("text round trip: %v (size %d != %d)", err, again.Size(), md.Size())
 	}
 }
+
+// FuzzAgentInfo decodes agent descriptions, which presence registries carry
+// between services:
+//
+//	go test -fuzz FuzzAgentInfo ./connect
+func FuzzAgentInfo(f *testing.F) {
+	f.Fuzz(func(t *testing.T, b []byte) {
+		fuzzInfo(t, b)
+		fuzzInfo(t, withCRC(b))
+	})
+}
+
+func fuzzInfo(t *testing.T, b []byte) {
+	var ai AgentInfo
+	if err := ai.UnmarshalBinary(b); err != nil {
+		if !errors.Is(err, ErrInvalidMetadata) {
+			t.Fatalf("error does not wrap ErrInvalidMetadata: %v", err)
+		}
+		return
+	}
+	out, err := ai.MarshalBinary()
+	if err != nil {
+		t.Fatalf("a decoded agent info does not encode: %v", err)
+	}
+	if !bytes.Equal(out, b) {
+		t.Fatalf("a valid agent info must have one binary form:\n in: %x\nout: %x", b, out)
+	}
+}

@@ -304,6 +304,9 @@ func readConns(r *wire.Reader, least uint64) []agent.ConnInfo {
 	if r.Err() != nil {
 		return nil
 	}
+	if n == 0 {
+		return nil
+	}
 	cs := make([]agent.ConnInfo, 0, n)
 	for i := uint64(0); i < n && r.Err() == nil; i++ {
 		at = r.Offset()

@@ -1,18 +1,17 @@
 package tcp
 
 import (
-	"crypto/sha256"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"math"
 	"net"
-	"os"
 	"time"
 
 	"github.com/google/uuid"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/internal/hostid"
 )
 
 // The wire protocol. Every connection starts with a handshake (the dialer
@@ -162,20 +161,7 @@ func parseConnInfo(b []byte) (connInfo, error) {
 
 // hostIdentity names this boot of this host and its network namespace: two
 // agents with the same identity share a loopback interface.
-func hostIdentity() [8]byte {
-	h := sha256.New()
-	if b, err := os.ReadFile("/proc/sys/kernel/random/boot_id"); err == nil {
-		h.Write(b)
-	} else if name, err := os.Hostname(); err == nil {
-		h.Write([]byte(name))
-	}
-	if ns, err := os.Readlink("/proc/self/ns/net"); err == nil {
-		h.Write([]byte(ns))
-	}
-	var id [8]byte
-	copy(id[:], h.Sum(nil))
-	return id
-}
+func hostIdentity() [8]byte { return hostid.Of("net") }
 
 func isLoopback(addr string) bool {
 	host, _, err := net.SplitHostPort(addr)

@@ -1,0 +1,114 @@
+package cma
+
+import (
+	"errors"
+	"fmt"
+	"runtime"
+	"time"
+)
+
+// ErrInvalidOption reports an option value the backend cannot use. The
+// agent's constructor returns it from Start.
+var ErrInvalidOption = errors.New("cma: invalid option")
+
+// Option configures a Backend.
+type Option interface{ apply(*config) error }
+
+type optionFunc func(*config) error
+
+func (f optionFunc) apply(c *config) error { return f(c) }
+
+type config struct {
+	workers    int
+	chunk      int
+	lease      int
+	timeout    time.Duration
+	ptracer    bool
+	maxNotify  int
+	maxRanges  int
+	leaseDepth int
+}
+
+func defaults() config {
+	return config{
+		workers:    min(runtime.GOMAXPROCS(0), 8),
+		chunk:      1 << 20,
+		lease:      16 << 20,
+		timeout:    4 * time.Second,
+		ptracer:    true,
+		maxNotify:  64 << 10,
+		maxRanges:  4096,
+		leaseDepth: 2,
+	}
+}
+
+// WithWorkers sets how many goroutines per backend copy in parallel: a large
+// transfer is cut into chunks that they share. Default: GOMAXPROCS at New,
+// at most 8.
+func WithWorkers(n int) Option {
+	return optionFunc(func(c *config) error {
+		if n < 1 || n > 64 {
+			return fmt.Errorf("%w: workers must be in [1, 64], got %d", ErrInvalidOption, n)
+		}
+		c.workers = n
+		return nil
+	})
+}
+
+// WithChunkSize sets the most bytes one system call copies: larger
+// descriptors are split, smaller ones batched into one call of up to
+// IOV_MAX (1024) pieces. Chunks are what the workers share. Default: 1 MiB.
+func WithChunkSize(n int) Option {
+	return optionFunc(func(c *config) error {
+		if n < 4<<10 || n > 256<<20 {
+			return fmt.Errorf("%w: chunk size must be in [4 KiB, 256 MiB], got %d", ErrInvalidOption, n)
+		}
+		c.chunk = n
+		return nil
+	})
+}
+
+// WithLeaseSize sets the most bytes one lease covers. The exposing agent
+// grants a lease over its connection before each span of a transfer is
+// copied and the copying agent ends it right after, so revoking an exposure
+// (or closing its operation) waits for at most about two leases' worth of
+// copying per transfer in flight. Default: 16 MiB.
+func WithLeaseSize(n int) Option {
+	return optionFunc(func(c *config) error {
+		if n < 64<<10 || n > 1<<30 {
+			return fmt.Errorf("%w: lease size must be in [64 KiB, 1 GiB], got %d", ErrInvalidOption, n)
+		}
+		c.lease = n
+		return nil
+	})
+}
+
+// WithTimeout sets how long the backend waits for a peer to answer a
+// handshake or a lease request before it declares the peer lost
+// (agent.ErrRemoteLost). A peer that dies is noticed at once, when its
+// socket closes; the timeout is for a peer that hangs. Default: 4 s.
+func WithTimeout(d time.Duration) Option {
+	return optionFunc(func(c *config) error {
+		if d < 10*time.Millisecond {
+			return fmt.Errorf("%w: timeout must be at least 10ms, got %v", ErrInvalidOption, d)
+		}
+		c.timeout = d
+		return nil
+	})
+}
+
+// WithPtracer says whether the exposing agent may declare its same-host
+// peers as ptracers (prctl PR_SET_PTRACER) when the kernel's Yama module
+// runs in mode 1 (kernel.yama.ptrace_scope = 1), where otherwise only an
+// ancestor process may read this one's memory. The agent names the
+// connected peer's process ID, verified with SO_PEERCRED; since Yama keeps
+// one exception per process, it names any process (PR_SET_PTRACER_ANY)
+// while several peer processes are connected at once. With false, peers on
+// such a host fall back to another backend. In modes 0, 2 and 3 the option
+// has no effect. Default: true.
+func WithPtracer(on bool) Option {
+	return optionFunc(func(c *config) error {
+		c.ptracer = on
+		return nil
+	})
+}

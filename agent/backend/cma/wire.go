@@ -1,0 +1,259 @@
+package cma
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+
+	"github.com/google/uuid"
+
+	"github.com/goxfer/goxfer/agent"
+)
+
+// The control protocol, over one Unix-domain stream socket per pair of
+// agents, dialled by the agent that copies (the active side). It starts with
+// a handshake each way, then carries frames: a fixed header, for a lease
+// request a table of (address, length) ranges, then a payload. All integers
+// are little-endian.
+//
+//	handshake (72 bytes)
+//	  0  magic   "GXCM"
+//	  4  version u8
+//	  5  status  u8   (answer: 0 ok, else refused)
+//	  6  scope   u8   (answer: the host's Yama ptrace_scope, 0xff if none)
+//	  7  -       u8
+//	  8  self    [16]byte  the sender's agent ID
+//	 24  expect  [16]byte  the agent the dialler expects (hello only)
+//	 40  pid     u32       the sender's process ID
+//	 44  -       u32
+//	 48  probe   u64       address of the probe bytes (answer only)
+//	 56  nonce   [16]byte  what the probe bytes hold (answer only)
+//
+//	frame header (40 bytes)
+//	  0  type    u8
+//	  1  status  u8   (tBegin: the access asked for; tGrant: 0 ok, else refused)
+//	  2  -       u16
+//	  4  count   u32  ranges in the table (tBegin only)
+//	  8  id      u64  lease number, chosen by the requester
+//	 16  length  u32  payload bytes after the table
+//	 20  -       u32
+//	 24  key     [16]byte
+const (
+	hsSize    = 72
+	hdrSize   = 40
+	rangeSize = 16
+
+	tBegin  = 1 // active→passive: lease the ranges for access; answered by tGrant
+	tGrant  = 2 // passive→active: status; on refusal an error text follows
+	tEnd    = 3 // active→passive: the lease is over; no answer
+	tNotify = 4 // active→passive: length bytes of message for key
+	tBye    = 5 // either way: orderly close
+
+	stOK     = 0
+	stDenied = 1 // access refused by the exposing agent
+	stLost   = 2 // the exposing agent is closing
+	stWrong  = 3 // handshake: this is not the agent expected
+
+	maxErrMsg = 1 << 10 // largest error text in a tGrant
+
+	protoVersion = 1
+	noScope      = 0xff
+)
+
+var magic = [4]byte{'G', 'X', 'C', 'M'}
+
+// errProtocol marks a peer that broke the protocol; the connection is
+// dropped and the refusal counted.
+var errProtocol = errors.New("cma: protocol violation")
+
+type header struct {
+	typ    uint8
+	status uint8
+	count  uint32
+	id     uint64
+	length uint32
+	key    agent.Key
+}
+
+func (h *header) put(b []byte) {
+	_ = b[hdrSize-1]
+	b[0], b[1], b[2], b[3] = h.typ, h.status, 0, 0
+	binary.LittleEndian.PutUint32(b[4:], h.count)
+	binary.LittleEndian.PutUint64(b[8:], h.id)
+	binary.LittleEndian.PutUint32(b[16:], h.length)
+	binary.LittleEndian.PutUint32(b[20:], 0)
+	copy(b[24:40], h.key[:])
+}
+
+func (h *header) get(b []byte) {
+	_ = b[hdrSize-1]
+	h.typ, h.status = b[0], b[1]
+	h.count = binary.LittleEndian.Uint32(b[4:])
+	h.id = binary.LittleEndian.Uint64(b[8:])
+	h.length = binary.LittleEndian.Uint32(b[16:])
+	copy(h.key[:], b[24:40])
+}
+
+// limits bound what a frame may carry.
+type limits struct {
+	maxRanges int // ranges in one tBegin
+	maxNotify int // bytes in one tNotify
+}
+
+// frame is a decoded frame. table and payload alias the reader's buffer and
+// are valid until the next read.
+type frame struct {
+	header
+	table   []byte // count × (address u64, length u64)
+	payload []byte
+}
+
+// rangeAt returns range i of the frame's table.
+func (f *frame) rangeAt(i int) (addr, n uint64) {
+	b := f.table[i*rangeSize:]
+	return binary.LittleEndian.Uint64(b), binary.LittleEndian.Uint64(b[8:])
+}
+
+// readFrame reads and checks one frame from r, an untrusted peer: it never
+// allocates more than the limits allow and returns an error wrapping
+// errProtocol for any frame that breaks them. buf is reused for the table
+// and payload.
+func readFrame(r io.Reader, hdr []byte, buf *[]byte, lim limits, f *frame) error {
+	if _, err := io.ReadFull(r, hdr[:hdrSize]); err != nil {
+		return err
+	}
+	f.header.get(hdr)
+	var tableLen, maxLen int
+	switch f.typ {
+	case tBegin:
+		if f.count == 0 || uint64(f.count) > uint64(lim.maxRanges) {
+			return fmt.Errorf("%w: lease request of %d ranges, want 1 to %d", errProtocol, f.count, lim.maxRanges)
+		}
+		if f.status != uint8(agent.AccessRead) && f.status != uint8(agent.AccessWrite) {
+			return fmt.Errorf("%w: lease request for access %d", errProtocol, f.status)
+		}
+		tableLen = int(f.count) * rangeSize
+	case tGrant:
+		maxLen = maxErrMsg
+	case tNotify:
+		maxLen = lim.maxNotify
+	case tEnd, tBye:
+	default:
+		return fmt.Errorf("%w: frame type %d", errProtocol, f.typ)
+	}
+	if f.typ != tBegin && f.count != 0 {
+		return fmt.Errorf("%w: frame type %d with %d ranges", errProtocol, f.typ, f.count)
+	}
+	if uint64(f.length) > uint64(maxLen) {
+		return fmt.Errorf("%w: frame type %d with %d payload bytes, at most %d", errProtocol, f.typ, f.length, maxLen)
+	}
+	n := tableLen + int(f.length)
+	if cap(*buf) < n {
+		*buf = make([]byte, n)
+	}
+	b := (*buf)[:n]
+	if _, err := io.ReadFull(r, b); err != nil {
+		return err
+	}
+	f.table, f.payload = b[:tableLen], b[tableLen:]
+	return nil
+}
+
+// handshake is the first message each way.
+type handshake struct {
+	status, scope uint8
+	self, expect  uuid.UUID
+	pid           uint32
+	probe         uint64
+	nonce         [16]byte
+}
+
+func (h *handshake) put(b []byte) {
+	_ = b[hsSize-1]
+	copy(b[0:4], magic[:])
+	b[4], b[5], b[6], b[7] = protoVersion, h.status, h.scope, 0
+	copy(b[8:24], h.self[:])
+	copy(b[24:40], h.expect[:])
+	binary.LittleEndian.PutUint32(b[40:], h.pid)
+	binary.LittleEndian.PutUint32(b[44:], 0)
+	binary.LittleEndian.PutUint64(b[48:], h.probe)
+	copy(b[56:72], h.nonce[:])
+}
+
+func getHandshake(b []byte) (handshake, error) {
+	var h handshake
+	_ = b[hsSize-1]
+	if [4]byte(b[0:4]) != magic {
+		return h, fmt.Errorf("%w: handshake magic %x, want %x", errProtocol, b[0:4], magic)
+	}
+	if b[4] != protoVersion {
+		return h, fmt.Errorf("%w: protocol version %d, want %d", errProtocol, b[4], protoVersion)
+	}
+	h.status, h.scope = b[5], b[6]
+	copy(h.self[:], b[8:24])
+	copy(h.expect[:], b[24:40])
+	h.pid = binary.LittleEndian.Uint32(b[40:])
+	h.probe = binary.LittleEndian.Uint64(b[48:])
+	copy(h.nonce[:], b[56:72])
+	return h, nil
+}
+
+// connInfo is what the backend publishes: version u8, host identity [8]
+// (boot, PID and network namespaces), process ID u32, then the name of its
+// socket in the abstract namespace.
+type connInfo struct {
+	host [8]byte
+	pid  uint32
+	sock string
+}
+
+const maxSockName = 107 // sun_path less the abstract namespace's leading NUL
+
+func (c connInfo) marshal() []byte {
+	b := make([]byte, 0, 13+len(c.sock))
+	b = append(b, protoVersion)
+	b = append(b, c.host[:]...)
+	b = binary.LittleEndian.AppendUint32(b, c.pid)
+	return append(b, c.sock...)
+}
+
+func parseConnInfo(b []byte) (connInfo, error) {
+	var c connInfo
+	if len(b) < 14 || len(b) > 13+maxSockName {
+		return c, fmt.Errorf("cma connection info of %d bytes, want 14 to %d", len(b), 13+maxSockName)
+	}
+	if b[0] != protoVersion {
+		return c, fmt.Errorf("cma connection info version %d, want %d", b[0], protoVersion)
+	}
+	copy(c.host[:], b[1:9])
+	c.pid = binary.LittleEndian.Uint32(b[9:13])
+	if c.pid == 0 {
+		return c, errors.New("cma connection info names process 0")
+	}
+	c.sock = string(b[13:])
+	return c, nil
+}
+
+// cursor is a position in a transfer's segments: byte off of segment seg.
+type cursor struct {
+	seg int
+	off uint64
+}
+
+// advance returns where a span starting at c ends: at most maxBytes bytes
+// and maxPieces pieces (a piece is a contiguous part of one segment), and
+// the span's bytes and pieces.
+func advance(segs []agent.Segment, c cursor, maxBytes uint64, maxPieces int) (end cursor, n uint64, pieces int) {
+	for c.seg < len(segs) && n < maxBytes && pieces < maxPieces {
+		l := segs[c.seg].Local.Len
+		take := min(l-c.off, maxBytes-n)
+		n += take
+		pieces++
+		c.off += take
+		if c.off == l {
+			c.seg, c.off = c.seg+1, 0
+		}
+	}
+	return c, n, pieces
+}
