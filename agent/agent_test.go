@@ -551,3 +551,53 @@ func TestRegionSetIsSorted(t *testing.T) {
 	set := newRegionSet([]Local{region(300, 1), region(100, 1), region(200, 1)})
 	assert.True(t, sort.SliceIsSorted(set.regs, func(i, j int) bool { return set.regs[i].Addr < set.regs[j].Addr }))
 }
+
+// heldBackend keeps every transfer until it is cancelled, then finishes it
+// with the cancel error, as a real backend would.
+type heldBackend struct{ stubBackend }
+
+func (b *heldBackend) Post(x *Xfer) error {
+	go func() {
+		<-x.Cancelled()
+		x.Finish(x.CancelErr())
+	}()
+	return nil
+}
+
+func TestPeerDepartedAbortsItsTransfers(t *testing.T) {
+	a := newTestAgent(t, &heldBackend{stubBackend{name: "held"}})
+	gone := Info{ID: uuid.New(), Conns: []ConnInfo{{Backend: "held"}}}
+	stays := Info{ID: uuid.New(), Conns: []ConnInfo{{Backend: "held"}}}
+	buf := make([]byte, 64)
+	post := func(peer Info) *Xfer {
+		x, err := a.Post(Request{Op: OpRead, Peer: peer, Segments: []Segment{{Local: DRAM(buf), Remote: Region{Addr: 0x1000, Len: 64}}}})
+		require.NoError(t, err)
+		return x
+	}
+	x1, x2, other := post(gone), post(gone), post(stays)
+	e, err := a.Expose(AccessRead, []Local{DRAM(buf)})
+	require.NoError(t, err)
+	defer e.Revoke()
+	a.Deliver(gone.ID, e.Key(), []byte("bind")) // e is now bound to gone
+	<-e.Events()
+
+	a.PeerDeparted(gone.ID, errors.New("registry: no heartbeat for 2s"))
+	for _, x := range []*Xfer{x1, x2} {
+		<-x.Done()
+		require.ErrorIs(t, x.Err(), ErrRemoteLost)
+		assert.NotErrorIs(t, x.Err(), ErrCancelled, "a departure is not a cancellation")
+		assert.ErrorContains(t, x.Err(), "no heartbeat for 2s")
+	}
+	select {
+	case <-other.Done():
+		t.Fatal("a transfer with another peer was aborted")
+	default:
+	}
+	ev := <-e.Events()
+	assert.Equal(t, EventPeerLost, ev.Kind)
+	require.ErrorIs(t, ev.Err, ErrRemoteLost)
+
+	other.Cancel(nil)
+	<-other.Done()
+	require.ErrorIs(t, other.Err(), ErrCancelled)
+}
