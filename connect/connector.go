@@ -8,6 +8,8 @@ import (
 	"slices"
 	"sync"
 
+	"github.com/google/uuid"
+
 	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/agent/backend/tcp"
 )
@@ -55,7 +57,11 @@ func NewConnector(opts ...Option) (*Connector, error) {
 	if backends == nil {
 		backends = defaultBackends(&o)
 	}
-	a, err := agent.New(agent.WithBackends(backends...), agent.WithLogger(o.logger))
+	aopts := []agent.Option{agent.WithBackends(backends...), agent.WithLogger(o.logger)}
+	if o.id != uuid.Nil {
+		aopts = append(aopts, agent.WithID(o.id))
+	}
+	a, err := agent.New(aopts...)
 	if errors.Is(err, tcp.ErrInvalidOption) {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidOption, err)
 	}
@@ -136,6 +142,12 @@ func (c *Connector) enter(ctx context.Context) error {
 	}
 	c.calls.Add(1)
 	return nil
+}
+
+func (c *Connector) isClosing() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.closing
 }
 
 // register takes a reference to every local region, in one call.

@@ -110,7 +110,11 @@ func (c *Connector) CreateWritable(ctx context.Context, descs ...Descriptor) (*W
 // index, and returns without waiting for the bytes. md must be a READ token
 // (else ErrKindMismatch) naming as many descriptors as local, of the same
 // sizes (else ErrSizeMismatch); both are checked before any byte moves.
-// Failures to start come as *TransferError.
+// A compact token (Metadata.Compact) is resolved first, with ctx, through
+// the Connector's Resolver. Invalid arguments and a failed resolution come
+// as plain errors matching the sentinels above; a transfer the agent could
+// not start (no shared backend, a closed Connector) comes as a
+// *TransferError.
 //
 // ctx bounds the whole transfer, not just the call, as with
 // exec.CommandContext: if it ends before the transfer finishes, the transfer
@@ -342,6 +346,9 @@ func (c *Connector) begin(ctx context.Context, o *activeOp, op agent.Op, md Meta
 			return fmt.Errorf("%w: descriptor %d: local size %d != remote size %d", ErrSizeMismatch, i, l.Len, r.Len)
 		}
 		segs[i] = agent.Segment{Local: l, Remote: r}
+	}
+	if c.isClosing() { // spare a closed Connector the resolver's round trip
+		return ErrClosed
 	}
 	peer, err := c.resolve(ctx, md)
 	if err != nil {

@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"log/slog"
 
+	"github.com/google/uuid"
+
 	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/agent/backend/mem"
 	"github.com/goxfer/goxfer/agent/backend/tcp"
@@ -24,6 +26,7 @@ type options struct {
 	force    string
 	logger   *slog.Logger
 	resolver Resolver
+	id       uuid.UUID
 }
 
 // WithBackends replaces the default backends with bs, in order of
@@ -91,6 +94,23 @@ func WithResolver(r Resolver) Option {
 			return fmt.Errorf("%w: WithResolver needs a Resolver", ErrInvalidOption)
 		}
 		o.resolver = r
+		return nil
+	})
+}
+
+// WithAgentID gives the Connector's agent a chosen ID instead of a random
+// one. Tokens and presence registries name the agent by this ID, so a
+// deployment can tie each service's NATS credentials to the registry entry
+// under its own ID (see docs/security.md). Two live Connectors must never
+// share an ID: peers would take one for the other.
+//
+// Default: a random (version 4) UUID per Connector.
+func WithAgentID(id uuid.UUID) Option {
+	return optionFunc(func(o *options) error {
+		if id == uuid.Nil {
+			return fmt.Errorf("%w: WithAgentID needs a non-nil UUID", ErrInvalidOption)
+		}
+		o.id = id
 		return nil
 	})
 }

@@ -183,3 +183,14 @@ func TestPeerDepartedPassive(t *testing.T) {
 	assert.Equal(t, StatusErrored, used.Status())
 	assert.Equal(t, StatusInitialized, unused.Status())
 }
+
+func TestWithAgentID(t *testing.T) {
+	id := uuid.New()
+	c := newConnector(t, WithAgentID(id))
+	assert.Equal(t, id, c.AgentInfo().ID())
+	op := expose(t, c, KindRead, buffers([]int{8}, 1))
+	assert.Equal(t, id, op.Metadata().Agent())
+
+	_, err := NewConnector(WithAgentID(uuid.Nil))
+	require.ErrorIs(t, err, ErrInvalidOption)
+}
