@@ -1,0 +1,34 @@
+// Package nats is goxfer's NATS control plane: it carries connect.Metadata
+// tokens between services, request/reply (Serve, Request) or push style
+// (Publish, Subscribe), and keeps a presence registry of agents in a
+// JetStream key-value bucket (OpenRegistry), which resolves compact tokens
+// and tells Connectors when a peer departs, long before transport
+// keepalives would.
+//
+// Every function takes the caller's *nats.Conn (with the caller's TLS,
+// credentials and reconnect settings) and never dials a connection of its
+// own. Import it under another name, since nats.go's package is also nats:
+//
+//	// Worker: expose a KV block, answer with its token.
+//	svc, _ := gxnats.Serve(nc, "prefill.kv", func(ctx context.Context, req *gxnats.ServiceRequest) (*gxnats.Reply, error) {
+//		op, err := conn.CreateReadable(ctx, connect.NewDescriptor(kv))
+//		if err != nil {
+//			return nil, err
+//		}
+//		go func() { _ = op.Wait(context.Background()); _ = op.Close() }()
+//		return &gxnats.Reply{Metadata: op.Metadata()}, nil
+//	})
+//	defer svc.Close()
+//
+//	// Requester: get the token, read the block.
+//	rep, err := gxnats.Request(ctx, nc, "prefill.kv", nil)
+//	rop, err := conn.BeginRead(ctx, rep.Metadata, connect.NewDescriptor(buf))
+//	err = rop.Wait(ctx)
+//
+// Token messages are framed as "gxt", a version byte, the token's length
+// as a uvarint, the token's binary form, then the application's payload;
+// goxfer's own headers start with "Goxfer-". Every message is checked
+// against the server's max payload before it is sent. Package
+// transport/nats/natsserver runs an embedded server for single-machine use
+// and tests.
+package nats

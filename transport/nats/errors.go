@@ -1,0 +1,115 @@
+package nats
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/nats-io/nats.go"
+)
+
+// Sentinel errors, matched with errors.Is.
+var (
+	// ErrNoResponders reports a request to a subject that no worker serves.
+	// Errors that match it also match nats.ErrNoResponders.
+	ErrNoResponders = errors.New("goxfer/nats: no worker serves the subject")
+	// ErrHandler reports a request that the worker's Handler failed; the
+	// error is a *HandlerError.
+	ErrHandler = errors.New("goxfer/nats: handler failed")
+	// ErrPayloadTooLarge reports a message larger than the server accepts;
+	// the error is a *PayloadTooLargeError and nothing was sent.
+	ErrPayloadTooLarge = errors.New("goxfer/nats: message exceeds the server's max payload")
+	// ErrClosed reports use of a closed Service, Subscription, Registry or
+	// Member.
+	ErrClosed = errors.New("goxfer/nats: closed")
+	// ErrInvalidOption reports an invalid Option.
+	ErrInvalidOption = errors.New("goxfer/nats: invalid option")
+	// ErrUnknownAgent reports an agent ID the presence registry has never
+	// seen.
+	ErrUnknownAgent = errors.New("goxfer/nats: unknown agent")
+	// ErrRegistry reports a presence registry bucket that is missing and
+	// could not be created, or could not be bound.
+	ErrRegistry = errors.New("goxfer/nats: presence registry unavailable")
+)
+
+// Error codes a HandlerError carries (header Goxfer-Error-Code).
+const (
+	codeHandler     = "handler"
+	codeBadRequest  = "bad-request"
+	codeUnavailable = "unavailable"
+	codeTimeout     = "timeout"
+)
+
+// HandlerError is a worker's Handler failure as the requester sees it. A
+// Handler may also return one itself to choose the Code the requester gets.
+// It matches ErrHandler with errors.Is.
+type HandlerError struct {
+	Subject string // the subject the request was sent to
+	// Code classifies the failure: "handler" (the default: the Handler
+	// returned an error or panicked), "bad-request" (the request was
+	// malformed), "unavailable" (the worker was shutting down and did not
+	// run the Handler; safe to retry) or "timeout" (the Handler ran out of
+	// time). Unknown codes from newer peers are passed through.
+	Code    string
+	Message string // the Handler's error message
+}
+
+// Error returns a message naming the subject, the code and the handler's
+// message.
+func (e *HandlerError) Error() string {
+	code := e.Code
+	if code == "" {
+		code = codeHandler
+	}
+	if e.Subject == "" {
+		return fmt.Sprintf("goxfer/nats: handler error (%s): %s", code, e.Message)
+	}
+	return fmt.Sprintf("goxfer/nats: handler for subject %q failed (%s): %s", e.Subject, code, e.Message)
+}
+
+// Is reports whether target is ErrHandler.
+func (e *HandlerError) Is(target error) bool { return target == ErrHandler }
+
+// PayloadTooLargeError reports a message of Size bytes (headers and body)
+// that exceeds the server's max payload of Max bytes. Nothing was sent. It
+// matches ErrPayloadTooLarge with errors.Is.
+type PayloadTooLargeError struct {
+	Subject string
+	Size    int64
+	Max     int64
+}
+
+// Error returns a message giving both sizes and the subject.
+func (e *PayloadTooLargeError) Error() string {
+	return fmt.Sprintf("goxfer/nats: token message of %d bytes exceeds the server's max payload of %d bytes (subject %q)", e.Size, e.Max, e.Subject)
+}
+
+// Is reports whether target is ErrPayloadTooLarge.
+func (e *PayloadTooLargeError) Is(target error) bool { return target == ErrPayloadTooLarge }
+
+// noRespondersError names the subject nobody serves; it matches both
+// ErrNoResponders and nats.ErrNoResponders.
+type noRespondersError struct {
+	subject  string
+	attempts int
+}
+
+func (e *noRespondersError) Error() string {
+	if e.attempts > 1 {
+		return fmt.Sprintf("goxfer/nats: no worker serves subject %q (%d attempts)", e.subject, e.attempts)
+	}
+	return fmt.Sprintf("goxfer/nats: no worker serves subject %q", e.subject)
+}
+
+func (e *noRespondersError) Is(target error) bool { return target == ErrNoResponders }
+func (e *noRespondersError) Unwrap() error        { return nats.ErrNoResponders }
+
+// ctxError wraps a context's error with the subject and how long the call
+// waited.
+func ctxError(subject string, start time.Time, attempts int, err error) error {
+	tries := ""
+	if attempts > 1 {
+		tries = fmt.Sprintf(", %d attempts", attempts)
+	}
+	return fmt.Errorf("goxfer/nats: request to subject %q: no reply after %v%s: %w", subject, time.Since(start).Round(time.Millisecond), tries, err)
+}

@@ -1,0 +1,260 @@
+package nats
+
+import (
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/nats-io/nats.go"
+)
+
+// Option configures a call of this package. There is one Option type for
+// every function; each function documents which options it honours and
+// ignores the others. Invalid options make the function fail with an error
+// matching ErrInvalidOption.
+type Option interface{ apply(*options) error }
+
+type optionFunc func(*options) error
+
+func (f optionFunc) apply(o *options) error { return f(o) }
+
+// Defaults.
+const (
+	defaultQueue          = "goxfer"
+	defaultConcurrency    = 64
+	defaultTimeout        = 10 * time.Second
+	defaultAttemptTimeout = 2 * time.Second
+	defaultBucket         = "goxfer_agents"
+	defaultHeartbeat      = time.Second
+	// minHeartbeat keeps heartbeats from flooding the server.
+	minHeartbeat = 10 * time.Millisecond
+	// maxHeartbeat keeps the bucket TTL (3 heartbeats) sane.
+	maxHeartbeat = time.Hour
+)
+
+type options struct {
+	queue          *string
+	concurrency    int
+	header         nats.Header
+	timeout        time.Duration
+	retry          int
+	attemptTimeout time.Duration
+	logger         *slog.Logger
+	bucket         string
+	heartbeat      time.Duration
+	createBucket   bool
+	replicas       int
+}
+
+func newOptions(opts []Option) (options, error) {
+	o := options{
+		concurrency:    defaultConcurrency,
+		timeout:        defaultTimeout,
+		retry:          1,
+		attemptTimeout: defaultAttemptTimeout,
+		logger:         slog.Default(),
+		bucket:         defaultBucket,
+		heartbeat:      defaultHeartbeat,
+		createBucket:   true,
+		replicas:       1,
+	}
+	for _, opt := range opts {
+		if opt == nil {
+			return o, fmt.Errorf("%w: nil Option", ErrInvalidOption)
+		}
+		if err := opt.apply(&o); err != nil {
+			return o, err
+		}
+	}
+	return o, nil
+}
+
+// WithQueue makes the subscriber join queue group group: the server gives
+// each message to one member of the group only, which is how a pool of
+// workers shares a subject. Honoured by Serve and Subscribe.
+//
+// Default: "goxfer" for Serve (every Service on a subject shares its
+// requests); none for Subscribe (every Subscription gets every offer).
+func WithQueue(group string) Option {
+	return optionFunc(func(o *options) error {
+		if group == "" {
+			return fmt.Errorf("%w: WithQueue needs a queue group name", ErrInvalidOption)
+		}
+		o.queue = &group
+		return nil
+	})
+}
+
+// WithConcurrency bounds how many Handler calls a Service runs at once;
+// further requests wait in the subscription's pending buffer (nats.go's
+// pending limits apply). Honoured by Serve.
+//
+// Default: 64.
+func WithConcurrency(n int) Option {
+	return optionFunc(func(o *options) error {
+		if n < 1 {
+			return fmt.Errorf("%w: WithConcurrency(%d): want at least 1", ErrInvalidOption, n)
+		}
+		o.concurrency = n
+		return nil
+	})
+}
+
+// WithHeader adds application headers to the message sent. Header names
+// starting with "Goxfer-" are reserved and dropped. h is read, not kept
+// beyond the call. Honoured by Request and Publish.
+//
+// Default: no headers.
+func WithHeader(h nats.Header) Option {
+	return optionFunc(func(o *options) error {
+		if o.header == nil {
+			o.header = nats.Header{}
+		}
+		for k, vs := range h {
+			if isOwnHeader(k) {
+				continue
+			}
+			for _, v := range vs {
+				o.header.Add(k, v)
+			}
+		}
+		return nil
+	})
+}
+
+// WithTimeout bounds a call whose ctx has no deadline; a ctx deadline
+// always wins. Honoured by Request (the whole call, retries included) and
+// Publish (waiting for the server to acknowledge the flush).
+//
+// Default: 10 s.
+func WithTimeout(d time.Duration) Option {
+	return optionFunc(func(o *options) error {
+		if d <= 0 {
+			return fmt.Errorf("%w: WithTimeout(%v): want a positive duration", ErrInvalidOption, d)
+		}
+		o.timeout = d
+		return nil
+	})
+}
+
+// WithRetry makes Request try up to attempts times in all, with backoff,
+// while its ctx allows. It retries only when the request cannot have been
+// handled or its outcome was lost: no responders, the connection closed
+// or disconnected, one attempt timing out (WithAttemptTimeout), or a worker
+// answering "unavailable" because it was shutting down. A request may thus
+// reach a Handler more than once: use retries only with idempotent
+// handlers. Honoured by Request.
+//
+// Default: 1 (no retry).
+func WithRetry(attempts int) Option {
+	return optionFunc(func(o *options) error {
+		if attempts < 1 {
+			return fmt.Errorf("%w: WithRetry(%d): want at least 1 attempt", ErrInvalidOption, attempts)
+		}
+		o.retry = attempts
+		return nil
+	})
+}
+
+// WithAttemptTimeout bounds each attempt of a Request made with WithRetry
+// greater than 1; a timed-out attempt is retried. Without retries the
+// whole ctx is the one attempt's limit. Honoured by Request.
+//
+// Default: 2 s.
+func WithAttemptTimeout(d time.Duration) Option {
+	return optionFunc(func(o *options) error {
+		if d <= 0 {
+			return fmt.Errorf("%w: WithAttemptTimeout(%v): want a positive duration", ErrInvalidOption, d)
+		}
+		o.attemptTimeout = d
+		return nil
+	})
+}
+
+// WithLogger sets where a Service or a Registry logs (handler panics,
+// undecodable registry entries, watch restarts). Honoured by Serve and
+// OpenRegistry.
+//
+// Default: slog.Default().
+func WithLogger(l *slog.Logger) Option {
+	return optionFunc(func(o *options) error {
+		if l == nil {
+			return fmt.Errorf("%w: WithLogger needs a logger", ErrInvalidOption)
+		}
+		o.logger = l
+		return nil
+	})
+}
+
+// WithBucket names the JetStream key-value bucket of the presence
+// registry. Every process that shares a registry must use the same name.
+// Honoured by OpenRegistry.
+//
+// Default: "goxfer_agents".
+func WithBucket(name string) Option {
+	return optionFunc(func(o *options) error {
+		if !validBucket(name) {
+			return fmt.Errorf("%w: WithBucket(%q): want a name of [A-Za-z0-9_-]", ErrInvalidOption, name)
+		}
+		o.bucket = name
+		return nil
+	})
+}
+
+// WithHeartbeat sets how often a Member re-puts its entry. Others declare
+// it departed after two heartbeats of silence, using the interval carried
+// in its entry, so agents with different intervals can share a registry.
+// Given to OpenRegistry, it is the default for the registry's Joins and
+// sets the TTL of a bucket it creates (3 heartbeats); given to Join, it
+// applies to that Member. Honoured by OpenRegistry and Join.
+//
+// Default: 1 s. At least 10 ms, at most 1 h.
+func WithHeartbeat(d time.Duration) Option {
+	return optionFunc(func(o *options) error {
+		if d < minHeartbeat || d > maxHeartbeat {
+			return fmt.Errorf("%w: WithHeartbeat(%v): want %v to %v", ErrInvalidOption, d, minHeartbeat, maxHeartbeat)
+		}
+		o.heartbeat = d
+		return nil
+	})
+}
+
+// WithCreateBucket says whether OpenRegistry creates the bucket when it is
+// missing. With false, a missing bucket is an error matching ErrRegistry.
+// Honoured by OpenRegistry.
+//
+// Default: true.
+func WithCreateBucket(create bool) Option {
+	return optionFunc(func(o *options) error {
+		o.createBucket = create
+		return nil
+	})
+}
+
+// WithReplicas sets how many servers of a cluster store a bucket that
+// OpenRegistry creates. Honoured by OpenRegistry.
+//
+// Default: 1.
+func WithReplicas(n int) Option {
+	return optionFunc(func(o *options) error {
+		if n < 1 || n > 5 {
+			return fmt.Errorf("%w: WithReplicas(%d): want 1 to 5", ErrInvalidOption, n)
+		}
+		o.replicas = n
+		return nil
+	})
+}
+
+func validBucket(name string) bool {
+	if name == "" {
+		return false
+	}
+	for i := 0; i < len(name); i++ {
+		switch c := name[i]; {
+		case 'a' <= c && c <= 'z', 'A' <= c && c <= 'Z', '0' <= c && c <= '9', c == '_', c == '-':
+		default:
+			return false
+		}
+	}
+	return true
+}

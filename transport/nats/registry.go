@@ -1,0 +1,707 @@
+package nats
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/goxfer/goxfer/connect"
+)
+
+// maxDeparted bounds how many departed agents a Registry remembers, to
+// answer Resolve with ErrRemoteLost rather than ErrUnknownAgent.
+const maxDeparted = 4096
+
+// createWithin bounds the creation of a missing bucket (a variable for
+// tests).
+var createWithin = 5 * time.Second
+
+// Registry is an agent presence registry kept in a JetStream key-value
+// bucket: Connectors that Join publish their connect.AgentInfo under their
+// agent ID and heartbeat it, and every Registry watches the bucket, so it
+// knows who is present, resolves compact tokens (it is a connect.Resolver)
+// and tells joined Connectors when a peer departs (connect.Connector.
+// PeerDeparted), so that their operations with it fail with
+// connect.ErrRemoteLost within about two heartbeats, long before transport
+// keepalives would notice a frozen peer.
+//
+// An agent departs when its entry is deleted (Member.Leave: at once) or
+// when it has not been heard for two of its heartbeats, timed on this
+// machine's clock (no clock sync needed). While the Registry's connection
+// is down it cannot hear anyone, so it declares no departures; once it is
+// back it re-creates its watch and counts silence from then, plus its own
+// reconnect wait (nats.ReconnectWait + jitter) to let peers reconnect too.
+// It needs nothing beyond nats-server 2.9.
+//
+// A Registry is safe for concurrent use. It owns one watcher goroutine, one
+// goroutine per Member (heartbeats) and one per Watch, all stopped by
+// Close.
+type Registry struct {
+	nc     *nats.Conn
+	kv     jetstream.KeyValue
+	bucket string
+	hb     time.Duration
+	ttl    time.Duration // the bucket's MaxAge; 0: none
+	log    *slog.Logger
+	grace  time.Duration // extra silence allowed after reconnecting
+
+	ctx    context.Context // cancelled by Close: ends watch creation and forwarders
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+
+	mu       sync.Mutex
+	closed   bool
+	live     map[uuid.UUID]*peer
+	departed map[uuid.UUID]time.Time
+	members  map[*Member]struct{}
+	watches  map[*presenceQueue]struct{}
+
+	closeOnce sync.Once
+	closeErr  error
+}
+
+// peer is what a Registry knows of a live agent.
+type peer struct {
+	info  connect.AgentInfo
+	hb    time.Duration
+	heard time.Time // last heard, or the time silence is counted from
+}
+
+// Presence is an arrival (Departed false) or departure of an agent, as
+// Registry.Watch reports it. Info is the zero AgentInfo for a departure of
+// an agent the Registry never saw arrive.
+type Presence struct {
+	ID       uuid.UUID
+	Info     connect.AgentInfo
+	Departed bool
+}
+
+// OpenRegistry binds the registry's bucket (WithBucket, default
+// "goxfer_agents") over nc, which stays the caller's, and starts watching
+// it. A missing bucket is created (History 1, TTL 3 heartbeats,
+// WithReplicas) unless WithCreateBucket(false); when it is missing and
+// cannot be created (not allowed, or JetStream unavailable) the error
+// matches ErrRegistry and names the bucket and the cause. Options honoured:
+// WithBucket, WithHeartbeat, WithCreateBucket, WithReplicas, WithLogger.
+func OpenRegistry(ctx context.Context, nc *nats.Conn, opts ...Option) (*Registry, error) {
+	o, err := newOptions(opts)
+	if err != nil {
+		return nil, err
+	}
+	if nc == nil {
+		return nil, fmt.Errorf("%w: OpenRegistry needs a connection", ErrInvalidOption)
+	}
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return nil, fmt.Errorf("%w: bucket %q: %w", ErrRegistry, o.bucket, err)
+	}
+	kv, err := bindBucket(ctx, nc, js, o)
+	if err != nil {
+		return nil, err
+	}
+	var ttl time.Duration
+	if st, err := kv.Status(ctx); err == nil {
+		ttl = st.TTL()
+	}
+	r := &Registry{
+		nc: nc, kv: kv, bucket: o.bucket, hb: o.heartbeat, ttl: ttl, log: o.logger,
+		grace:    nc.Opts.ReconnectWait + nc.Opts.ReconnectJitter,
+		live:     make(map[uuid.UUID]*peer),
+		departed: make(map[uuid.UUID]time.Time),
+		members:  make(map[*Member]struct{}),
+		watches:  make(map[*presenceQueue]struct{}),
+	}
+	r.ctx, r.cancel = context.WithCancel(context.Background())
+	status := nc.StatusChanged(nats.CONNECTED, nats.DISCONNECTED, nats.RECONNECTING, nats.CLOSED)
+	w, err := kv.WatchAll(ctx)
+	if err != nil {
+		nc.RemoveStatusListener(status)
+		r.cancel()
+		return nil, fmt.Errorf("%w: watch bucket %q: %w", ErrRegistry, o.bucket, err)
+	}
+	// Return with the table complete: the present agents, and the recent
+	// departures still in the bucket as delete markers.
+	for initial := true; initial; {
+		select {
+		case e, ok := <-w.Updates():
+			switch {
+			case !ok:
+				err = errors.New("the watch ended")
+			case e == nil:
+				initial = false
+			default:
+				r.apply(e)
+			}
+		case <-ctx.Done():
+			err = ctx.Err()
+		}
+		if err != nil {
+			_ = w.Stop()
+			nc.RemoveStatusListener(status)
+			r.cancel()
+			return nil, fmt.Errorf("%w: read bucket %q: %w", ErrRegistry, o.bucket, err)
+		}
+	}
+	r.wg.Add(1)
+	go r.run(w, status)
+	return r, nil
+}
+
+func bindBucket(ctx context.Context, nc *nats.Conn, js jetstream.JetStream, o options) (jetstream.KeyValue, error) {
+	kv, err := js.KeyValue(ctx, o.bucket)
+	if err == nil {
+		return kv, nil
+	}
+	if !errors.Is(err, jetstream.ErrBucketNotFound) {
+		return nil, fmt.Errorf("%w: bind bucket %q: %w", ErrRegistry, o.bucket, err)
+	}
+	if !o.createBucket {
+		return nil, fmt.Errorf("%w: bucket %q does not exist, and WithCreateBucket(false) forbids creating it", ErrRegistry, o.bucket)
+	}
+	// A server that refuses the request for lack of permission does not
+	// answer it; do not wait for the caller's whole ctx.
+	cctx, cancel := context.WithTimeout(ctx, createWithin)
+	defer cancel()
+	kv, err = js.CreateKeyValue(cctx, jetstream.KeyValueConfig{
+		Bucket:      o.bucket,
+		Description: "goxfer agent presence registry",
+		History:     1,
+		TTL:         3 * o.heartbeat,
+		Replicas:    o.replicas,
+		Storage:     jetstream.FileStorage,
+	})
+	if errors.Is(err, jetstream.ErrBucketExists) {
+		kv, err = js.KeyValue(ctx, o.bucket) // created by a racing peer
+	}
+	if err != nil {
+		if le := nc.LastError(); errors.Is(le, nats.ErrPermissionViolation) {
+			return nil, fmt.Errorf("%w: bucket %q does not exist and creating it failed: %w (the server reports: %v)", ErrRegistry, o.bucket, err, le)
+		}
+		return nil, fmt.Errorf("%w: bucket %q does not exist and creating it failed: %w", ErrRegistry, o.bucket, err)
+	}
+	return kv, nil
+}
+
+// Bucket returns the name of the registry's bucket.
+func (r *Registry) Bucket() string { return r.bucket }
+
+// run is the watcher goroutine: it applies the bucket's updates to the
+// table, times silences with one timer, and re-creates the watch when the
+// connection comes back or the watch ends.
+func (r *Registry) run(w jetstream.KeyWatcher, status chan nats.Status) {
+	defer r.wg.Done()
+	defer r.nc.RemoveStatusListener(status)
+	defer func() {
+		if w != nil {
+			_ = w.Stop()
+		}
+	}()
+
+	expire := time.NewTimer(time.Hour)
+	expire.Stop()
+	rewatch := time.NewTimer(time.Hour)
+	rewatch.Stop()
+	defer expire.Stop()
+	defer rewatch.Stop()
+	backoff := 50 * time.Millisecond
+
+	deaf := false // the connection is down or the watch is being re-created
+	resume := func() {
+		if w != nil {
+			_ = w.Stop()
+			w = nil
+		}
+		deaf = true
+		rewatch.Reset(0)
+	}
+	for {
+		var updates <-chan jetstream.KeyValueEntry
+		if w != nil {
+			updates = w.Updates()
+		}
+		select {
+		case <-r.ctx.Done():
+			return
+		case e, ok := <-updates:
+			switch {
+			case !ok:
+				// A closing or reconnecting connection ends the watch as a
+				// matter of course; only a watch that ends on a healthy
+				// connection is worth a warning.
+				level := slog.LevelDebug
+				if r.nc.Status() == nats.CONNECTED {
+					level = slog.LevelWarn
+				}
+				r.log.Log(r.ctx, level, "goxfer/nats: registry watch ended; re-creating it", "bucket", r.bucket)
+				w = nil
+				resume()
+			case e != nil:
+				r.apply(e)
+			}
+		case st := <-status:
+			switch st {
+			case nats.CONNECTED:
+				// The old watch's consumer may be gone with the server.
+				resume()
+			case nats.CLOSED:
+				if w != nil {
+					_ = w.Stop()
+					w = nil
+				}
+				deaf = true
+			default:
+				deaf = true
+			}
+		case <-rewatch.C:
+			if r.nc.Status() != nats.CONNECTED {
+				continue // CONNECTED will come
+			}
+			nw, err := r.kv.WatchAll(r.ctx)
+			if err != nil {
+				if r.ctx.Err() != nil {
+					return
+				}
+				r.log.Debug("goxfer/nats: registry re-watch failed; retrying", "bucket", r.bucket, "err", err, "retry_in", backoff)
+				rewatch.Reset(backoff)
+				backoff = min(2*backoff, 2*time.Second)
+				continue
+			}
+			w, deaf, backoff = nw, false, 50*time.Millisecond
+			r.restartSilence(time.Now().Add(r.grace))
+		case <-expire.C:
+			if !deaf && r.nc.Status() == nats.CONNECTED {
+				r.expire(time.Now())
+			}
+		}
+		if next, ok := r.nextExpiry(); ok && !deaf {
+			expire.Reset(time.Until(next))
+		} else {
+			expire.Stop()
+		}
+	}
+}
+
+// apply records one update of the bucket.
+func (r *Registry) apply(e jetstream.KeyValueEntry) {
+	id, err := uuid.Parse(e.Key())
+	if err != nil {
+		r.log.Warn("goxfer/nats: registry entry with a key that is no agent ID; ignored", "bucket", r.bucket, "key", e.Key())
+		return
+	}
+	if e.Operation() != jetstream.KeyValuePut {
+		r.depart(id, "left")
+		return
+	}
+	hb, info, err := decodeEntry(e.Value())
+	if err == nil && info.ID() != id {
+		err = fmt.Errorf("entry under key %s describes agent %s", id, info.ID())
+	}
+	if err != nil {
+		r.log.Warn("goxfer/nats: undecodable registry entry; ignored", "bucket", r.bucket, "key", e.Key(), "err", err)
+		return
+	}
+	r.heard(id, info, hb)
+}
+
+// heard records that agent id is present now.
+func (r *Registry) heard(id uuid.UUID, info connect.AgentInfo, hb time.Duration) {
+	now := time.Now()
+	r.mu.Lock()
+	p, known := r.live[id]
+	if !known {
+		p = &peer{heard: now}
+		r.live[id] = p
+		delete(r.departed, id)
+	}
+	p.info, p.hb = info, hb
+	if now.After(p.heard) {
+		p.heard = now
+	}
+	if !known {
+		r.notifyLocked(Presence{ID: id, Info: info})
+	}
+	r.mu.Unlock()
+}
+
+// depart declares id gone: it leaves the table, joined Connectors are told,
+// and watchers hear of it.
+func (r *Registry) depart(id uuid.UUID, why string) {
+	r.mu.Lock()
+	p, known := r.live[id]
+	delete(r.live, id)
+	if len(r.departed) >= maxDeparted {
+		var oldest uuid.UUID
+		var at time.Time
+		for k, t := range r.departed {
+			if at.IsZero() || t.Before(at) {
+				oldest, at = k, t
+			}
+		}
+		delete(r.departed, oldest)
+	}
+	r.departed[id] = time.Now()
+	var info connect.AgentInfo
+	if known {
+		info = p.info
+	}
+	r.notifyLocked(Presence{ID: id, Info: info, Departed: true})
+	conns := make([]*connect.Connector, 0, len(r.members))
+	for m := range r.members {
+		if m.id != id {
+			conns = append(conns, m.c)
+		}
+	}
+	r.mu.Unlock()
+	switch {
+	case known && why == "silent":
+		r.log.Info("goxfer/nats: agent departed: no heartbeat for two intervals", "bucket", r.bucket, "agent", id, "heartbeat", p.hb)
+	case known:
+		r.log.Debug("goxfer/nats: agent left", "bucket", r.bucket, "agent", id)
+	}
+	for _, c := range conns {
+		c.PeerDeparted(id)
+	}
+}
+
+// expire declares departed every agent silent for two of its heartbeats.
+func (r *Registry) expire(now time.Time) {
+	r.mu.Lock()
+	var gone []uuid.UUID
+	for id, p := range r.live {
+		if !now.Before(p.heard.Add(2 * p.hb)) {
+			gone = append(gone, id)
+		}
+	}
+	r.mu.Unlock()
+	for _, id := range gone {
+		r.depart(id, "silent")
+	}
+}
+
+// restartSilence counts every live agent's silence from at, after a
+// period in which nobody could be heard.
+func (r *Registry) restartSilence(at time.Time) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, p := range r.live {
+		if at.After(p.heard) {
+			p.heard = at
+		}
+	}
+}
+
+func (r *Registry) nextExpiry() (time.Time, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var next time.Time
+	for _, p := range r.live {
+		if t := p.heard.Add(2 * p.hb); next.IsZero() || t.Before(next) {
+			next = t
+		}
+	}
+	return next, !next.IsZero()
+}
+
+// Resolve returns the AgentInfo agent id published, from the local table
+// or else from the bucket. An agent that has departed returns an error
+// matching connect.ErrRemoteLost; one never registered, ErrUnknownAgent.
+// It implements connect.Resolver (pass the Registry to
+// connect.WithResolver to use compact tokens). Safe for concurrent use.
+func (r *Registry) Resolve(ctx context.Context, id uuid.UUID) (connect.AgentInfo, error) {
+	r.mu.Lock()
+	if r.closed {
+		r.mu.Unlock()
+		return connect.AgentInfo{}, fmt.Errorf("%w: registry on bucket %q", ErrClosed, r.bucket)
+	}
+	if p, ok := r.live[id]; ok {
+		info := p.info // apply rewrites it under r.mu
+		r.mu.Unlock()
+		return info, nil
+	}
+	_, gone := r.departed[id]
+	r.mu.Unlock()
+	if gone {
+		return connect.AgentInfo{}, fmt.Errorf("%w: agent %s departed (registry %q)", connect.ErrRemoteLost, id, r.bucket)
+	}
+	e, err := r.kv.Get(ctx, id.String())
+	switch {
+	case errors.Is(err, jetstream.ErrKeyDeleted):
+		return connect.AgentInfo{}, fmt.Errorf("%w: agent %s left (registry %q)", connect.ErrRemoteLost, id, r.bucket)
+	case errors.Is(err, jetstream.ErrKeyNotFound):
+		return connect.AgentInfo{}, fmt.Errorf("%w: agent %s is not in registry %q", ErrUnknownAgent, id, r.bucket)
+	case err != nil:
+		return connect.AgentInfo{}, fmt.Errorf("goxfer/nats: resolve agent %s in registry %q: %w", id, r.bucket, err)
+	}
+	_, info, err := decodeEntry(e.Value())
+	if err != nil {
+		return connect.AgentInfo{}, fmt.Errorf("goxfer/nats: resolve agent %s in registry %q: %w", id, r.bucket, err)
+	}
+	if info.ID() != id {
+		return connect.AgentInfo{}, fmt.Errorf("%w: registry %q: entry of agent %s describes agent %s", connect.ErrInvalidMetadata, r.bucket, id, info.ID())
+	}
+	return info, nil
+}
+
+// Agents returns the IDs of the agents present now, sorted, in a fresh
+// slice.
+func (r *Registry) Agents() []uuid.UUID {
+	r.mu.Lock()
+	ids := make([]uuid.UUID, 0, len(r.live))
+	for id := range r.live {
+		ids = append(ids, id)
+	}
+	r.mu.Unlock()
+	slices.SortFunc(ids, func(a, b uuid.UUID) int { return bytes.Compare(a[:], b[:]) })
+	return ids
+}
+
+// Watch reports arrivals and departures on the returned channel, starting
+// with an arrival for every agent present now, until ctx is done or the
+// Registry closes; then the channel is closed. Events are queued for a slow
+// reader, never dropped, so keep reading until the channel closes or ctx is
+// done.
+func (r *Registry) Watch(ctx context.Context) <-chan Presence {
+	q := &presenceQueue{ch: make(chan Presence), wake: make(chan struct{}, 1)}
+	r.mu.Lock()
+	if r.closed {
+		r.mu.Unlock()
+		close(q.ch)
+		return q.ch
+	}
+	ids := make([]uuid.UUID, 0, len(r.live))
+	for id := range r.live {
+		ids = append(ids, id)
+	}
+	slices.SortFunc(ids, func(a, b uuid.UUID) int { return bytes.Compare(a[:], b[:]) })
+	for _, id := range ids {
+		q.push(Presence{ID: id, Info: r.live[id].info})
+	}
+	r.watches[q] = struct{}{}
+	r.wg.Add(1)
+	r.mu.Unlock()
+	go r.forward(ctx, q)
+	return q.ch
+}
+
+// notifyLocked queues p for every Watch; r.mu is held.
+func (r *Registry) notifyLocked(p Presence) {
+	for q := range r.watches {
+		q.push(p)
+	}
+}
+
+// forward is a Watch's goroutine: it hands queued events to the reader.
+func (r *Registry) forward(ctx context.Context, q *presenceQueue) {
+	defer r.wg.Done()
+	defer close(q.ch)
+	defer func() {
+		r.mu.Lock()
+		delete(r.watches, q)
+		r.mu.Unlock()
+	}()
+	for {
+		for {
+			p, ok := q.pop()
+			if !ok {
+				break
+			}
+			select {
+			case q.ch <- p:
+			case <-ctx.Done():
+				return
+			case <-r.ctx.Done():
+				return
+			}
+		}
+		select {
+		case <-q.wake:
+		case <-ctx.Done():
+			return
+		case <-r.ctx.Done():
+			return
+		}
+	}
+}
+
+// presenceQueue is an unbounded queue of events for one Watch.
+type presenceQueue struct {
+	ch   chan Presence
+	wake chan struct{}
+
+	mu sync.Mutex
+	q  []Presence
+}
+
+func (q *presenceQueue) push(p Presence) {
+	q.mu.Lock()
+	q.q = append(q.q, p)
+	q.mu.Unlock()
+	select {
+	case q.wake <- struct{}{}:
+	default:
+	}
+}
+
+func (q *presenceQueue) pop() (Presence, bool) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if len(q.q) == 0 {
+		return Presence{}, false
+	}
+	p := q.q[0]
+	q.q[0] = Presence{}
+	q.q = q.q[1:]
+	return p, true
+}
+
+// Close leaves every Member still joined (each with a short timeout),
+// stops the watcher and every Watch (their channels close) and waits for
+// all the Registry's goroutines. The connection stays open: it is the
+// caller's. Close is idempotent; every call returns the first call's
+// result.
+func (r *Registry) Close() error {
+	r.closeOnce.Do(func() {
+		r.mu.Lock()
+		r.closed = true
+		members := make([]*Member, 0, len(r.members))
+		for m := range r.members {
+			members = append(members, m)
+		}
+		r.mu.Unlock()
+		var errs []error
+		for _, m := range members {
+			errs = append(errs, m.Close())
+		}
+		r.cancel()
+		r.wg.Wait()
+		r.closeErr = errors.Join(errs...)
+	})
+	return r.closeErr
+}
+
+// Member is a Connector's presence in a Registry; see Registry.Join. It is
+// safe for concurrent use.
+type Member struct {
+	r     *Registry
+	c     *connect.Connector
+	id    uuid.UUID
+	value []byte
+	hb    time.Duration
+
+	ctx    context.Context // cancelled by Leave: stops the heartbeats
+	cancel context.CancelFunc
+	done   chan struct{}
+
+	leaveOnce sync.Once
+	leaveErr  error
+}
+
+// Join publishes c's AgentInfo in the registry under its agent ID, then
+// re-puts it every heartbeat (WithHeartbeat; default: the Registry's) from
+// one goroutine, until Leave. A heartbeat that fails (while the connection
+// is down, say) is retried at the next tick. Until then, every departure
+// the Registry sees is forwarded to c.PeerDeparted, so c's operations in
+// flight with a departed peer fail with connect.ErrRemoteLost within about
+// two heartbeats. The Member must Leave before c closes (Registry.Close
+// leaves it otherwise). Join fails if the first put does. Options honoured:
+// WithHeartbeat.
+func (r *Registry) Join(ctx context.Context, c *connect.Connector, opts ...Option) (*Member, error) {
+	o, err := newOptions(append([]Option{WithHeartbeat(r.hb)}, opts...))
+	if err != nil {
+		return nil, err
+	}
+	if c == nil {
+		return nil, fmt.Errorf("%w: Join needs a Connector", ErrInvalidOption)
+	}
+	info := c.AgentInfo()
+	value, err := encodeEntry(o.heartbeat, info)
+	if err != nil {
+		return nil, fmt.Errorf("goxfer/nats: join registry %q: %w", r.bucket, err)
+	}
+	if r.ttl > 0 && 2*o.heartbeat >= r.ttl {
+		r.log.Warn("goxfer/nats: heartbeat too long for the bucket's TTL; the entry may expire between heartbeats", "bucket", r.bucket, "heartbeat", o.heartbeat, "ttl", r.ttl)
+	}
+	m := &Member{r: r, c: c, id: info.ID(), value: value, hb: o.heartbeat, done: make(chan struct{})}
+	m.ctx, m.cancel = context.WithCancel(context.Background())
+	r.mu.Lock()
+	if r.closed {
+		r.mu.Unlock()
+		return nil, fmt.Errorf("%w: registry on bucket %q", ErrClosed, r.bucket)
+	}
+	r.members[m] = struct{}{}
+	r.wg.Add(1)
+	r.mu.Unlock()
+	if _, err := r.kv.Put(ctx, m.id.String(), value); err != nil {
+		r.mu.Lock()
+		delete(r.members, m)
+		r.mu.Unlock()
+		r.wg.Done()
+		m.cancel()
+		return nil, fmt.Errorf("goxfer/nats: join registry %q as agent %s: %w", r.bucket, m.id, err)
+	}
+	// Present here at once, without waiting for the watch to echo it.
+	r.heard(m.id, info, m.hb)
+	go m.heartbeat()
+	return m, nil
+}
+
+// ID returns the agent ID the Member publishes.
+func (m *Member) ID() uuid.UUID { return m.id }
+
+func (m *Member) heartbeat() {
+	defer m.r.wg.Done()
+	defer close(m.done)
+	// Back from an outage, put at once: others count our silence from
+	// their own reconnection.
+	back := m.r.nc.StatusChanged(nats.CONNECTED)
+	defer m.r.nc.RemoveStatusListener(back)
+	t := time.NewTicker(m.hb)
+	defer t.Stop()
+	for {
+		select {
+		case <-m.ctx.Done():
+			return
+		case <-t.C:
+		case <-back:
+			t.Reset(m.hb)
+		}
+		ctx, cancel := context.WithTimeout(m.ctx, m.hb)
+		if _, err := m.r.kv.Put(ctx, m.id.String(), m.value); err != nil {
+			m.r.log.Debug("goxfer/nats: heartbeat failed; retrying at the next one", "bucket", m.r.bucket, "agent", m.id, "err", err)
+		}
+		cancel()
+	}
+}
+
+// Leave stops the heartbeats and deletes the entry, so that every Registry
+// sees the departure at once. It is idempotent; every call returns the
+// first call's result.
+func (m *Member) Leave(ctx context.Context) error {
+	m.leaveOnce.Do(func() {
+		m.cancel()
+		<-m.done
+		m.r.mu.Lock()
+		delete(m.r.members, m)
+		m.r.mu.Unlock()
+		if err := m.r.kv.Delete(ctx, m.id.String()); err != nil {
+			m.leaveErr = fmt.Errorf("goxfer/nats: leave registry %q as agent %s: %w", m.r.bucket, m.id, err)
+		}
+	})
+	return m.leaveErr
+}
+
+// Close is Leave with a short internal timeout (2 s).
+func (m *Member) Close() error {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	return m.Leave(ctx)
+}

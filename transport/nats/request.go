@@ -1,0 +1,324 @@
+package nats
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/goxfer/goxfer/connect"
+)
+
+// Handler answers one request to a Service: typically it exposes memory
+// (Connector.CreateReadable or CreateWritable) and returns the operation's
+// token in the Reply. ctx is cancelled when the Service closes and expires
+// at the requester's deadline (sent as an absolute time: the clocks of the
+// two machines should roughly agree). An error becomes a *HandlerError at the
+// requester: return a *HandlerError yourself to choose its Code. A Handler
+// runs on a goroutine of its own and must be safe for concurrent use; with
+// WithRetry at the requester it may see the same request twice, so it
+// should be idempotent.
+type Handler func(ctx context.Context, req *ServiceRequest) (*Reply, error)
+
+// ServiceRequest is a request as a Handler sees it. The Handler owns it
+// and may keep Data and Header. (It cannot be named Request, which is the
+// function that sends one.)
+type ServiceRequest struct {
+	Subject string      // the subject the request was sent to
+	Data    []byte      // the requester's payload; the handler may keep it
+	Header  nats.Header // the requester's headers (goxfer's own removed); may be nil
+}
+
+// Reply is a Handler's answer, and what Request returns to the requester,
+// who then owns it. Metadata is required on success.
+type Reply struct {
+	Metadata connect.Metadata // required on success
+	Data     []byte           // optional application payload
+	Header   nats.Header      // optional application headers ("Goxfer-" ones are dropped)
+}
+
+// Service answers requests on a subject with a Handler; see Serve. It is
+// safe for concurrent use.
+type Service struct {
+	subject string
+	nc      *nats.Conn
+	h       Handler
+	log     *slog.Logger
+	sub     *nats.Subscription
+	sem     chan struct{}
+
+	ctx    context.Context // cancelled by Close; the handlers' parent
+	cancel context.CancelFunc
+	wg     sync.WaitGroup // running handlers
+
+	closeOnce sync.Once
+	closeErr  error
+}
+
+// Serve answers requests on subject with h until Close. It subscribes in
+// a queue group (WithQueue, default "goxfer"), so a pool of workers serving
+// the same subject shares its requests, each request going to one worker.
+// Each request runs h on a goroutine of its own, at most WithConcurrency
+// (default 64) at once; further requests wait in the subscription's
+// pending buffer. A Handler error is sent back as Goxfer-Error headers and
+// reaches the requester as a *HandlerError; a panic in h is logged
+// (WithLogger) and answered with "handler panicked", and the Service
+// continues. A reply too large for the server's max payload is answered
+// with an error naming both sizes.
+//
+// Serve uses nc, which stays the caller's: it never dials, and closing nc
+// stops the Service (Close must still be called to wait for handlers).
+// Options honoured: WithQueue, WithConcurrency, WithLogger.
+func Serve(nc *nats.Conn, subject string, h Handler, opts ...Option) (*Service, error) {
+	o, err := newOptions(opts)
+	if err != nil {
+		return nil, err
+	}
+	if nc == nil || h == nil {
+		return nil, fmt.Errorf("%w: Serve needs a connection and a handler", ErrInvalidOption)
+	}
+	queue := defaultQueue
+	if o.queue != nil {
+		queue = *o.queue
+	}
+	s := &Service{subject: subject, nc: nc, h: h, log: o.logger, sem: make(chan struct{}, o.concurrency)}
+	s.ctx, s.cancel = context.WithCancel(context.Background())
+	s.sub, err = nc.QueueSubscribe(subject, queue, s.dispatch)
+	if err != nil {
+		s.cancel()
+		return nil, fmt.Errorf("goxfer/nats: serve subject %q (queue %q): %w", subject, queue, err)
+	}
+	// Unlike Subscribe, a Service is no use unless the server has its
+	// interest before Serve returns.
+	if err := nc.Flush(); err != nil && !errors.Is(err, nats.ErrConnectionReconnecting) {
+		_ = s.sub.Unsubscribe()
+		s.cancel()
+		return nil, fmt.Errorf("goxfer/nats: serve subject %q: %w", subject, err)
+	}
+	return s, nil
+}
+
+// Subject returns the subject the Service answers.
+func (s *Service) Subject() string { return s.subject }
+
+// Close stops taking requests (the subscription is drained: requests
+// already delivered are answered "unavailable", so that requesters with
+// WithRetry go to another worker), cancels the ctx of running handlers and
+// waits for them to return. It is idempotent; every call returns the first
+// call's result.
+func (s *Service) Close() error {
+	s.closeOnce.Do(func() {
+		s.cancel()
+		closed := s.sub.StatusChanged(nats.SubscriptionClosed)
+		if err := s.sub.Drain(); err != nil {
+			// Drained only while connected; otherwise drop what is pending.
+			if err := s.sub.Unsubscribe(); err != nil && !errors.Is(err, nats.ErrConnectionClosed) && !errors.Is(err, nats.ErrBadSubscription) {
+				s.closeErr = fmt.Errorf("goxfer/nats: close service on subject %q: %w", s.subject, err)
+			}
+		}
+		for range closed {
+		}
+		s.wg.Wait()
+	})
+	return s.closeErr
+}
+
+// dispatch runs on the subscription's goroutine, one message at a time, so
+// that a full semaphore leaves further requests pending in the
+// subscription.
+func (s *Service) dispatch(m *nats.Msg) {
+	if s.ctx.Err() != nil {
+		s.respondError(m, codeUnavailable, "the service is closing; the request was not handled")
+		return
+	}
+	select {
+	case s.sem <- struct{}{}:
+	case <-s.ctx.Done():
+		s.respondError(m, codeUnavailable, "the service is closing; the request was not handled")
+		return
+	}
+	s.wg.Add(1)
+	go s.handle(m)
+}
+
+func (s *Service) handle(m *nats.Msg) {
+	defer s.wg.Done()
+	defer func() { <-s.sem }()
+
+	ctx, cancel := context.WithCancel(s.ctx)
+	defer cancel()
+	if d := m.Header.Get(hdrDeadline); d != "" {
+		if t, err := time.Parse(time.RFC3339Nano, d); err == nil {
+			var c context.CancelFunc
+			ctx, c = context.WithDeadline(ctx, t)
+			defer c()
+		}
+	}
+	req := &ServiceRequest{Subject: m.Subject, Data: m.Data, Header: appHeader(m.Header)}
+	rep, err := s.call(ctx, req)
+	if err != nil {
+		var he *HandlerError
+		switch {
+		case errors.Is(err, context.DeadlineExceeded) && errors.Is(ctx.Err(), context.DeadlineExceeded):
+			// The requester's deadline passed: it has stopped listening
+			// and reports its own ctx error, so an answer would only race
+			// with that.
+		case errors.As(err, &he):
+			s.respondError(m, he.Code, he.Message)
+		case errors.Is(err, context.DeadlineExceeded):
+			s.respondError(m, codeTimeout, err.Error()) // the handler's own timeout
+		default:
+			s.respondError(m, codeHandler, err.Error())
+		}
+		return
+	}
+	if rep == nil || rep.Metadata.Size() == 0 {
+		s.respondError(m, codeHandler, "the handler returned no token (Reply.Metadata is zero)")
+		return
+	}
+	body, err := encodeMessage(rep.Metadata, rep.Data)
+	if err != nil {
+		s.respondError(m, codeHandler, err.Error())
+		return
+	}
+	out := &nats.Msg{Header: mergeHeader(rep.Header), Data: body}
+	if err := checkSize(s.nc, m.Subject, out.Header, body); err != nil {
+		s.respondError(m, codeHandler, "reply: "+err.Error())
+		return
+	}
+	if m.Reply != "" {
+		if err := m.RespondMsg(out); err != nil {
+			s.log.Warn("goxfer/nats: reply lost", "subject", m.Subject, "err", err)
+		}
+	}
+}
+
+// call runs the Handler, turning a panic into an error.
+func (s *Service) call(ctx context.Context, req *ServiceRequest) (rep *Reply, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			s.log.Error("goxfer/nats: handler panicked", "subject", req.Subject, "panic", p)
+			rep, err = nil, &HandlerError{Code: codeHandler, Message: "handler panicked"}
+		}
+	}()
+	return s.h(ctx, req)
+}
+
+func (s *Service) respondError(m *nats.Msg, code, msg string) {
+	if m.Reply == "" {
+		return
+	}
+	if code == "" {
+		code = codeHandler
+	}
+	out := nats.NewMsg(m.Reply)
+	out.Header.Set(hdrError, msg)
+	out.Header.Set(hdrErrorCode, code)
+	if err := m.RespondMsg(out); err != nil {
+		s.log.Warn("goxfer/nats: error reply lost", "subject", m.Subject, "err", err)
+	}
+}
+
+// Request sends data to a worker serving subject and returns its Reply:
+// the token it answered with and its payload, which the caller owns.
+// data is not retained. A ctx without a deadline gets WithTimeout's
+// (default 10 s). Errors:
+//
+//   - nobody serves subject: matches ErrNoResponders and nats.ErrNoResponders,
+//     and names the subject;
+//   - the Handler failed: a *HandlerError (matches ErrHandler);
+//   - ctx done: wraps ctx.Err(), naming the subject and the time waited;
+//   - data and headers too large: a *PayloadTooLargeError, nothing sent;
+//   - the reply is no goxfer token message: matches
+//     connect.ErrInvalidMetadata, naming the subject.
+//
+// Request does not retry unless given WithRetry; see there for which
+// failures are retried. Options honoured: WithHeader, WithTimeout,
+// WithRetry, WithAttemptTimeout. Safe for concurrent use.
+func Request(ctx context.Context, nc *nats.Conn, subject string, data []byte, opts ...Option) (*Reply, error) {
+	o, err := newOptions(opts)
+	if err != nil {
+		return nil, err
+	}
+	if nc == nil {
+		return nil, fmt.Errorf("%w: Request needs a connection", ErrInvalidOption)
+	}
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, o.timeout)
+		defer cancel()
+	}
+	hdr := mergeHeader(o.header)
+	start := time.Now()
+	backoff := 20 * time.Millisecond
+	for attempt := 1; ; attempt++ {
+		actx, cancel := ctx, context.CancelFunc(func() {})
+		if o.retry > 1 {
+			actx, cancel = context.WithTimeout(ctx, o.attemptTimeout)
+		}
+		dl, _ := actx.Deadline()
+		hdr.Set(hdrDeadline, dl.UTC().Format(time.RFC3339Nano))
+		if err := checkSize(nc, subject, hdr, data); err != nil {
+			cancel()
+			return nil, err
+		}
+		m, err := nc.RequestMsgWithContext(actx, &nats.Msg{Subject: subject, Header: hdr, Data: data})
+		cancel()
+		if err == nil {
+			rep, err := decodeReply(subject, m)
+			var he *HandlerError
+			if err == nil || !errors.As(err, &he) || he.Code != codeUnavailable || attempt >= o.retry {
+				return rep, err
+			}
+		} else {
+			retry, final := classify(ctx, subject, start, attempt, o, err)
+			if !retry || attempt >= o.retry {
+				return nil, final
+			}
+		}
+		t := time.NewTimer(backoff)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil, ctxError(subject, start, attempt, ctx.Err())
+		case <-t.C:
+		}
+		backoff = min(2*backoff, time.Second)
+	}
+}
+
+// classify says whether a failed attempt may be retried, and the error to
+// return if it is the last.
+func classify(ctx context.Context, subject string, start time.Time, attempt int, o options, err error) (retry bool, final error) {
+	switch {
+	case ctx.Err() != nil:
+		return false, ctxError(subject, start, attempt, ctx.Err())
+	case errors.Is(err, nats.ErrNoResponders):
+		return true, &noRespondersError{subject: subject, attempts: attempt}
+	case errors.Is(err, context.DeadlineExceeded), errors.Is(err, nats.ErrTimeout):
+		return true, fmt.Errorf("goxfer/nats: request to subject %q: no reply within the attempt timeout of %v (%d attempts): %w", subject, o.attemptTimeout, attempt, err)
+	case errors.Is(err, nats.ErrDisconnected), errors.Is(err, nats.ErrConnectionReconnecting):
+		return true, fmt.Errorf("goxfer/nats: request to subject %q (%d attempts): %w", subject, attempt, err)
+	}
+	return false, fmt.Errorf("goxfer/nats: request to subject %q: %w", subject, err)
+}
+
+// decodeReply turns a worker's answer into a Reply or a *HandlerError.
+func decodeReply(subject string, m *nats.Msg) (*Reply, error) {
+	if _, failed := m.Header[hdrError]; failed {
+		code := m.Header.Get(hdrErrorCode)
+		if code == "" {
+			code = codeHandler
+		}
+		return nil, &HandlerError{Subject: subject, Code: code, Message: m.Header.Get(hdrError)}
+	}
+	md, payload, err := decodeMessage(m.Data)
+	if err != nil {
+		return nil, fmt.Errorf("goxfer/nats: reply from subject %q: %w", subject, err)
+	}
+	return &Reply{Metadata: md, Data: payload, Header: appHeader(m.Header)}, nil
+}
