@@ -1,0 +1,136 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/goxfer/goxfer/agent/backend/tcp"
+	"github.com/goxfer/goxfer/connect"
+	gxnats "github.com/goxfer/goxfer/transport/nats"
+)
+
+// The NATS subjects the two workers talk on. Each is served by a queue
+// group, so several prefill workers may share the load.
+const (
+	// subjectHello is a plain NATS request/reply: "which model do you
+	// serve?". The decode worker asks it until a prefill worker answers,
+	// which tells it that one is up and that both agree on the model.
+	subjectHello = "goxfer.example.prefill.hello"
+	// subjectRead carries READ-mode hand-offs (transport/nats Request and
+	// Serve): the decode worker sends a kvRequest, the prefill worker
+	// replies with a READ token for the prompt's KV blocks and a kvReply.
+	subjectRead = "goxfer.example.prefill"
+	// subjectOffer carries WRITE-mode offers (transport/nats Publish and
+	// Subscribe): the decode worker publishes a WRITE token for empty
+	// blocks with a kvRequest, and a prefill worker writes the KV cache
+	// into them.
+	subjectOffer = "goxfer.example.kv.offer"
+	// queuePrefill is the queue group of the prefill workers.
+	queuePrefill = "prefill"
+)
+
+// helloReply is a prefill worker's answer on subjectHello.
+type helloReply struct {
+	Agent string `json:"agent"` // its Connector's agent ID
+	Model Model  `json:"model"`
+}
+
+// kvRequest asks for the KV cache of one prompt. ID names the request:
+// retries carry the same ID, which is what lets the prefill worker treat a
+// retry as a replacement for the earlier attempt, and the KV cache's
+// content is derived from it, so the decode worker can check every byte.
+type kvRequest struct {
+	ID           string `json:"id"`
+	PromptTokens int    `json:"prompt_tokens"`
+}
+
+// kvReply goes with a READ token: the request it answers and how many
+// blocks the token names.
+type kvReply struct {
+	ID     string `json:"id"`
+	Blocks int    `json:"blocks"`
+}
+
+// connectNATS connects to the NATS server at url as name. The connection
+// reconnects for ever, quickly, and says so on out: a server restart must
+// only delay requests, never lose them.
+func connectNATS(url, name string, out io.Writer) (*nats.Conn, error) {
+	opts := []nats.Option{
+		nats.Name(name),
+		nats.MaxReconnects(-1),
+		nats.ReconnectWait(100 * time.Millisecond),
+		nats.DisconnectErrHandler(func(nc *nats.Conn, err error) {
+			switch {
+			case nc.IsClosed(): // closed by us, not lost
+			case err != nil:
+				fmt.Fprintf(out, "nats: disconnected (%v); reconnecting\n", err)
+			default:
+				fmt.Fprintf(out, "nats: disconnected; reconnecting\n")
+			}
+		}),
+		nats.ReconnectHandler(func(nc *nats.Conn) {
+			fmt.Fprintf(out, "nats: reconnected to %s\n", nc.ConnectedUrlRedacted())
+		}),
+	}
+	// nats.Connect gives up after its dial timeout (2 s by default).
+	nc, err := nats.Connect(url, opts...)
+	if err != nil {
+		return nil, fmt.Errorf("connect to NATS at %s: %w", url, err)
+	}
+	return nc, nil
+}
+
+// endpoint is what each worker needs to take part: a NATS connection, a
+// membership in the presence registry, and a Connector that resolves
+// compact tokens through the registry.
+type endpoint struct {
+	nc     *nats.Conn
+	reg    *gxnats.Registry
+	conn   *connect.Connector
+	member *gxnats.Member
+}
+
+// openEndpoint connects to NATS, opens the presence registry (creating its
+// JetStream KV bucket if need be), starts the Connector and joins it to the
+// registry, so that peers can resolve its compact tokens and notice when it
+// goes away.
+func openEndpoint(ctx context.Context, cfg config, role string, out io.Writer) (*endpoint, error) {
+	nc, err := connectNATS(cfg.natsURL, "goxfer-example-"+role, out)
+	if err != nil {
+		return nil, err
+	}
+	e := &endpoint{nc: nc}
+	if e.reg, err = gxnats.OpenRegistry(ctx, nc); err != nil {
+		err = fmt.Errorf("open the presence registry: %w", err)
+	} else if e.conn, err = connect.NewConnector(connect.WithResolver(e.reg), connect.WithTCPOptions(tcp.WithListenAddr(cfg.listen))); err != nil {
+		err = fmt.Errorf("start the connector: %w", err)
+	} else if e.member, err = e.reg.Join(ctx, e.conn); err != nil {
+		err = fmt.Errorf("join the presence registry: %w", err)
+	}
+	if err != nil {
+		return nil, errors.Join(err, e.Close())
+	}
+	return e, nil
+}
+
+// Close undoes openEndpoint in reverse: peers see the worker depart, its
+// operations end, then it disconnects.
+func (e *endpoint) Close() error {
+	var errs []error
+	if e.member != nil {
+		errs = append(errs, e.member.Close())
+	}
+	if e.conn != nil {
+		errs = append(errs, e.conn.Close())
+	}
+	if e.reg != nil {
+		errs = append(errs, e.reg.Close())
+	}
+	e.nc.Close()
+	return errors.Join(errs...)
+}
