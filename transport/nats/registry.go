@@ -122,7 +122,9 @@ func OpenRegistry(ctx context.Context, nc *nats.Conn, opts ...Option) (*Registry
 	}
 	r.ctx, r.cancel = context.WithCancel(context.Background())
 	status := nc.StatusChanged(nats.CONNECTED, nats.DISCONNECTED, nats.RECONNECTING, nats.CLOSED)
-	w, err := kv.WatchAll(ctx)
+	// The watch outlives ctx, which bounds only the opening: it lives
+	// until Close.
+	w, err := kv.WatchAll(r.ctx)
 	if err != nil {
 		nc.RemoveStatusListener(status)
 		r.cancel()
@@ -233,6 +235,8 @@ func (r *Registry) run(w jetstream.KeyWatcher, status chan nats.Status) {
 			return
 		case e, ok := <-updates:
 			switch {
+			case !ok && r.ctx.Err() != nil:
+				return // Close: the watch ends with r.ctx
 			case !ok:
 				// A closing or reconnecting connection ends the watch as a
 				// matter of course; only a watch that ends on a healthy

@@ -1,8 +1,11 @@
 package nats
 
 import (
+	"bytes"
 	"context"
 	"fmt"
+	"log/slog"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -303,4 +306,42 @@ func TestFrozenPeerFailsOperationsThroughTheRegistry(t *testing.T) {
 		assert.NotContains(t, r.Agents(), uuid.MustParse(resp.Agent))
 		return true
 	})
+}
+
+// OpenRegistry's context bounds only the opening: a registry opened under a
+// request's context keeps watching after that context ends.
+func TestRegistryOutlivesItsOpeningContext(t *testing.T) {
+	srv := startServer(t)
+	var logs lockedBuffer
+	ctx, cancel := context.WithCancel(context.Background())
+	r, err := OpenRegistry(ctx, dial(t, srv), WithHeartbeat(testHeartbeat),
+		WithLogger(slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))))
+	require.NoError(t, err)
+	t.Cleanup(func() { assert.NoError(t, r.Close()) })
+	cancel()
+
+	c := newConnector(t)
+	m := join(t, openRegistry(t, dial(t, srv)), c)
+	require.Eventually(t, func() bool { return len(r.Agents()) == 1 }, hangGuard, time.Millisecond,
+		"the registry hears an arrival after its opening context ended")
+	require.NoError(t, m.Leave(guarded(t)))
+	require.Eventually(t, func() bool { return len(r.Agents()) == 0 }, hangGuard, time.Millisecond)
+	assert.NotContains(t, logs.String(), "watch ended", "the watch was never interrupted")
+}
+
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }
