@@ -1,0 +1,755 @@
+//go:build linux
+
+package cma
+
+import (
+	"bufio"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+	"unsafe"
+
+	"github.com/google/uuid"
+	"golang.org/x/sys/unix"
+
+	"github.com/goxfer/goxfer/agent"
+)
+
+// peer is the copying side's state for one remote agent: its control
+// connection and the verdict of the permission probe.
+type peer struct {
+	b   *Backend
+	id  uuid.UUID
+	raw []byte
+	ci  connInfo
+
+	ready   chan struct{} // closed once connect has set verdict
+	verdict error         // nil: connected and permitted
+	dead    chan struct{} // closed when the connection failed
+	c       *net.UnixConn
+
+	wmu  sync.Mutex // serialises frames written to c
+	wbuf []byte
+
+	seq      atomic.Uint64
+	mu       sync.Mutex
+	waiting  map[uint64]*window // lease requests awaiting their answer
+	err      error
+	failOnce sync.Once
+}
+
+// connect dials the peer, checks that the process behind the socket is the
+// one its metadata names, and probes permission with a trial
+// process_vm_readv of bytes the peer published in its handshake answer.
+func (p *peer) connect() {
+	defer close(p.ready)
+	err := p.dial()
+	if err == nil {
+		return
+	}
+	p.verdict = err
+	p.b.wg.Done() // no reader
+	if p.c != nil {
+		_ = p.c.Close()
+	}
+	close(p.dead)
+	// A denied probe is cached: the peer is same-host but not permitted, and
+	// stays so. Any other failure (the peer is gone, or busy) is retried by
+	// the next transfer.
+	if !errors.Is(err, errNotPermitted) {
+		p.b.forget(p)
+	}
+}
+
+// errNotPermitted marks a peer this process may not read: the probe failed.
+var errNotPermitted = errors.New("cross-memory attach not permitted")
+
+func (p *peer) dial() error {
+	b := p.b
+	ctx, cancel := context.WithTimeout(context.Background(), b.cfg.timeout)
+	defer cancel()
+	stopped := make(chan struct{})
+	defer close(stopped)
+	go func() { // Close must not wait a whole timeout for a dial
+		select {
+		case <-b.stop:
+			cancel()
+		case <-stopped:
+		}
+	}()
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "unix", "@"+p.ci.sock)
+	if err != nil {
+		return fmt.Errorf("connect to peer %s (pid %d): %w: %w", p.id, p.ci.pid, agent.ErrRemoteLost, err)
+	}
+	p.c = c.(*net.UnixConn)
+	pid, err := peerCred(p.c)
+	if err != nil {
+		return fmt.Errorf("credentials of peer %s: %w", p.id, err)
+	}
+	if pid != int(p.ci.pid) {
+		return fmt.Errorf("%w: the socket of peer %s belongs to process %d, its metadata names process %d", errNotPermitted, p.id, pid, p.ci.pid)
+	}
+	deadline, _ := ctx.Deadline()
+	_ = p.c.SetDeadline(deadline)
+	var hs [hsSize]byte
+	(&handshake{self: b.id, expect: p.id, pid: uint32(b.pid)}).put(hs[:])
+	if _, err := p.c.Write(hs[:]); err != nil {
+		return fmt.Errorf("handshake with peer %s: %w: %w", p.id, agent.ErrRemoteLost, err)
+	}
+	if _, err := io.ReadFull(p.c, hs[:]); err != nil {
+		return fmt.Errorf("handshake with peer %s: %w: %w", p.id, agent.ErrRemoteLost, err)
+	}
+	in, err := getHandshake(hs[:])
+	if err != nil {
+		return fmt.Errorf("handshake with peer %s: %w", p.id, err)
+	}
+	if in.status != stOK || in.self != p.id || in.pid != p.ci.pid {
+		return fmt.Errorf("the socket of peer %s (pid %d) answers as agent %s of pid %d, status %d: %w", p.id, p.ci.pid, in.self, in.pid, in.status, agent.ErrRemoteLost)
+	}
+	if err := b.probePeer(int(p.ci.pid), in); err != nil {
+		return fmt.Errorf("peer %s: %w", p.id, err)
+	}
+	_ = p.c.SetDeadline(time.Time{})
+	if !b.track(p.c) {
+		return agent.ErrClosed
+	}
+	go p.read()
+	return nil
+}
+
+// probePeer tries the access every transfer will need: reading the peer's
+// memory from this process.
+func (b *Backend) probePeer(pid int, in handshake) error {
+	var got [16]byte
+	l := []unix.Iovec{{Base: &got[0], Len: uint64(len(got))}}
+	r := []unix.RemoteIovec{{Base: uintptr(in.probe), Len: len(got)}}
+	n, err := unix.ProcessVMReadv(pid, l, r, 0)
+	switch {
+	case errors.Is(err, unix.EPERM) || errors.Is(err, unix.EACCES):
+		return fmt.Errorf("%w: a trial process_vm_readv of process %d failed: %v; %s", errNotPermitted, pid, err, scopeHint(in.scope))
+	case errors.Is(err, unix.ENOSYS):
+		return fmt.Errorf("%w: process_vm_readv is not available (%v)", errNotPermitted, err)
+	case err != nil:
+		return fmt.Errorf("%w: a trial process_vm_readv of process %d failed: %v", errNotPermitted, pid, err)
+	case n != len(got) || got != in.nonce:
+		return fmt.Errorf("%w: a trial process_vm_readv of process %d read %d bytes %x, its handshake promised %x", errNotPermitted, pid, n, got[:n], in.nonce)
+	}
+	return nil
+}
+
+// scopeHint explains a denied probe from the host's Yama mode, as the peer
+// reported it.
+func scopeHint(scope uint8) string {
+	switch scope {
+	case 1:
+		return "kernel.yama.ptrace_scope is 1 and the peer has not named this process as its ptracer (it runs with cma.WithPtracer(false))"
+	case 2:
+		return "kernel.yama.ptrace_scope is 2: only processes with CAP_SYS_PTRACE may attach"
+	case 3:
+		return "kernel.yama.ptrace_scope is 3: attaching is disabled on this host"
+	}
+	return "the processes run as different users, or the peer is not dumpable, and this process lacks CAP_SYS_PTRACE"
+}
+
+// read is the connection's reader goroutine: it hands lease answers to the
+// transfers waiting for them. When the connection ends it fails the peer.
+func (p *peer) read() {
+	b := p.b
+	defer b.wg.Done()
+	defer b.untrack(p.c)
+	err := p.loop()
+	select {
+	case <-b.stop:
+		err = agent.ErrClosed
+	default:
+		if errors.Is(err, errProtocol) {
+			b.host.Refused()
+		}
+		err = fmt.Errorf("cma: connection to peer %s: %w: %w", p.id, agent.ErrRemoteLost, err)
+	}
+	p.fail(err, true)
+}
+
+var errBye = errors.New("peer said goodbye")
+
+func (p *peer) loop() error {
+	br := bufio.NewReaderSize(p.c, 4<<10)
+	var hdr [hdrSize]byte
+	var buf []byte
+	var f frame
+	for {
+		if err := readFrame(br, hdr[:], &buf, p.b.lim, &f); err != nil {
+			return err
+		}
+		switch f.typ {
+		case tGrant:
+		case tBye:
+			return errBye
+		default:
+			return fmt.Errorf("%w: frame type %d from the exposing side", errProtocol, f.typ)
+		}
+		var err error
+		switch f.status {
+		case stOK:
+		case stLost:
+			err = fmt.Errorf("cma: peer %s is closing: %w (%s)", p.id, agent.ErrRemoteLost, f.payload)
+		default:
+			err = fmt.Errorf("cma: peer %s refused: %w (%s)", p.id, agent.ErrAccessDenied, f.payload)
+		}
+		p.mu.Lock()
+		w := p.waiting[f.id]
+		delete(p.waiting, f.id)
+		p.watch()
+		p.mu.Unlock()
+		if w != nil {
+			w.answer(err)
+		}
+	}
+}
+
+// watch bounds how long the reader waits while lease requests are
+// unanswered: a peer that hangs is lost after the timeout. The caller holds
+// p.mu.
+func (p *peer) watch() {
+	if len(p.waiting) > 0 {
+		_ = p.c.SetReadDeadline(time.Now().Add(p.b.cfg.timeout))
+	} else {
+		_ = p.c.SetReadDeadline(time.Time{})
+	}
+}
+
+// answer delivers the answer to w's lease request: to the driver, or for a
+// one-chunk transfer straight to the copy, on the reader's goroutine, which
+// spares a small transfer two goroutine hand-offs.
+func (w *window) answer(err error) {
+	if !w.inline {
+		w.granted <- err // never blocks: one answer per request
+		return
+	}
+	if err != nil {
+		w.done(err)
+		return
+	}
+	w.dispatch(uint64(w.st.b.cfg.chunk))
+}
+
+// fail marks the peer failed once: waiting transfers give up, its
+// connection closes, and a later transfer connects afresh. report tells the
+// agent the peer is lost.
+func (p *peer) fail(err error, report bool) {
+	p.failOnce.Do(func() {
+		p.mu.Lock()
+		p.err = err
+		waiting := p.waiting
+		p.waiting = nil
+		p.mu.Unlock()
+		select {
+		case <-p.dead: // never connected
+			return
+		default:
+		}
+		close(p.dead)
+		p.b.forget(p)
+		_ = p.c.Close()
+		for _, w := range waiting {
+			w.answer(err)
+		}
+		if report {
+			p.b.host.PeerLost(p.id, err)
+		}
+	})
+}
+
+func (p *peer) failure() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.err != nil {
+		return p.err
+	}
+	return fmt.Errorf("cma: peer %s: %w", p.id, agent.ErrRemoteLost)
+}
+
+// write sends one frame: header, table, payload.
+func (p *peer) write(h *header, table func(b []byte) []byte, payload []byte) error {
+	p.wmu.Lock()
+	defer p.wmu.Unlock()
+	b := p.wbuf[:0]
+	if cap(b) < hdrSize {
+		b = make([]byte, hdrSize, 4<<10)
+	}
+	b = b[:hdrSize]
+	h.put(b)
+	if table != nil {
+		b = table(b)
+	}
+	b = append(b, payload...)
+	p.wbuf = b[:0]
+	_ = p.c.SetWriteDeadline(time.Now().Add(p.b.cfg.timeout))
+	if _, err := p.c.Write(b); err != nil {
+		_ = p.c.Close() // the reader fails the peer
+		return fmt.Errorf("cma: write to peer %s: %w: %w", p.id, agent.ErrRemoteLost, err)
+	}
+	return nil
+}
+
+// notify sends a notification.
+func (p *peer) notify(key agent.Key, msg []byte) error {
+	if len(msg) > p.b.cfg.maxNotify {
+		return fmt.Errorf("%w: notification of %d bytes, at most %d", agent.ErrInvalid, len(msg), p.b.cfg.maxNotify)
+	}
+	select {
+	case <-p.dead:
+		return p.failure()
+	default:
+	}
+	return p.write(&header{typ: tNotify, length: uint32(len(msg)), key: key}, nil, msg)
+}
+
+// Notify implements agent.Backend.
+func (b *Backend) Notify(info agent.Info, key agent.Key, msg []byte) error {
+	p, err := b.usable(info)
+	if err != nil {
+		return err
+	}
+	defer b.xwg.Done()
+	return p.notify(key, msg)
+}
+
+// usable returns the connected peer info names and counts a user of the
+// backend in xwg, which the caller releases.
+func (b *Backend) usable(info agent.Info) (*peer, error) {
+	raw, _ := info.Conn(Name)
+	p, err := b.peerFor(info.ID, raw)
+	if err != nil {
+		return nil, err
+	}
+	<-p.ready
+	if p.verdict != nil {
+		return nil, p.verdict
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return nil, agent.ErrClosed
+	}
+	b.xwg.Add(1)
+	return p, nil
+}
+
+// window is a span of a transfer covered by one lease: requested, granted,
+// copied by the workers, ended.
+type window struct {
+	st      *xstate
+	id      uint64
+	start   cursor
+	n       uint64
+	pieces  int
+	granted chan error // the lease's answer, unless inline
+	inline  bool       // the reader handles the answer: a one-chunk transfer
+	tasks   atomic.Int64
+}
+
+// xstate tracks one transfer: a reference for the driver plus one per
+// window that holds a lease slot. The last reference finishes the transfer.
+type xstate struct {
+	b     *Backend
+	p     *peer
+	x     *agent.Xfer
+	write bool
+	slots chan struct{} // one per lease requested or held
+	refs  atomic.Int64
+
+	mu  sync.Mutex
+	err error
+}
+
+func (s *xstate) fail(err error) {
+	s.mu.Lock()
+	if s.err == nil {
+		s.err = err
+	}
+	s.mu.Unlock()
+}
+
+func (s *xstate) failed() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.err != nil
+}
+
+func (s *xstate) release(err error) {
+	if err != nil {
+		s.fail(err)
+	}
+	if s.refs.Add(-1) == 0 {
+		s.finish()
+	}
+}
+
+func (s *xstate) finish() {
+	defer s.b.xwg.Done()
+	s.mu.Lock()
+	err := s.err
+	s.mu.Unlock()
+	x := s.x
+	if err == nil {
+		select {
+		case <-x.Cancelled():
+			err = x.CancelErr() // a cancelled transfer never reports success
+		default:
+		}
+	}
+	if err == nil && x.Notify != nil {
+		err = s.p.notify(x.Key, x.Notify)
+	}
+	x.Finish(err)
+}
+
+// Post implements agent.Backend. Post starts a driver goroutine that
+// requests leases (two ahead) and hands their spans to the copy workers.
+func (b *Backend) Post(x *agent.Xfer) error {
+	p, err := b.usable(x.Peer)
+	if err != nil {
+		return err
+	}
+	st := &xstate{b: b, p: p, x: x, write: x.Op == agent.OpWrite, slots: make(chan struct{}, b.cfg.leaseDepth)}
+	st.refs.Store(1)
+	if end, n, pieces := advance(x.Segments, cursor{}, uint64(b.cfg.chunk), iovMax); end.seg == len(x.Segments) {
+		// One chunk: request the lease here and copy when it is granted.
+		st.slots <- struct{}{}
+		w := &window{st: st, n: n, pieces: pieces, inline: true}
+		st.refs.Add(1)
+		if err := p.begin(w); err != nil {
+			w.abandon()
+			st.fail(err)
+		}
+		st.release(nil)
+		return nil
+	}
+	go b.drive(st)
+	return nil
+}
+
+// drive requests the transfer's leases in order, at most leaseDepth at a
+// time, and dispatches each granted span's chunks to the workers.
+func (b *Backend) drive(st *xstate) {
+	defer st.release(nil)
+	x, p := st.x, st.p
+	lease, chunk := uint64(b.cfg.lease), uint64(b.cfg.chunk)
+	timer := time.NewTimer(b.cfg.timeout)
+	defer timer.Stop()
+	var pending []*window // requested, not yet answered
+	defer func() {
+		for _, w := range pending { // on failure: end what may be granted
+			w.abandon()
+		}
+	}()
+	var c cursor
+	for {
+		for c.seg < len(x.Segments) && !st.failed() {
+			select {
+			case st.slots <- struct{}{}:
+			default:
+				if len(pending) > 0 {
+					goto wait
+				}
+				select {
+				case st.slots <- struct{}{}:
+				case <-x.Cancelled():
+					st.fail(x.CancelErr())
+					return
+				case <-p.dead:
+					st.fail(p.failure())
+					return
+				}
+			}
+			end, n, pieces := advance(x.Segments, c, lease, b.cfg.maxRanges)
+			w := &window{st: st, start: c, n: n, pieces: pieces, granted: make(chan error, 1)}
+			st.refs.Add(1)
+			pending = append(pending, w)
+			if err := p.begin(w); err != nil {
+				st.fail(err)
+				return
+			}
+			c = end
+		}
+	wait:
+		if len(pending) == 0 || st.failed() {
+			return
+		}
+		w := pending[0]
+		timer.Reset(b.cfg.timeout)
+		select {
+		case err := <-w.granted:
+			pending = pending[1:]
+			if err != nil {
+				w.done(err) // a refused lease holds nothing
+				return
+			}
+			w.dispatch(chunk)
+		case <-x.Cancelled():
+			st.fail(x.CancelErr())
+			return
+		case <-timer.C:
+			err := fmt.Errorf("cma: peer %s left a lease request unanswered for %v: %w", p.id, b.cfg.timeout, agent.ErrRemoteLost)
+			p.fail(err, true)
+			st.fail(err)
+			return
+		}
+	}
+}
+
+// begin registers w for its answer and sends its lease request: every
+// remote range it covers, so the exposing agent checks them all.
+func (p *peer) begin(w *window) error {
+	w.id = p.seq.Add(1)
+	p.mu.Lock()
+	if p.waiting == nil {
+		p.mu.Unlock()
+		return p.failure()
+	}
+	p.waiting[w.id] = w
+	if len(p.waiting) == 1 {
+		p.watch()
+	}
+	p.mu.Unlock()
+	st := w.st
+	acc := agent.AccessRead
+	if st.write {
+		acc = agent.AccessWrite
+	}
+	h := header{typ: tBegin, status: uint8(acc), count: uint32(w.pieces), id: w.id, key: st.x.Key}
+	return p.write(&h, func(b []byte) []byte {
+		segs := st.x.Segments
+		c, left := w.start, w.n
+		for left > 0 {
+			sg := &segs[c.seg]
+			take := min(sg.Local.Len-c.off, left)
+			b = binary.LittleEndian.AppendUint64(b, sg.Remote.Addr+c.off)
+			b = binary.LittleEndian.AppendUint64(b, take)
+			left -= take
+			if c.off += take; c.off == sg.Local.Len {
+				c.seg, c.off = c.seg+1, 0
+			}
+		}
+		return b
+	}, nil)
+}
+
+// abandon gives up a requested lease: the exposing agent handles frames in
+// order, so an end sent now releases the lease right after granting it.
+func (w *window) abandon() {
+	p := w.st.p
+	p.mu.Lock()
+	if p.waiting != nil {
+		delete(p.waiting, w.id)
+	}
+	p.mu.Unlock()
+	w.done(nil)
+}
+
+// done ends w's lease and releases its slot and reference.
+func (w *window) done(err error) {
+	st := w.st
+	if err == nil || !errors.Is(err, agent.ErrAccessDenied) {
+		_ = st.p.write(&header{typ: tEnd, id: w.id}, nil, nil)
+	}
+	<-st.slots
+	st.release(err)
+}
+
+// dispatch cuts w into chunks of at most chunk bytes and IOV_MAX pieces.
+// A span of one chunk is copied on the driver's goroutine.
+func (w *window) dispatch(chunk uint64) {
+	st := w.st
+	segs := st.x.Segments
+	end := w.start
+	var t task
+	w.tasks.Store(1)
+	for left := w.n; left > 0; {
+		t = task{w: w, start: end}
+		end, t.n, t.pieces = advance(segs, end, min(chunk, left), iovMax)
+		left -= t.n
+		if left == 0 && w.tasks.Load() == 1 {
+			break // a single chunk: copy it here
+		}
+		w.tasks.Add(1)
+		select {
+		case st.b.tasks <- t:
+		case <-st.b.stop:
+			w.taskDone(agent.ErrClosed)
+		}
+		t = task{}
+	}
+	if t.w != nil {
+		st.b.copyTask(t, nil)
+	}
+	w.taskDone(nil)
+}
+
+func (w *window) taskDone(err error) {
+	if err != nil {
+		w.st.fail(err)
+	}
+	if w.tasks.Add(-1) == 0 {
+		w.done(nil)
+	}
+}
+
+// iovMax is the most iovecs one process_vm_readv/writev takes (IOV_MAX).
+const iovMax = 1024
+
+// task is one chunk of a window: one system call, unless it is partial.
+type task struct {
+	w      *window
+	start  cursor
+	n      uint64
+	pieces int
+}
+
+// iovecs are a worker's reusable system call arguments.
+type iovecs struct {
+	local  [iovMax]unix.Iovec
+	remote [iovMax]unix.RemoteIovec
+}
+
+func (b *Backend) worker() {
+	defer b.wg.Done()
+	v := new(iovecs)
+	for {
+		select {
+		case t := <-b.tasks:
+			b.copyTask(t, v)
+		case <-b.stop:
+			return
+		}
+	}
+}
+
+var driverIovecs = sync.Pool{New: func() any { return new(iovecs) }}
+
+// copyTask copies one chunk with one system call (more if the kernel copies
+// part of it) and reports it done to its window.
+func (b *Backend) copyTask(t task, v *iovecs) {
+	w := t.w
+	st := w.st
+	var err error
+	select {
+	case <-st.x.Cancelled():
+		err = st.x.CancelErr()
+	default:
+		if st.failed() {
+			break
+		}
+		if v == nil {
+			v = driverIovecs.Get().(*iovecs)
+			defer driverIovecs.Put(v)
+		}
+		err = st.copyChunk(t, v)
+	}
+	w.taskDone(err)
+}
+
+func (st *xstate) copyChunk(t task, v *iovecs) error {
+	segs := st.x.Segments
+	l, r := v.local[:t.pieces], v.remote[:t.pieces]
+	c, left := t.start, t.n
+	for i := range t.pieces {
+		sg := &segs[c.seg]
+		take := min(sg.Local.Len-c.off, left)
+		l[i] = unix.Iovec{Base: &sg.Local.Mem[c.off]}
+		l[i].SetLen(int(take))
+		r[i] = unix.RemoteIovec{Base: uintptr(sg.Remote.Addr + c.off), Len: int(take)}
+		left -= take
+		if c.off += take; c.off == sg.Local.Len {
+			c.seg, c.off = c.seg+1, 0
+		}
+	}
+	err := vmCopy(int(st.p.ci.pid), st.write, l, r, t.n)
+	clear(l) // hold no reference to local memory between chunks
+	if err != nil {
+		return st.copyError(err)
+	}
+	return nil
+}
+
+// vmCopy moves total bytes between the local and remote iovecs, resuming
+// after partial copies.
+func vmCopy(pid int, write bool, l []unix.Iovec, r []unix.RemoteIovec, total uint64) error {
+	for total > 0 {
+		var n int
+		var err error
+		if write {
+			n, err = unix.ProcessVMWritev(pid, l, r, 0)
+		} else {
+			n, err = unix.ProcessVMReadv(pid, l, r, 0)
+		}
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		if n <= 0 {
+			return fmt.Errorf("copied 0 of %d bytes", total)
+		}
+		total -= uint64(n)
+		if total > 0 {
+			l, r = skipLocal(l, n), skipRemote(r, n)
+		}
+	}
+	return nil
+}
+
+func skipLocal(l []unix.Iovec, n int) []unix.Iovec {
+	for n > 0 && len(l) > 0 {
+		if int(l[0].Len) > n {
+			l[0].Base = (*byte)(unsafe.Add(unsafe.Pointer(l[0].Base), n))
+			l[0].Len -= uint64(n)
+			return l
+		}
+		n -= int(l[0].Len)
+		l = l[1:]
+	}
+	return l
+}
+
+func skipRemote(r []unix.RemoteIovec, n int) []unix.RemoteIovec {
+	for n > 0 && len(r) > 0 {
+		if r[0].Len > n {
+			r[0].Base += uintptr(n)
+			r[0].Len -= n
+			return r
+		}
+		n -= r[0].Len
+		r = r[1:]
+	}
+	return r
+}
+
+// copyError classifies a failed copy: a vanished process or address space
+// is a lost peer; a refused one means permission was withdrawn after the
+// probe, and the peer's verdict is dropped so the next transfer probes (and
+// may fall back) afresh.
+func (st *xstate) copyError(err error) error {
+	p := st.p
+	var errno syscall.Errno
+	errors.As(err, &errno)
+	switch errno {
+	case unix.ESRCH, unix.EFAULT, unix.ENOMEM:
+		return fmt.Errorf("cma: %v of process %d: %w: %w", st.x.Op, p.ci.pid, agent.ErrRemoteLost, err)
+	case unix.EPERM, unix.EACCES:
+		perr := fmt.Errorf("cma: %v of process %d: %w: permission withdrawn after the probe: %w", st.x.Op, p.ci.pid, agent.ErrAccessDenied, err)
+		p.fail(perr, false)
+		return perr
+	}
+	return fmt.Errorf("cma: %v of process %d: %w", st.x.Op, p.ci.pid, err)
+}

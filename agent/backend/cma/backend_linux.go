@@ -1,0 +1,268 @@
+//go:build linux
+
+package cma
+
+import (
+	"bytes"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"unsafe"
+
+	"github.com/google/uuid"
+	"golang.org/x/sys/unix"
+
+	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/internal/hostid"
+)
+
+// Backend is the cross-memory-attach backend. Create one per agent with New
+// and hand it to the agent, which starts and closes it. Safe for concurrent
+// use.
+type Backend struct {
+	cfg    config
+	optErr error
+
+	host  agent.Host
+	id    uuid.UUID
+	pid   int
+	self  connInfo
+	ln    *net.UnixListener
+	probe *[16]byte // nonce a dialling peer reads to prove it may
+	scope int       // Yama ptrace_scope, -1 without Yama
+	lim   limits
+
+	mu      sync.Mutex
+	closed  bool
+	peers   map[uuid.UUID][]*peer // by agent ID; several when tokens disagree on the socket
+	conns   map[*net.UnixConn]struct{}
+	inbound map[uuid.UUID]int // live connections from each peer that used them
+
+	tasks chan task
+	xwg   sync.WaitGroup // transfers and notifications in flight
+	wg    sync.WaitGroup // goroutines
+	stop  chan struct{}  // closed when the last transfer is done: workers exit
+}
+
+// New returns a cross-memory-attach backend for one agent. Invalid options
+// are reported by Start, that is by the agent's constructor.
+func New(opts ...Option) *Backend {
+	b := &Backend{cfg: defaults(), peers: map[uuid.UUID][]*peer{}, conns: map[*net.UnixConn]struct{}{}, inbound: map[uuid.UUID]int{}, stop: make(chan struct{})}
+	var errs []error
+	for _, o := range opts {
+		if err := o.apply(&b.cfg); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	b.optErr = errors.Join(errs...)
+	b.lim = limits{maxRanges: b.cfg.maxRanges, maxNotify: b.cfg.maxNotify}
+	return b
+}
+
+// Name implements agent.Backend.
+func (b *Backend) Name() string { return Name }
+
+// Supports implements agent.Backend: host memory only.
+func (b *Backend) Supports(k agent.MemKind) bool { return k == agent.KindDRAM }
+
+// Start implements agent.Backend: it listens on a socket in the abstract
+// namespace and starts the accept loop and the copy workers.
+func (b *Backend) Start(h agent.Host) ([]byte, error) {
+	if b.optErr != nil {
+		return nil, b.optErr
+	}
+	b.host, b.id, b.pid = h, h.ID(), os.Getpid()
+	var rnd [8]byte
+	_, _ = rand.Read(rnd[:])
+	name := fmt.Sprintf("goxfer-cma/%d/%s/%x", b.pid, b.id, rnd)
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: "@" + name, Net: "unix"})
+	if err != nil {
+		return nil, fmt.Errorf("cma: listen on abstract socket %q: %w", name, err)
+	}
+	ln.SetUnlinkOnClose(false)
+	b.ln = ln
+	b.probe = new([16]byte)
+	_, _ = rand.Read(b.probe[:])
+	b.scope = ptraceScope()
+	b.self = connInfo{host: hostIdentity(), pid: uint32(b.pid), sock: name}
+	b.tasks = make(chan task, 4*b.cfg.workers)
+	b.wg.Add(1 + b.cfg.workers)
+	go b.accept()
+	for range b.cfg.workers {
+		go b.worker()
+	}
+	return b.self.marshal(), nil
+}
+
+// hostIdentity names this boot of this host, its PID namespace (process IDs
+// in connection information mean the same process to both sides) and its
+// network namespace (abstract sockets live there).
+func hostIdentity() [8]byte { return hostid.Of("pid", "net") }
+
+// ptraceScope reads kernel.yama.ptrace_scope, or -1 without Yama.
+func ptraceScope() int {
+	b, err := os.ReadFile("/proc/sys/kernel/yama/ptrace_scope")
+	if err != nil {
+		return -1
+	}
+	n, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil {
+		return -1
+	}
+	return n
+}
+
+func (b *Backend) probeAddr() uint64 { return uint64(uintptr(unsafe.Pointer(b.probe))) }
+
+// Reachable implements agent.Backend. The peer must publish cma connection
+// information with this host's identity (same boot, PID and network
+// namespaces) and must let this process read its memory. The first call for
+// a peer connects to it and proves that with a trial process_vm_readv; the
+// verdict is cached, so later calls cost a map lookup. That first call does
+// local I/O, bounded by WithTimeout: permission cannot be judged from the
+// metadata alone, and judging it later would be too late to fall back.
+func (b *Backend) Reachable(info agent.Info) error {
+	raw, ok := info.Conn(Name)
+	if !ok {
+		return errors.New("peer has no cma backend")
+	}
+	if b.ln == nil {
+		return errors.New("cma backend not started")
+	}
+	if len(raw) >= 9 && [8]byte(raw[1:9]) != b.self.host {
+		return errors.New("peer runs on another host, or in another PID or network namespace")
+	}
+	p, err := b.peerFor(info.ID, raw)
+	if err != nil {
+		return err
+	}
+	<-p.ready
+	return p.verdict
+}
+
+// peerFor returns the peer named by id and raw connection information,
+// connecting to it on the caller's goroutine if no connection or verdict
+// exists. Concurrent callers wait for the first one's verdict.
+func (b *Backend) peerFor(id uuid.UUID, raw []byte) (*peer, error) {
+	b.mu.Lock()
+	if b.closed {
+		b.mu.Unlock()
+		return nil, agent.ErrClosed
+	}
+	for _, p := range b.peers[id] {
+		if bytes.Equal(p.raw, raw) {
+			b.mu.Unlock()
+			return p, nil
+		}
+	}
+	ci, err := parseConnInfo(raw)
+	if err != nil {
+		b.mu.Unlock()
+		return nil, err
+	}
+	// Peers are keyed by identity and socket together: a token that claims a
+	// known agent's identity at another socket gets a connection of its own
+	// and never redirects anyone else's transfers.
+	p := &peer{b: b, id: id, raw: bytes.Clone(raw), ci: ci, ready: make(chan struct{}), dead: make(chan struct{}), waiting: map[uint64]*window{}}
+	b.peers[id] = append(b.peers[id], p)
+	b.wg.Add(1) // the reader's, or released by connect on failure
+	b.mu.Unlock()
+	p.connect()
+	return p, nil
+}
+
+// forget removes p from the peers, so that the next transfer connects
+// afresh.
+func (b *Backend) forget(p *peer) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	ps := b.peers[p.id]
+	for i, q := range ps {
+		if q == p {
+			ps = append(ps[:i:i], ps[i+1:]...)
+			break
+		}
+	}
+	if len(ps) == 0 {
+		delete(b.peers, p.id)
+	} else {
+		b.peers[p.id] = ps
+	}
+}
+
+func (b *Backend) track(c *net.UnixConn) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return false
+	}
+	b.conns[c] = struct{}{}
+	return true
+}
+
+func (b *Backend) untrack(c *net.UnixConn) {
+	b.mu.Lock()
+	delete(b.conns, c)
+	b.mu.Unlock()
+}
+
+// Close implements agent.Backend: it stops listening, closes every
+// connection, fails what is still in flight with
+// agent.ErrClosed, and waits for the backend's goroutines.
+func (b *Backend) Close() error {
+	b.mu.Lock()
+	if b.closed {
+		b.mu.Unlock()
+		return nil
+	}
+	b.closed = true
+	var peers []*peer
+	for _, ps := range b.peers {
+		peers = append(peers, ps...)
+	}
+	conns := make([]*net.UnixConn, 0, len(b.conns))
+	for c := range b.conns {
+		conns = append(conns, c)
+	}
+	b.mu.Unlock()
+	if b.ln == nil {
+		return nil
+	}
+	err := b.ln.Close()
+	for _, c := range conns {
+		_ = c.Close() // the peer sees the end of the stream: this agent is gone
+	}
+	for _, p := range peers {
+		<-p.ready
+		p.fail(agent.ErrClosed, false)
+	}
+	b.xwg.Wait()
+	close(b.stop)
+	b.wg.Wait()
+	return err
+}
+
+// peerCred returns the process ID of the socket's other end, as the kernel
+// recorded it when that end connected or listened.
+func peerCred(c *net.UnixConn) (int, error) {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return 0, err
+	}
+	var cred *unix.Ucred
+	var cerr error
+	if err := rc.Control(func(fd uintptr) {
+		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return 0, err
+	}
+	if cerr != nil {
+		return 0, cerr
+	}
+	return int(cred.Pid), nil
+}

@@ -1,0 +1,30 @@
+// Package cma is goxfer's same-host backend: two agents on one Linux host
+// move bytes with cross-memory attach (process_vm_readv and
+// process_vm_writev), one copy straight between their memories, with no
+// help from the exposing process's threads.
+//
+// Each agent listens on a Unix-domain socket in the abstract namespace. The
+// agent that copies (the active side) connects to the exposing one (the
+// passive side) once per peer; the connection carries only control traffic:
+// a handshake, lease requests and their answers, lease ends and
+// notifications. Before each span of a transfer (16 MiB by default) is
+// copied, the exposing agent grants a lease over the socket after checking
+// the key, the access kind and every range against its exposures, exactly
+// as the tcp backend checks a frame; the copying agent ends the lease right
+// after. Revoking an exposure therefore waits for the leases granted on it,
+// and no peer touches its memory afterwards. A peer that dies holding a
+// lease closes its socket, which releases the lease.
+//
+// The backend reaches a peer only if the peer publishes the same host
+// identity (boot ID, PID and network namespaces) and a trial read of its
+// memory, made when connecting, succeeds. Otherwise Reachable says why, and
+// the agent falls back to its next backend (tcp), logs the reason once and
+// reports the backend it used on the transfer (agent.Xfer.Backend).
+//
+//	a, err := agent.New(agent.WithBackends(cma.New(), tcp.New()))
+//
+// On other systems than Linux the backend builds but reaches no peer.
+package cma
+
+// Name is the backend's name in metadata and reports.
+const Name = "cma"

@@ -1,0 +1,267 @@
+//go:build linux
+
+package cma
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/goxfer/goxfer/agent"
+)
+
+// maxLeases bounds the leases one connection may hold at once; the copying
+// side holds two per transfer in flight.
+const maxLeases = 1024
+
+func (b *Backend) accept() {
+	defer b.wg.Done()
+	for {
+		c, err := b.ln.AcceptUnix()
+		if err != nil {
+			if errors.Is(err, net.ErrClosed) {
+				return
+			}
+			select {
+			case <-b.stop:
+				return
+			default:
+			}
+			time.Sleep(10 * time.Millisecond) // e.g. EMFILE: do not spin
+			continue
+		}
+		if !b.track(c) {
+			_ = c.Close()
+			return
+		}
+		b.wg.Add(1)
+		go b.serve(c)
+	}
+}
+
+// server is the exposing side of one connection: it answers lease requests
+// in order, one at a time, and holds the leases it granted until the peer
+// ends them or the connection closes.
+type server struct {
+	b       *Backend
+	c       *net.UnixConn
+	peer    uuid.UUID
+	pid     int
+	ptracer bool // pid is named in the Yama ptracer exception
+	used    bool // the peer asked for a lease or notified: it counts in inbound
+	leases  map[uint64]agent.Lease
+	out     []byte
+}
+
+func (b *Backend) serve(c *net.UnixConn) {
+	defer b.wg.Done()
+	defer b.untrack(c)
+	defer c.Close()
+	s := &server{b: b, c: c, leases: map[uint64]agent.Lease{}}
+	if err := s.handshake(); err != nil {
+		b.host.Refused()
+		return
+	}
+	if s.ptracer {
+		defer ptracers.remove(s.pid)
+	}
+	err := s.loop()
+	for _, l := range s.leases { // a peer gone mid-copy touches nothing more
+		l.Release()
+	}
+	select {
+	case <-b.stop:
+		return
+	default:
+	}
+	if errors.Is(err, errProtocol) {
+		b.host.Refused()
+	}
+	// A peer that only probed, and then chose another backend, is not lost.
+	// Only the peer's last connection reports it, and only after every
+	// notification it carried was delivered.
+	if s.used && b.left(s.peer) {
+		b.host.PeerLost(s.peer, fmt.Errorf("cma: connection from peer %s: %w: %w", s.peer, agent.ErrRemoteLost, err))
+	}
+}
+
+func (b *Backend) joined(peer uuid.UUID) {
+	b.mu.Lock()
+	b.inbound[peer]++
+	b.mu.Unlock()
+}
+
+func (b *Backend) left(peer uuid.UUID) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.inbound[peer]--; b.inbound[peer] > 0 {
+		return false
+	}
+	delete(b.inbound, peer)
+	return true
+}
+
+// handshake checks the dialler's claims against the kernel's: the process
+// ID it names must be the socket's peer credential. It answers with the
+// probe address and nonce, after naming the peer as a ptracer where Yama
+// requires it.
+func (s *server) handshake() error {
+	b := s.b
+	var hs [hsSize]byte
+	_ = s.c.SetDeadline(time.Now().Add(b.cfg.timeout))
+	if _, err := io.ReadFull(s.c, hs[:]); err != nil {
+		return err
+	}
+	in, err := getHandshake(hs[:])
+	if err != nil {
+		return err
+	}
+	pid, err := peerCred(s.c)
+	if err != nil {
+		return err
+	}
+	out := handshake{self: b.id, pid: uint32(b.pid), scope: noScope}
+	if b.scope >= 0 && b.scope < noScope {
+		out.scope = uint8(b.scope)
+	}
+	switch {
+	case in.expect != b.id:
+		out.status = stWrong
+		err = fmt.Errorf("%w: handshake expected agent %s, this is %s", errProtocol, in.expect, b.id)
+	case in.self == uuid.Nil:
+		out.status = stWrong
+		err = fmt.Errorf("%w: handshake from the nil agent", errProtocol)
+	case int(in.pid) != pid:
+		out.status = stWrong
+		err = fmt.Errorf("%w: handshake claims process %d, the socket's peer is process %d", errProtocol, in.pid, pid)
+	default:
+		out.probe, out.nonce = b.probeAddr(), *b.probe
+	}
+	if err == nil && b.scope == 1 && b.cfg.ptracer {
+		// Before the answer: the peer probes as soon as it has it. The
+		// exception is withdrawn when this connection closes (serve).
+		ptracers.add(pid)
+		s.ptracer = true
+	}
+	out.put(hs[:])
+	if _, werr := s.c.Write(hs[:]); werr != nil && err == nil {
+		err = werr
+	}
+	s.pid = pid
+	if err != nil {
+		if s.ptracer {
+			ptracers.remove(pid)
+		}
+		return err
+	}
+	s.peer = in.self
+	_ = s.c.SetDeadline(time.Time{})
+	return nil
+}
+
+func (s *server) loop() error {
+	br := bufio.NewReaderSize(s.c, 16<<10)
+	var hdr [hdrSize]byte
+	var buf []byte
+	var f frame
+	for {
+		if err := readFrame(br, hdr[:], &buf, s.b.lim, &f); err != nil {
+			return err
+		}
+		var err error
+		switch f.typ {
+		case tBegin:
+			s.use()
+			err = s.begin(&f)
+		case tEnd:
+			if l, ok := s.leases[f.id]; ok {
+				delete(s.leases, f.id)
+				l.Release()
+			}
+		case tNotify:
+			s.use()
+			msg := make([]byte, len(f.payload))
+			copy(msg, f.payload)
+			if !s.b.host.Deliver(s.peer, f.key, msg) {
+				return agent.ErrClosed
+			}
+		case tBye:
+			return errBye
+		default:
+			err = fmt.Errorf("%w: frame type %d from the copying side", errProtocol, f.typ)
+		}
+		if err != nil {
+			return err
+		}
+	}
+}
+
+// use counts the connection as the peer's the first time it is used:
+// counted before the peer can rely on it, so that its other connections
+// closing never reports it lost while this one may carry its last
+// notification.
+func (s *server) use() {
+	if !s.used {
+		s.used = true
+		s.b.joined(s.peer)
+	}
+}
+
+// begin grants or refuses one lease: the key, the access kind and every
+// range are checked; a lease is granted for all of them or none.
+func (s *server) begin(f *frame) error {
+	if _, dup := s.leases[f.id]; dup {
+		return fmt.Errorf("%w: lease %d requested twice", errProtocol, f.id)
+	}
+	if len(s.leases) >= maxLeases {
+		return fmt.Errorf("%w: more than %d leases held at once", errProtocol, maxLeases)
+	}
+	lease, err := s.b.host.Open(s.peer, f.key, agent.Access(f.status))
+	if errors.Is(err, agent.ErrRemoteLost) {
+		return s.answer(f.id, stLost, err) // this agent is closing
+	}
+	if err != nil {
+		return s.answer(f.id, stDenied, err)
+	}
+	for i := range int(f.count) {
+		mem, err := lease.Slice(f.rangeAt(i))
+		if err == nil && mem == nil {
+			err = fmt.Errorf("%w: device memory cannot be copied by cma", agent.ErrAccessDenied)
+		}
+		if err != nil {
+			lease.Release()
+			return s.answer(f.id, stDenied, fmt.Errorf("range %d: %w", i, err))
+		}
+	}
+	s.leases[f.id] = lease
+	if err := s.answer(f.id, stOK, nil); err != nil {
+		return err // serve releases the lease
+	}
+	return nil
+}
+
+func (s *server) answer(id uint64, status uint8, why error) error {
+	var msg string
+	if why != nil {
+		msg = why.Error()
+		if len(msg) > maxErrMsg {
+			msg = msg[:maxErrMsg]
+		}
+	}
+	b := s.out[:0]
+	if cap(b) < hdrSize+maxErrMsg {
+		b = make([]byte, 0, hdrSize+maxErrMsg)
+	}
+	b = b[:hdrSize]
+	(&header{typ: tGrant, status: status, id: id, length: uint32(len(msg))}).put(b)
+	b = append(b, msg...)
+	s.out = b
+	_ = s.c.SetWriteDeadline(time.Now().Add(s.b.cfg.timeout))
+	_, err := s.c.Write(b)
+	return err
+}
