@@ -11,6 +11,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backend/cma"
 	"github.com/goxfer/goxfer/agent/backend/tcp"
 )
 
@@ -49,9 +50,9 @@ func NewConnector(opts ...Option) (*Connector, error) {
 			return nil, err
 		}
 	}
-	if o.backends != nil && o.tcp != nil {
+	if err := o.conflicts(); err != nil {
 		closeBackends(o.backends)
-		return nil, fmt.Errorf("%w: WithTCPOptions configures a default backend, which WithBackends replaces", ErrInvalidOption)
+		return nil, err
 	}
 	backends := o.backends
 	if backends == nil {
@@ -62,7 +63,7 @@ func NewConnector(opts ...Option) (*Connector, error) {
 		aopts = append(aopts, agent.WithID(o.id))
 	}
 	a, err := agent.New(aopts...)
-	if errors.Is(err, tcp.ErrInvalidOption) {
+	if errors.Is(err, tcp.ErrInvalidOption) || errors.Is(err, cma.ErrInvalidOption) {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidOption, err)
 	}
 	if err != nil {

@@ -7,6 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -47,6 +48,7 @@ const (
 	// timeout, so this is far more than detection needs; it is no
 	// performance bound.
 	lostWithin = 5 * time.Second
+
 	// attempts bounds how often a fault test retries when the transfer it
 	// meant to interrupt finished first.
 	attempts = 5
@@ -197,7 +199,8 @@ func runChild(in io.Reader, out io.Writer) int {
 			fmt.Fprintf(os.Stderr, "connect child: %s=%q: %v\n", childKeepaliveEnv, ka, err)
 			return 2
 		}
-		opts = append(opts, WithTCPOptions(tcp.WithKeepalive(i, t)))
+		// Keepalives are tcp's: the child then talks tcp only.
+		opts = append(opts, WithTCPOptions(tcp.WithKeepalive(i, t)), WithoutCMA())
 	}
 	c, err := NewConnector(opts...)
 	if err != nil {
@@ -397,6 +400,9 @@ func awaitPeer(t *testing.T, op waiter) {
 
 var kinds = []OperationKind{KindRead, KindWrite}
 
+// sameHost is the backend two processes on one host use by default.
+var sameHost = map[bool]string{true: "cma", false: "tcp"}[runtime.GOOS == "linux"]
+
 func TestCrossProcessTransfer(t *testing.T) {
 	layouts := []struct {
 		name  string
@@ -406,8 +412,23 @@ func TestCrossProcessTransfer(t *testing.T) {
 		{"4096x4KiB", uniform(4096, 4<<10)},
 		{"odd sizes", []int{1, 7, 4095, 65537, 1<<20 + 3, 333, 2}},
 	}
+	for _, backend := range []string{sameHost, "tcp"} {
+		t.Run(backend, func(t *testing.T) {
+			var opts []Option
+			if backend == "tcp" {
+				// Without cma on one side, both sides fall back to tcp.
+				opts = append(opts, WithoutCMA())
+			}
+			crossProcessTransfer(t, backend, layouts, newConnector(t, opts...))
+		})
+	}
+}
+
+func crossProcessTransfer(t *testing.T, backend string, layouts []struct {
+	name  string
+	sizes []int
+}, parent *Connector) {
 	ctx := guarded(t)
-	parent := newConnector(t)
 	c := startChild(t)
 
 	t.Run("parent passive", func(t *testing.T) {
@@ -421,7 +442,7 @@ func TestCrossProcessTransfer(t *testing.T) {
 					}
 					pop := expose(t, parent, kind, mem.Bufs())
 					resp := c.must(childRequest{Cmd: "begin", Token: pop.Metadata().String(), Seed: seed})
-					assert.Equal(t, "tcp", resp.Backend)
+					assert.Equal(t, backend, resp.Backend)
 					assert.Equal(t, "DONE", resp.Status)
 
 					require.NoError(t, pop.Wait(ctx))
@@ -458,7 +479,7 @@ func TestCrossProcessTransfer(t *testing.T) {
 					require.NoError(t, err)
 					require.NoError(t, aop.Wait(ctx))
 					assert.Equal(t, StatusComplete, aop.Status())
-					assert.Equal(t, "tcp", aop.Backend())
+					assert.Equal(t, backend, aop.Backend())
 					require.NoError(t, local.Check(seed), "the local memory after the %v", kind)
 					requireUnregistered(t, parent)
 
@@ -554,7 +575,7 @@ func TestCrossProcessPassiveKilled(t *testing.T) {
 	retryKinds(t, "", func(t *testing.T, kind OperationKind) bool {
 		k, hit := cutPassive(t, kind, (*child).Kill, "was killed", nil)
 		if hit {
-			assert.Equal(t, "tcp", k.requireErrored(t).Backend)
+			assert.Equal(t, sameHost, k.requireErrored(t).Backend)
 			requireUnregistered(t, k.parent)
 		}
 		return hit
@@ -582,7 +603,7 @@ func TestCrossProcessActiveCancelled(t *testing.T) {
 		pop := expose(t, parent, kind, mem.Bufs())
 		r := c.must(childRequest{Cmd: "begin", Token: pop.Metadata().String(), Seed: seed, Async: true})
 		assert.Equal(t, "PROC", r.Status, "the child's operation after Begin")
-		assert.Equal(t, "tcp", r.Backend)
+		assert.Equal(t, sameHost, r.Backend)
 		awaitPeer(t, pop) // bytes are moving
 
 		type waited struct {
@@ -641,7 +662,7 @@ func TestCrossProcessClosedPassive(t *testing.T) {
 			require.ErrorIs(t, err, ErrAccessDenied)
 			var te *TransferError
 			require.ErrorAs(t, err, &te)
-			assert.Equal(t, "tcp", te.Backend)
+			assert.Equal(t, sameHost, te.Backend)
 			assert.Equal(t, parent.a.ID().String(), te.Remote)
 			assert.Equal(t, "ERR", resp.Status)
 			assert.Empty(t, resp.Check, "the guards around the child's local memory")

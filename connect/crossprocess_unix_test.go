@@ -29,7 +29,10 @@ const (
 )
 
 func TestCrossProcessPeerFrozen(t *testing.T) {
-	keepalive := []Option{WithTCPOptions(tcp.WithKeepalive(frozenInterval, frozenTimeout))}
+	// A frozen peer holds its sockets open and silent; over tcp, keepalives
+	// tell. (Over cma a frozen peer is noticed by the active side's lease
+	// timeout, or by a presence registry.)
+	keepalive := []Option{WithTCPOptions(tcp.WithKeepalive(frozenInterval, frozenTimeout)), WithoutCMA()}
 	childKeepalive := fmt.Sprintf("%s=%v/%v", childKeepaliveEnv, frozenInterval, frozenTimeout)
 	retryKinds(t, "passive/", func(t *testing.T, kind OperationKind) bool {
 		_, hit := cutPassive(t, kind, (*child).freeze, "froze", keepalive, childKeepalive)

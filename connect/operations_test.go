@@ -13,6 +13,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backend/cma"
 	"github.com/goxfer/goxfer/agent/backend/mem"
 	"github.com/goxfer/goxfer/agent/backend/tcp"
 )
@@ -731,8 +732,20 @@ func TestOptions(t *testing.T) {
 
 	c, err := NewConnector(quiet, WithTCPOptions(tcp.WithStreams(2)), WithTCPOptions(tcp.WithKeepalive(time.Second, 3*time.Second)))
 	require.NoError(t, err)
+	assert.Equal(t, []string{"mem", "cma", "tcp"}, c.a.Backends())
+	require.NoError(t, c.Close())
+
+	c, err = NewConnector(quiet, WithoutCMA())
+	require.NoError(t, err)
 	assert.Equal(t, []string{"mem", "tcp"}, c.a.Backends())
 	require.NoError(t, c.Close())
+	_, err = NewConnector(quiet, WithoutCMA(), WithCMAOptions(cma.WithWorkers(2)))
+	assert.EqualError(t, err, "connect: invalid option: WithCMAOptions configures the cma backend, which WithoutCMA leaves out")
+	_, err = NewConnector(quiet, WithBackends(mem.New()), WithoutCMA())
+	require.ErrorIs(t, err, ErrInvalidOption)
+	_, err = NewConnector(quiet, WithCMAOptions(cma.WithWorkers(-1)))
+	require.ErrorIs(t, err, ErrInvalidOption)
+	require.ErrorIs(t, err, cma.ErrInvalidOption)
 
 	// A backend that fails to start fails the Connector, naming it.
 	_, err = NewConnector(quiet, WithBackends(mem.New(), mem.New()))

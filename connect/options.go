@@ -7,6 +7,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backend/cma"
 	"github.com/goxfer/goxfer/agent/backend/mem"
 	"github.com/goxfer/goxfer/agent/backend/tcp"
 )
@@ -23,6 +24,8 @@ func (f optionFunc) apply(o *options) error { return f(o) }
 type options struct {
 	backends []agent.Backend // explicit, from WithBackends
 	tcp      []tcp.Option
+	cma      []cma.Option
+	noCMA    bool
 	force    string
 	logger   *slog.Logger
 	resolver Resolver
@@ -35,8 +38,9 @@ type options struct {
 // backends from NewConnector on, even when it fails, and closes them. The
 // option may be given more than once; backends accumulate.
 //
-// Default: the in-process backend (agent/backend/mem), then TCP
-// (agent/backend/tcp, see WithTCPOptions).
+// Default: the in-process backend (agent/backend/mem), then same-host
+// cross-memory attach (agent/backend/cma, see WithCMAOptions and
+// WithoutCMA), then TCP (agent/backend/tcp, see WithTCPOptions).
 func WithBackends(bs ...agent.Backend) Option {
 	return optionFunc(func(o *options) error {
 		if len(bs) == 0 {
@@ -131,7 +135,53 @@ func WithTCPOptions(opts ...tcp.Option) Option {
 	})
 }
 
+// WithCMAOptions configures the default same-host backend, for example
+// cma.WithWorkers(4). It conflicts with WithBackends, which replaces the
+// defaults, and with WithoutCMA. The option may be given more than once;
+// options accumulate. Invalid cma options fail NewConnector with an error
+// matching both ErrInvalidOption and cma.ErrInvalidOption.
+//
+// Default: the cma package's defaults (GOMAXPROCS copy workers up to 8,
+// 16 MiB leases, a 4 s timeout, PR_SET_PTRACER where Yama needs it).
+func WithCMAOptions(opts ...cma.Option) Option {
+	return optionFunc(func(o *options) error {
+		o.cma = append(o.cma, opts...)
+		return nil
+	})
+}
+
+// WithoutCMA leaves the same-host cross-memory-attach backend out of the
+// defaults: peers in other processes on this host are then reached over
+// TCP. Use it where reading another process's memory is not wanted, or to
+// compare the two. It conflicts with WithBackends and WithCMAOptions.
+//
+// Default: cma is used with peers on the same host that the kernel lets
+// this process read and write (see docs/cma.md).
+func WithoutCMA() Option {
+	return optionFunc(func(o *options) error {
+		o.noCMA = true
+		return nil
+	})
+}
+
 // defaultBackends returns fresh default backends, in order of preference.
 func defaultBackends(o *options) []agent.Backend {
-	return []agent.Backend{mem.New(), tcp.New(o.tcp...)}
+	bs := []agent.Backend{mem.New()}
+	if !o.noCMA {
+		bs = append(bs, cma.New(o.cma...))
+	}
+	return append(bs, tcp.New(o.tcp...))
+}
+
+// conflicts reports options that contradict each other.
+func (o *options) conflicts() error {
+	switch {
+	case o.backends != nil && o.tcp != nil:
+		return fmt.Errorf("%w: WithTCPOptions configures a default backend, which WithBackends replaces", ErrInvalidOption)
+	case o.backends != nil && (o.cma != nil || o.noCMA):
+		return fmt.Errorf("%w: WithCMAOptions and WithoutCMA configure a default backend, which WithBackends replaces", ErrInvalidOption)
+	case o.noCMA && o.cma != nil:
+		return fmt.Errorf("%w: WithCMAOptions configures the cma backend, which WithoutCMA leaves out", ErrInvalidOption)
+	}
+	return nil
 }

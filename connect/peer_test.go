@@ -16,7 +16,7 @@ func TestAgentInfoRoundTrip(t *testing.T) {
 	c := newConnector(t)
 	ai := c.AgentInfo()
 	assert.Equal(t, c.a.ID(), ai.ID())
-	assert.Equal(t, []string{"mem", "tcp"}, ai.Backends())
+	assert.Equal(t, []string{"mem", "cma", "tcp"}, ai.Backends())
 
 	b, err := ai.MarshalBinary()
 	require.NoError(t, err)
