@@ -1,0 +1,116 @@
+package main
+
+import (
+	"fmt"
+	"net"
+	"slices"
+	"strings"
+
+	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backend/cma"
+	"github.com/goxfer/goxfer/agent/backend/mem"
+	"github.com/goxfer/goxfer/agent/backend/tcp"
+)
+
+// backendDef is a backend this binary can measure. Adding one is one entry
+// here, or, for a backend behind a build tag (ucx), one tagged file whose
+// init appends to extraBackends:
+//
+//	//go:build ucx
+//
+//	package main
+//
+//	import (
+//		"github.com/goxfer/goxfer/agent"
+//		"github.com/goxfer/goxfer/agent/backend/ucx"
+//	)
+//
+//	func init() {
+//		extraBackends = append(extraBackends, backendDef{name: "ucx", baseline: baseUCX,
+//			newFn: func(*config) agent.Backend { return ucx.New() }})
+//	}
+type backendDef struct {
+	name string
+	// inProcess: the backend only reaches agents in the same process, so
+	// its target runs inside the initiator's process.
+	inProcess bool
+	// baseline names the raw measurement the backend is compared with.
+	baseline string
+	newFn    func(c *config) agent.Backend
+}
+
+// extraBackends holds backends contributed by files behind build tags.
+var extraBackends []backendDef
+
+// knownBackends are names users may ask for that are not necessarily built.
+var knownBackends = []string{"mem", "tcp", "cma", "ucx"}
+
+func builtBackends() []backendDef {
+	bs := []backendDef{
+		{name: "mem", inProcess: true, baseline: baseMemcpy, newFn: func(*config) agent.Backend { return mem.New() }},
+		{name: "tcp", baseline: baseTCP, newFn: func(c *config) agent.Backend { return tcp.New(tcp.WithListenAddr(c.listen)) }},
+		{name: "cma", baseline: basePVM, newFn: func(*config) agent.Backend { return cma.New() }},
+	}
+	return append(bs, extraBackends...)
+}
+
+func builtNames() []string {
+	var names []string
+	for _, b := range builtBackends() {
+		names = append(names, b.name)
+	}
+	return names
+}
+
+// selectBackends resolves a comma-separated list ("" or "all": every built
+// backend) against the built ones.
+func selectBackends(list string) ([]backendDef, error) {
+	built := builtBackends()
+	if list == "" || list == "all" {
+		return built, nil
+	}
+	var out []backendDef
+	for _, name := range strings.Split(list, ",") {
+		name = strings.TrimSpace(strings.ToLower(name))
+		i := slices.IndexFunc(built, func(b backendDef) bool { return b.name == name })
+		switch {
+		case i >= 0:
+			if !slices.ContainsFunc(out, func(b backendDef) bool { return b.name == name }) {
+				out = append(out, built[i])
+			}
+		case slices.Contains(knownBackends, name):
+			hint := ""
+			if name == "ucx" {
+				hint = " (ucx needs cgo and -tags ucx)"
+			}
+			return nil, fmt.Errorf("backend %q is not built into this binary%s: built backends are %s", name, hint, strings.Join(builtNames(), ", "))
+		default:
+			return nil, fmt.Errorf("unknown backend %q: built backends are %s", name, strings.Join(builtNames(), ", "))
+		}
+	}
+	return out, nil
+}
+
+// agentBackends returns fresh instances of every built backend, in the
+// agent's order of preference (mem > cma > ucx > tcp).
+func agentBackends(c *config) []agent.Backend {
+	order := map[string]int{"mem": 0, "cma": 1, "ucx": 2, "tcp": 3}
+	defs := builtBackends()
+	slices.SortStableFunc(defs, func(a, b backendDef) int { return order[a.name] - order[b.name] })
+	out := make([]agent.Backend, len(defs))
+	for i, d := range defs {
+		out[i] = d.newFn(c)
+	}
+	return out
+}
+
+// anyPort returns listen with port 0: the sides that nobody dials by a
+// configured address (the initiator, the in-process target) must not take
+// the port -listen names.
+func anyPort(listen string) string {
+	host, _, err := net.SplitHostPort(listen)
+	if err != nil {
+		return listen
+	}
+	return net.JoinHostPort(host, "0")
+}

@@ -1,0 +1,192 @@
+package main
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"time"
+)
+
+// Baseline names.
+const (
+	baseTCP      = "raw-tcp" // the better of baseTCP1 and baseTCP4
+	baseTCP1     = "raw-tcp×1"
+	baseTCP4     = "raw-tcp×4"
+	baseMemcpy   = "memcpy"
+	basePVM      = "process_vm"
+	basePingPong = "raw-tcp-pingpong"
+	baseUCX      = "ucx_perftest" // the better of its UCX_TLS settings
+)
+
+// baselines measures, for the bytes of one operation of shape sh, what the
+// backends are compared with: raw TCP over 1 and 4 connections to the
+// target process, Go copy, and process_vm_readv/writev on the target's
+// memory. Each runs as many operations as the goxfer points, one at a time.
+func (in *initiator) baselines(ctx context.Context, op string, sh shape) ([]Result, error) {
+	bytes := sh.bytes()
+	iters, warmup := in.cfg.itersFor(bytes)
+	size := int(bytes)
+	local := make([]byte, size)
+	poison(local)
+	mk := func(name, note string) Result {
+		return Result{Kind: "baseline", Name: name, Op: op, Block: size, Descs: 1, Bytes: bytes, Iters: iters, Inflight: 1, Shape: sh.Label, Note: note}
+	}
+	var out []Result
+	// measure runs f warm-up and measured times.
+	measure := func(r Result, f func() error) (Result, error) {
+		for range warmup {
+			if err := f(); err != nil {
+				return r, err
+			}
+		}
+		lat := make([]time.Duration, iters)
+		start := time.Now()
+		for i := range iters {
+			t0 := time.Now()
+			if err := f(); err != nil {
+				return r, err
+			}
+			lat[i] = time.Since(t0)
+		}
+		r.setThroughput(bytes, iters, time.Since(start))
+		r.P50, r.P99 = percentiles(lat)
+		return r, nil
+	}
+
+	{ // Go copy, in this process.
+		src := make([]byte, size)
+		poison(src)
+		dst, srcp := local, src
+		if op == "WRITE" {
+			dst, srcp = src, local
+		}
+		r, err := measure(mk(baseMemcpy, "Go copy, one goroutine"), func() error { copy(dst, srcp); return nil })
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, r)
+	}
+	if in.proc == nil {
+		return out, nil
+	}
+	p, err := in.prepare(ctx, in.proc, roundReq{Op: op, Block: size, Descs: 1, Slots: 1, Ops: 0, RawBuf: true})
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _, _ = in.finish(ctx, p) }()
+	for _, c := range []struct {
+		name  string
+		conns []net.Conn
+	}{{baseTCP1, in.raw1}, {baseTCP4, in.raw4}} {
+		note := fmt.Sprintf("%d plain connection(s) to the target process", len(c.conns))
+		r, err := measure(mk(c.name, note), func() error { return rawTransfer(c.conns, op, local, in.cfg.timeout) })
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", c.name, err)
+		}
+		out = append(out, r)
+	}
+	switch {
+	case !havePVM:
+		in.baselineNotice[basePVM] = "process_vm_readv needs Linux"
+	case !in.proc.sameClock:
+		in.baselineNotice[basePVM] = "the target runs on another host"
+	default:
+		name := "process_vm_readv"
+		if op == "WRITE" {
+			name = "process_vm_writev"
+		}
+		r, err := measure(mk(basePVM, name+" on the target process, one call per operation"), func() error {
+			return pvmCopy(in.proc.hello.PID, op == "WRITE", local, p.ready.Slots[0])
+		})
+		if err != nil {
+			in.baselineNotice[basePVM] = err.Error()
+			break
+		}
+		out = append(out, r)
+	}
+	return out, nil
+}
+
+// rawTransfer moves buf's bytes split evenly over plain connections to the
+// target: READ asks the target to send them, WRITE sends them and waits for
+// a one-byte answer.
+func rawTransfer(cs []net.Conn, op string, buf []byte, timeout time.Duration) error {
+	dir := byte('r')
+	if op == "WRITE" {
+		dir = 'w'
+	}
+	per := len(buf) / len(cs)
+	var wg sync.WaitGroup
+	errs := make([]error, len(cs))
+	for i, c := range cs {
+		lo, hi := i*per, (i+1)*per
+		if i == len(cs)-1 {
+			hi = len(buf)
+		}
+		if lo == hi {
+			continue
+		}
+		wg.Go(func() {
+			part := buf[lo:hi]
+			_ = c.SetDeadline(time.Now().Add(timeout))
+			var req [17]byte
+			req[0] = dir
+			binary.LittleEndian.PutUint64(req[1:], uint64(lo))
+			binary.LittleEndian.PutUint64(req[9:], uint64(len(part)))
+			_, err := c.Write(req[:])
+			if err == nil && dir == 'r' {
+				_, err = io.ReadFull(c, part)
+			} else if err == nil {
+				if _, err = c.Write(part); err == nil {
+					_, err = io.ReadFull(c, req[:1])
+				}
+			}
+			errs[i] = err
+		})
+	}
+	wg.Wait()
+	for _, err := range errs {
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// pingPong measures 4 KiB round trips over one plain connection to the
+// target process: the latency floor of anything over TCP.
+func (in *initiator) pingPong(ctx context.Context) (Result, error) {
+	cs, err := dialN(ctx, in.proc.hello.Ping, 1)
+	if err != nil {
+		return Result{}, err
+	}
+	defer closeAll(cs)
+	c := cs[0]
+	buf := make([]byte, 4096)
+	iters := in.cfg.latIters
+	lat := make([]time.Duration, 0, iters)
+	_ = c.SetDeadline(time.Now().Add(in.cfg.timeout + time.Duration(iters)*time.Millisecond))
+	start := time.Now()
+	for i := range iters + iters/10 {
+		if i == iters/10 {
+			start = time.Now()
+		}
+		t0 := time.Now()
+		if _, err := c.Write(buf); err != nil {
+			return Result{}, err
+		}
+		if _, err := io.ReadFull(c, buf); err != nil {
+			return Result{}, err
+		}
+		if i >= iters/10 {
+			lat = append(lat, time.Since(t0))
+		}
+	}
+	r := Result{Kind: "baseline", Name: basePingPong, Op: "PINGPONG", Block: 4096, Descs: 1, Bytes: 4096, Inflight: 1, Iters: iters, Note: "4 KiB there and back over one plain connection"}
+	r.setThroughput(4096, iters, time.Since(start))
+	r.P50, r.P99 = percentiles(lat)
+	return r, nil
+}

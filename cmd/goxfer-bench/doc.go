@@ -1,0 +1,50 @@
+// Command goxfer-bench measures goxfer's backends the way NIXL's nixlbench
+// measures NIXL's, with the baselines that bound them measured in the same
+// run: raw TCP over 1 and 4 connections and a 4 KiB TCP ping-pong, Go copy,
+// raw process_vm_readv/writev between the two processes, and UCX's own
+// ucx_perftest when it is installed.
+//
+// The initiator and the target are separate processes (the target is this
+// binary re-executed with -role target), coordinated over NATS: an embedded
+// server by default, or -nats URL. Backends that reach only their own
+// process (mem) run their target inside the initiator's process, and say
+// so. Across two hosts, start the target on one and the initiator on the
+// other with the same -nats and -session:
+//
+//	goxfer-bench -role target -nats nats://hostA:4222 -session s1 -listen 10.0.0.2:0
+//	goxfer-bench -role initiator -nats nats://hostA:4222 -session s1 -backends tcp
+//
+// Usage:
+//
+//	goxfer-bench                                  # READ and WRITE, 4 KiB to 64 MiB, every built backend
+//	goxfer-bench -blocks 4K-64M -step 2 -inflight 1,4 -descs 1,16
+//	goxfer-bench -preset kv                       # 4096 × 64 KiB in one operation, beside 1 × 256 MiB
+//	goxfer-bench -preset model -model llama3-70b -tokens 4096
+//	goxfer-bench -check                           # verify every byte of every transfer
+//	goxfer-bench -runs 3 -o out.csv,out.json -chart bw.png
+//
+// What a figure includes. For each point the target allocates one buffer
+// per operation in flight and creates one passive operation per iteration
+// (a passive operation completes once), then hands the tokens to the
+// initiator in a few NATS messages before the initiator's clock starts. The
+// initiator then runs BeginRead/BeginWrite and Wait with -inflight
+// operations in flight: GB/s and ops/s cover the measured operations from
+// the first Begin to the last completion; p50/p99 are from Begin to the
+// active Wait's return (READ: the bytes landed; WRITE: acknowledged by the
+// target). "done" latencies run from Begin to the moment the target's
+// passive Wait returned, on the shared CLOCK_MONOTONIC (same host only): the
+// completion notification included. Handing out one token per operation is
+// measured apart, in the control-plane rows: CreateReadable plus Metadata,
+// a NATS request/reply that makes and carries a token, and a 4 KiB READ
+// that fetches its token first.
+//
+// Outputs: a table on standard output, -o files (.csv, .json), -chart
+// (.png, .svg: GB/s against bytes per operation, one line per backend and
+// dashed baselines), and progress on standard error (a bar on a terminal,
+// one line per point otherwise).
+//
+// Bad input fails before anything starts: an unknown or unbuilt backend
+// names the built ones, sizes that do not fit in MemAvailable name both
+// numbers, and a target that never shows up is a timeout error after
+// -timeout (default 30 s).
+package main
