@@ -11,6 +11,7 @@ import (
 
 	"github.com/goxfer/goxfer/connect"
 	"github.com/goxfer/goxfer/internal/pattern"
+	"github.com/goxfer/goxfer/internal/wire"
 )
 
 func subscribe(t testing.TB, nc *nats.Conn, subject string, opts ...Option) *Subscription {
@@ -97,7 +98,8 @@ func TestPublishTooLargeIsNotSent(t *testing.T) {
 	err := Publish(ctx, nc, "offers", md, make([]byte, nc.MaxPayload()))
 	var tl *PayloadTooLargeError
 	require.ErrorAs(t, err, &tl)
-	assert.Equal(t, int64(len(msgMagic)+1+1+md.Size())+nc.MaxPayload(), tl.Size)
+	// magic, version, the token's length as a uvarint, the token, the data.
+	assert.Equal(t, int64(len(msgMagic)+1+wire.UvarintLen(uint64(md.Size()))+md.Size())+nc.MaxPayload(), tl.Size)
 	// Nothing went out: the next offer is the small one.
 	require.NoError(t, Publish(ctx, nc, "offers", md, []byte("small")))
 	o, err := s.Next(ctx)
