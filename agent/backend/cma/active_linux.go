@@ -170,7 +170,7 @@ func (p *peer) read() {
 	case <-b.stop:
 		err = agent.ErrClosed
 	default:
-		if errors.Is(err, errProtocol) {
+		if b.stats.dropped(err, false) && errors.Is(err, errProtocol) {
 			b.host.Refused()
 		}
 		err = fmt.Errorf("cma: connection to peer %s: %w: %w", p.id, agent.ErrRemoteLost, err)

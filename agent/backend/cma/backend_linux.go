@@ -41,7 +41,12 @@ type Backend struct {
 	closed  bool
 	peers   map[uuid.UUID][]*peer // by agent ID; several when tokens disagree on the socket
 	conns   map[*net.UnixConn]struct{}
-	inbound map[uuid.UUID]int // live connections from each peer that used them
+	inbound map[uuid.UUID]int        // live connections from each peer that used them
+	byPID   map[int]int              // accepted connections from each process
+	shaking map[*net.UnixConn]uint64 // accepted connections still in the handshake, by arrival
+	arrived uint64
+
+	stats stats
 
 	tasks chan task
 	xwg   sync.WaitGroup // transfers and notifications in flight
@@ -52,7 +57,8 @@ type Backend struct {
 // New returns a cross-memory-attach backend for one agent. Invalid options
 // are reported by Start, that is by the agent's constructor.
 func New(opts ...Option) *Backend {
-	b := &Backend{cfg: defaults(), peers: map[uuid.UUID][]*peer{}, conns: map[*net.UnixConn]struct{}{}, inbound: map[uuid.UUID]int{}, stop: make(chan struct{})}
+	b := &Backend{cfg: defaults(), peers: map[uuid.UUID][]*peer{}, conns: map[*net.UnixConn]struct{}{}, inbound: map[uuid.UUID]int{},
+		byPID: map[int]int{}, shaking: map[*net.UnixConn]uint64{}, stop: make(chan struct{})}
 	var errs []error
 	for _, o := range opts {
 		if err := o.apply(&b.cfg); err != nil {
@@ -66,6 +72,9 @@ func New(opts ...Option) *Backend {
 
 // Name implements agent.Backend.
 func (b *Backend) Name() string { return Name }
+
+// Stats returns the backend's counters. Safe for concurrent use.
+func (b *Backend) Stats() Stats { return b.stats.snapshot() }
 
 // Supports implements agent.Backend: host memory only.
 func (b *Backend) Supports(k agent.MemKind) bool { return k == agent.KindDRAM }

@@ -96,7 +96,7 @@ func TestHandshakeRefusals(t *testing.T) {
 		{"OtherAgent", uuid.New(), os.Getpid()},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			before := a.Stats().Refused
+			before, stats := a.Stats().Refused, b.Stats()
 			p := dialRaw(t, b)
 			in, err := p.hello(c.expect, c.pid)
 			require.NoError(t, err)
@@ -105,6 +105,7 @@ func TestHandshakeRefusals(t *testing.T) {
 			_, err = p.br.ReadByte()
 			assert.ErrorIs(t, err, io.EOF, "the connection is dropped")
 			require.Eventually(t, func() bool { return a.Stats().Refused > before }, 5*time.Second, time.Millisecond)
+			waitStats(t, b, stats, Stats{Disconnected: 1, HandshakeFailures: 1})
 		})
 	}
 }
@@ -136,7 +137,7 @@ func TestLeaseRefusals(t *testing.T) {
 	}
 	for i, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			before := a.Stats().Refused
+			before, stats := a.Stats().Refused, b.Stats()
 			p.send(header{typ: tBegin, status: uint8(c.acc), count: uint32(len(c.table)), id: uint64(i + 1), key: c.key}, c.table, nil)
 			h, msg, err := p.grant()
 			require.NoError(t, err)
@@ -144,6 +145,7 @@ func TestLeaseRefusals(t *testing.T) {
 			assert.Equal(t, uint64(i+1), h.id)
 			assert.Contains(t, msg, c.want)
 			assert.Greater(t, a.Stats().Refused, before)
+			assert.Equal(t, Stats{Denied: 1}, delta(b.Stats(), stats))
 		})
 	}
 	p.send(header{typ: tBegin, status: uint8(agent.AccessRead), count: 1, id: 99, key: exp.Key()}, [][2]uint64{{base, 64 << 10}}, nil)
@@ -203,17 +205,21 @@ func TestMalformedFrames(t *testing.T) {
 	exp, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(buf)})
 	require.NoError(t, err)
 	defer exp.Revoke()
+	protocol := Stats{Disconnected: 1, ProtocolErrors: 1}
+	limit := Stats{Disconnected: 1, LimitRejected: 1}
 	for _, c := range []struct {
 		name string
 		h    header
+		want Stats
 	}{
-		{"UnknownType", header{typ: 42}},
-		{"TooManyRanges", header{typ: tBegin, status: 1, count: 1 << 20}},
-		{"NoRanges", header{typ: tBegin, status: 1}},
-		{"BadAccess", header{typ: tBegin, status: 9, count: 1}},
-		{"HugeNotify", header{typ: tNotify, length: 1 << 30}},
-		{"GrantFromActive", header{typ: tGrant}},
-		{"EndWithRanges", header{typ: tEnd, count: 1}},
+		{"UnknownType", header{typ: 42}, protocol},
+		{"TooManyRanges", header{typ: tBegin, status: 1, count: 1 << 20}, limit},
+		{"NoRanges", header{typ: tBegin, status: 1}, protocol},
+		{"BadAccess", header{typ: tBegin, status: 9, count: 1}, protocol},
+		{"HugeNotify", header{typ: tNotify, length: 1 << 30}, limit},
+		{"GrantFromActive", header{typ: tGrant}, protocol},
+		{"EndWithRanges", header{typ: tEnd, count: 1}, protocol},
+		{"EndWithPayload", header{typ: tEnd, length: 1}, protocol},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			p := dialRaw(t, b)
@@ -223,7 +229,7 @@ func TestMalformedFrames(t *testing.T) {
 			h, _, err := p.grant()
 			require.NoError(t, err)
 			require.Equal(t, uint8(stOK), h.status)
-			before := a.Stats().Refused
+			before, stats := a.Stats().Refused, b.Stats()
 			p.send(c.h, nil, nil)
 			_ = p.c.SetReadDeadline(time.Now().Add(5 * time.Second))
 			_, err = p.br.ReadByte()
@@ -231,6 +237,7 @@ func TestMalformedFrames(t *testing.T) {
 			var ne net.Error
 			require.False(t, errors.As(err, &ne) && ne.Timeout(), "the connection was not dropped")
 			require.Eventually(t, func() bool { return a.Stats().Refused > before }, 5*time.Second, time.Millisecond)
+			waitStats(t, b, stats, c.want)
 		})
 	}
 	done := make(chan struct{})

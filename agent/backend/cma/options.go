@@ -27,6 +27,9 @@ type config struct {
 	maxNotify  int
 	maxRanges  int
 	leaseDepth int
+
+	maxConnsPerProc int
+	maxHandshakes   int
 }
 
 func defaults() config {
@@ -39,6 +42,9 @@ func defaults() config {
 		maxNotify:  64 << 10,
 		maxRanges:  4096,
 		leaseDepth: 2,
+
+		maxConnsPerProc: 1024,
+		maxHandshakes:   64,
 	}
 }
 
@@ -109,6 +115,40 @@ func WithTimeout(d time.Duration) Option {
 func WithPtracer(on bool) Option {
 	return optionFunc(func(c *config) error {
 		c.ptracer = on
+		return nil
+	})
+}
+
+// WithMaxConnsPerProcess sets how many control connections one process (as
+// the kernel names it, SO_PEERCRED) may hold to this agent at once. The
+// socket lives in the abstract namespace, where any local process can
+// connect; the limit bounds the goroutines and leases one of them can
+// occupy. A connection over it is closed as soon as it is accepted and
+// counted in Stats.LimitRejected. Default: 1024; an agent holds one
+// connection to each peer, so this is a thousand agents in one process.
+func WithMaxConnsPerProcess(n int) Option {
+	return optionFunc(func(c *config) error {
+		if n < 1 || n > 1<<20 {
+			return fmt.Errorf("%w: connections per process must be in [1, 1048576], got %d", ErrInvalidOption, n)
+		}
+		c.maxConnsPerProc = n
+		return nil
+	})
+}
+
+// WithMaxHandshakes sets how many accepted connections may be in the
+// handshake at once. A handshake must complete within the timeout
+// (WithTimeout); when a new connection finds the limit reached, the oldest
+// unfinished handshake is closed to make room and counted in
+// Stats.LimitRejected, so a flood of connections that never handshake holds
+// a bounded number of goroutines and cannot lock out honest peers, whose
+// handshakes take one round trip. Default: 64.
+func WithMaxHandshakes(n int) Option {
+	return optionFunc(func(c *config) error {
+		if n < 1 || n > 1<<20 {
+			return fmt.Errorf("%w: handshakes in progress must be in [1, 1048576], got %d", ErrInvalidOption, n)
+		}
+		c.maxHandshakes = n
 		return nil
 	})
 }

@@ -35,13 +35,120 @@ func (b *Backend) accept() {
 			time.Sleep(10 * time.Millisecond) // e.g. EMFILE: do not spin
 			continue
 		}
-		if !b.track(c) {
+		pid, err := peerCred(c)
+		if err != nil {
+			_ = c.Close()
+			b.stats.handshake.Add(1)
+			b.stats.disconnected.Add(1)
+			b.host.Refused()
+			continue
+		}
+		switch b.admit(c, pid) {
+		case admitClosed:
 			_ = c.Close()
 			return
+		case admitRefused:
+			_ = c.Close()
+			b.host.Refused()
+			continue
 		}
 		b.wg.Add(1)
-		go b.serve(c)
+		go b.serve(c, pid)
 	}
+}
+
+const (
+	admitted = iota
+	admitRefused
+	admitClosed
+)
+
+// admit tracks an accepted connection from process pid, or refuses it if
+// the process already holds WithMaxConnsPerProcess. When more than
+// WithMaxHandshakes connections are in the handshake, it closes the oldest.
+func (b *Backend) admit(c *net.UnixConn, pid int) int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return admitClosed
+	}
+	if b.byPID[pid] >= b.cfg.maxConnsPerProc {
+		b.stats.limited()
+		return admitRefused
+	}
+	b.byPID[pid]++
+	b.conns[c] = struct{}{}
+	b.arrived++
+	b.shaking[c] = b.arrived
+	if len(b.shaking) > b.cfg.maxHandshakes {
+		var oldest *net.UnixConn
+		for v, n := range b.shaking {
+			if oldest == nil || n < b.shaking[oldest] {
+				oldest = v
+			}
+		}
+		delete(b.shaking, oldest)
+		_ = oldest.Close() // its goroutine returns, uncounted: counted here
+		b.stats.limited()
+		b.host.Refused()
+	}
+	return admitted
+}
+
+// handshook reports that c's handshake arrived, or ended, and whether c may
+// go on: false if it was closed to make room for another.
+func (b *Backend) handshook(c *net.UnixConn) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	_, ok := b.shaking[c]
+	delete(b.shaking, c)
+	return ok
+}
+
+// release untracks an accepted connection from process pid.
+func (b *Backend) release(c *net.UnixConn, pid int) {
+	b.mu.Lock()
+	delete(b.conns, c)
+	delete(b.shaking, c)
+	if b.byPID[pid]--; b.byPID[pid] <= 0 {
+		delete(b.byPID, pid)
+	}
+	b.mu.Unlock()
+}
+
+var errEvicted = errors.New("cma: handshake closed to make room for another")
+
+// frameReader is a connection that bounds how long a frame may take once
+// begun: a peer may stay idle between frames as long as it likes (the
+// copying side holds its connection open without keepalives), but one that
+// starts a frame and trickles the rest is cut after the timeout.
+type frameReader struct {
+	c       *net.UnixConn
+	timeout time.Duration
+	inFrame bool // set once the frame's first byte is in
+	armed   bool // a read deadline is set
+}
+
+func (r *frameReader) Read(p []byte) (int, error) {
+	if r.inFrame && !r.armed {
+		_ = r.c.SetReadDeadline(time.Now().Add(r.timeout))
+		r.armed = true
+	}
+	return r.c.Read(p)
+}
+
+// begin waits, without a deadline, for the next frame's first byte.
+func (r *frameReader) begin(br *bufio.Reader) error {
+	r.inFrame = false
+	if r.armed {
+		_ = r.c.SetReadDeadline(time.Time{})
+		r.armed = false
+	}
+	if _, err := br.Peek(1); err != nil {
+		return err
+	}
+	r.inFrame = true
+	return nil
 }
 
 // server is the exposing side of one connection: it answers lease requests
@@ -58,13 +165,15 @@ type server struct {
 	out     []byte
 }
 
-func (b *Backend) serve(c *net.UnixConn) {
+func (b *Backend) serve(c *net.UnixConn, pid int) {
 	defer b.wg.Done()
-	defer b.untrack(c)
+	defer b.release(c, pid)
 	defer c.Close()
-	s := &server{b: b, c: c, leases: map[uint64]agent.Lease{}}
+	s := &server{b: b, c: c, pid: pid, leases: map[uint64]agent.Lease{}}
 	if err := s.handshake(); err != nil {
-		b.host.Refused()
+		if !b.stopping() && !errors.Is(err, errEvicted) && b.stats.dropped(err, true) {
+			b.host.Refused()
+		}
 		return
 	}
 	if s.ptracer {
@@ -74,12 +183,10 @@ func (b *Backend) serve(c *net.UnixConn) {
 	for _, l := range s.leases { // a peer gone mid-copy touches nothing more
 		l.Release()
 	}
-	select {
-	case <-b.stop:
+	if b.stopping() {
 		return
-	default:
 	}
-	if errors.Is(err, errProtocol) {
+	if b.stats.dropped(err, false) && errors.Is(err, errProtocol) {
 		b.host.Refused()
 	}
 	// A peer that only probed, and then chose another backend, is not lost.
@@ -88,6 +195,17 @@ func (b *Backend) serve(c *net.UnixConn) {
 	if s.used && b.left(s.peer) {
 		b.host.PeerLost(s.peer, fmt.Errorf("cma: connection from peer %s: %w: %w", s.peer, agent.ErrRemoteLost, err))
 	}
+}
+
+func (b *Backend) stopping() bool {
+	select {
+	case <-b.stop:
+		return true
+	default:
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.closed
 }
 
 func (b *Backend) joined(peer uuid.UUID) {
@@ -114,17 +232,18 @@ func (s *server) handshake() error {
 	b := s.b
 	var hs [hsSize]byte
 	_ = s.c.SetDeadline(time.Now().Add(b.cfg.timeout))
-	if _, err := io.ReadFull(s.c, hs[:]); err != nil {
+	_, err := io.ReadFull(s.c, hs[:])
+	if !b.handshook(s.c) {
+		return errEvicted
+	}
+	if err != nil {
 		return err
 	}
 	in, err := getHandshake(hs[:])
 	if err != nil {
 		return err
 	}
-	pid, err := peerCred(s.c)
-	if err != nil {
-		return err
-	}
+	pid := s.pid
 	out := handshake{self: b.id, pid: uint32(b.pid), scope: noScope}
 	if b.scope >= 0 && b.scope < noScope {
 		out.scope = uint8(b.scope)
@@ -165,11 +284,15 @@ func (s *server) handshake() error {
 }
 
 func (s *server) loop() error {
-	br := bufio.NewReaderSize(s.c, 16<<10)
+	fr := &frameReader{c: s.c, timeout: s.b.cfg.timeout}
+	br := bufio.NewReaderSize(fr, 16<<10)
 	var hdr [hdrSize]byte
 	var buf []byte
 	var f frame
 	for {
+		if err := fr.begin(br); err != nil {
+			return err
+		}
 		if err := readFrame(br, hdr[:], &buf, s.b.lim, &f); err != nil {
 			return err
 		}
@@ -219,13 +342,14 @@ func (s *server) begin(f *frame) error {
 		return fmt.Errorf("%w: lease %d requested twice", errProtocol, f.id)
 	}
 	if len(s.leases) >= maxLeases {
-		return fmt.Errorf("%w: more than %d leases held at once", errProtocol, maxLeases)
+		return fmt.Errorf("%w: more than %d leases held at once", errLimit, maxLeases)
 	}
 	lease, err := s.b.host.Open(s.peer, f.key, agent.Access(f.status))
 	if errors.Is(err, agent.ErrRemoteLost) {
 		return s.answer(f.id, stLost, err) // this agent is closing
 	}
 	if err != nil {
+		s.b.stats.denied.Add(1)
 		return s.answer(f.id, stDenied, err)
 	}
 	for i := range int(f.count) {
@@ -235,6 +359,7 @@ func (s *server) begin(f *frame) error {
 		}
 		if err != nil {
 			lease.Release()
+			s.b.stats.denied.Add(1)
 			return s.answer(f.id, stDenied, fmt.Errorf("range %d: %w", i, err))
 		}
 	}

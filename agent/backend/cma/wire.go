@@ -128,7 +128,11 @@ func readFrame(r io.Reader, hdr []byte, buf *[]byte, lim limits, f *frame) error
 	switch f.typ {
 	case tBegin:
 		if f.count == 0 || uint64(f.count) > uint64(lim.maxRanges) {
-			return fmt.Errorf("%w: lease request of %d ranges, want 1 to %d", errProtocol, f.count, lim.maxRanges)
+			err := errProtocol
+			if f.count != 0 {
+				err = errLimit
+			}
+			return fmt.Errorf("%w: lease request of %d ranges, want 1 to %d", err, f.count, lim.maxRanges)
 		}
 		if f.status != uint8(agent.AccessRead) && f.status != uint8(agent.AccessWrite) {
 			return fmt.Errorf("%w: lease request for access %d", errProtocol, f.status)
@@ -146,7 +150,11 @@ func readFrame(r io.Reader, hdr []byte, buf *[]byte, lim limits, f *frame) error
 		return fmt.Errorf("%w: frame type %d with %d ranges", errProtocol, f.typ, f.count)
 	}
 	if uint64(f.length) > uint64(maxLen) {
-		return fmt.Errorf("%w: frame type %d with %d payload bytes, at most %d", errProtocol, f.typ, f.length, maxLen)
+		err := errLimit
+		if maxLen == 0 {
+			err = errProtocol // a frame type that carries no payload
+		}
+		return fmt.Errorf("%w: frame type %d with %d payload bytes, at most %d", err, f.typ, f.length, maxLen)
 	}
 	n := tableLen + int(f.length)
 	if cap(*buf) < n {

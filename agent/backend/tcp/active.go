@@ -39,6 +39,8 @@ type peer struct {
 	streams []*stream     // data streams; set (under mu) before ready is closed
 	ctrl    *stream       // notifications only; likewise
 	rr      atomic.Uint32
+	chunk   uint64 // most bytes in a frame: ours, or less if the peer takes less; set before ready is closed
+	pieces  int    // most pieces in a frame, likewise
 
 	mu       sync.Mutex
 	err      error
@@ -142,7 +144,7 @@ func (b *Backend) Post(x *agent.Xfer) error {
 		typ = tWrite
 	}
 	if p.usable() && x.Bytes() <= inlineMax {
-		end, n, pieces := nextFrame(x.Segments, cursor{}, uint64(b.cfg.chunk), b.cfg.maxPieces)
+		end, n, pieces := nextFrame(x.Segments, cursor{}, p.chunk, p.pieces)
 		if end.seg == len(x.Segments) {
 			if s := p.tryStream(); s != nil {
 				// Inline only if the stream is free this instant: a small
@@ -177,7 +179,7 @@ func (b *Backend) drive(st *xstate, typ uint8) {
 		st.fail(err)
 		return
 	}
-	chunk := uint64(b.cfg.chunk)
+	chunk := p.chunk
 	if typ == tWrite && len(p.streams) > 1 && x.Bytes() > 2*chunk {
 		b.driveParallel(st, chunk)
 		return
@@ -186,7 +188,7 @@ func (b *Backend) drive(st *xstate, typ uint8) {
 		if st.failed() {
 			return
 		}
-		end, n, pieces := nextFrame(x.Segments, c, chunk, b.cfg.maxPieces)
+		end, n, pieces := nextFrame(x.Segments, c, chunk, p.pieces)
 		s, err := p.acquire(x)
 		if err != nil {
 			st.fail(err)
@@ -212,7 +214,7 @@ func (b *Backend) driveParallel(st *xstate, chunk uint64) {
 		if c.seg >= len(x.Segments) || st.failed() {
 			return f, 0, false
 		}
-		end, n, pieces := nextFrame(x.Segments, c, chunk, b.cfg.maxPieces)
+		end, n, pieces := nextFrame(x.Segments, c, chunk, p.pieces)
 		f = frame{st: st, start: c, n: n, typ: tWrite}
 		c = end
 		return f, pieces, true
@@ -349,20 +351,23 @@ func (p *peer) connect(ctx context.Context) error {
 	d := net.Dialer{Timeout: b.cfg.timeout}
 	n := b.cfg.streams
 	all := make([]*stream, 0, n+1)
+	chunk, pieces := b.cfg.chunk, b.cfg.maxPieces
 	for i := 0; i <= n; i++ {
 		c, err := d.DialContext(ctx, "tcp", p.addr)
 		if err != nil {
 			closeStreams(all)
 			return fmt.Errorf("tcp: dial peer %s at %s: %w: %w", p.id, p.addr, agent.ErrRemoteLost, err)
 		}
-		s, err := p.handshake(c.(*net.TCPConn), uint8(i))
+		s, in, err := p.handshake(c.(*net.TCPConn), uint8(i))
 		if err != nil {
 			_ = c.Close()
 			closeStreams(all)
 			return err
 		}
+		chunk, pieces = peerLimits(chunk, pieces, in)
 		all = append(all, s)
 	}
+	p.chunk, p.pieces = uint64(chunk), pieces
 	for _, s := range all {
 		if !b.track(s.w) {
 			closeStreams(all)
@@ -389,25 +394,28 @@ func closeStreams(ss []*stream) {
 	}
 }
 
-func (p *peer) handshake(c *net.TCPConn, idx uint8) (*stream, error) {
+func (p *peer) handshake(c *net.TCPConn, idx uint8) (*stream, handshake, error) {
 	b := p.b
 	var hs [hsSize]byte
-	out := handshake{stream: idx, self: b.id, expect: p.id, timeout: b.cfg.timeout}
+	out := handshake{stream: idx, self: b.id, expect: p.id, timeout: b.cfg.timeout, maxPieces: b.cfg.maxPieces, maxFrame: b.cfg.maxFrame}
 	out.put(hs[:])
 	_ = c.SetDeadline(time.Now().Add(b.cfg.timeout))
 	if _, err := c.Write(hs[:]); err != nil {
-		return nil, fmt.Errorf("tcp: handshake with peer %s at %s: %w: %w", p.id, p.addr, agent.ErrRemoteLost, err)
+		return nil, handshake{}, fmt.Errorf("tcp: handshake with peer %s at %s: %w: %w", p.id, p.addr, agent.ErrRemoteLost, err)
 	}
 	br := bufio.NewReaderSize(c, readBuf)
 	if _, err := io.ReadFull(br, hs[:]); err != nil {
-		return nil, fmt.Errorf("tcp: handshake with peer %s at %s: %w: %w", p.id, p.addr, agent.ErrRemoteLost, err)
+		return nil, handshake{}, fmt.Errorf("tcp: handshake with peer %s at %s: %w: %w", p.id, p.addr, agent.ErrRemoteLost, err)
 	}
 	in, err := getHandshake(hs[:])
 	if err != nil {
-		return nil, fmt.Errorf("tcp: handshake with peer %s at %s: %w: %w", p.id, p.addr, agent.ErrRemoteLost, err)
+		return nil, in, fmt.Errorf("tcp: handshake with peer %s at %s: %w: %w", p.id, p.addr, agent.ErrRemoteLost, err)
+	}
+	if in.status == stLimit {
+		return nil, in, fmt.Errorf("tcp: peer %s at %s refused a connection: this agent holds as many as it allows (tcp.WithMaxConnsPerPeer): %w", p.id, p.addr, agent.ErrRemoteLost)
 	}
 	if in.status != stOK || in.self != p.id {
-		return nil, fmt.Errorf("tcp: %s is now agent %s, not peer %s: %w", p.addr, in.self, p.id, agent.ErrRemoteLost)
+		return nil, in, fmt.Errorf("tcp: %s is now agent %s, not peer %s: %w", p.addr, in.self, p.id, agent.ErrRemoteLost)
 	}
 	_ = c.SetDeadline(time.Time{})
 	inflight := b.cfg.inflight
@@ -418,7 +426,7 @@ func (p *peer) handshake(c *net.TCPConn, idx uint8) (*stream, error) {
 		slots:   make(chan struct{}, inflight),
 		pending: make(chan frame, inflight),
 		head:    make([]byte, hdrSize+b.cfg.maxPieces*pieceSize),
-	}, nil
+	}, in, nil
 }
 
 // fail marks the peer failed once: transfers waiting for it give up, its
@@ -564,7 +572,7 @@ func (s *stream) read() {
 			err = perr // another stream failed first and closed this one: report the cause
 			break
 		}
-		if errors.Is(err, errProtocol) {
+		if b.dropped(err, false) && errors.Is(err, errProtocol) {
 			b.host.Refused()
 		}
 		err = fmt.Errorf("tcp: connection to peer %s: %w: %w", s.p.id, agent.ErrRemoteLost, err)
@@ -607,7 +615,7 @@ func (s *stream) loop() error {
 			} else if now := time.Now(); unanswered.IsZero() {
 				unanswered = now
 			} else if now.Sub(unanswered) > timeout {
-				return fmt.Errorf("peer sends keepalives but left a request unanswered for more than %v", timeout)
+				return fmt.Errorf("%w: peer sends keepalives but left a request unanswered for more than %v", errStalled, timeout)
 			}
 			continue
 		case tBye:

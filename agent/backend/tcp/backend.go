@@ -20,6 +20,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/netip"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -47,7 +48,13 @@ type Backend struct {
 	closed  bool
 	peers   map[peerKey]*peer
 	conns   map[*wconn]struct{}
-	inbound map[uuid.UUID]int // live connections from each peer
+	inbound map[uuid.UUID]int  // live connections from each peer
+	byIP    map[netip.Addr]int // accepted connections from each address
+	byPeer  map[peerAddr]int   // handshaken connections from each identity at each address
+	shaking map[*wconn]uint64  // accepted connections still in the handshake, by arrival
+	arrived uint64             // accepted connections so far, to order shaking
+
+	stats stats
 
 	wg    sync.WaitGroup
 	stop  chan struct{}
@@ -57,10 +64,17 @@ type Backend struct {
 // New returns a TCP backend for one agent. Invalid options are reported by
 // Start, that is by the agent's constructor.
 func New(opts ...Option) *Backend {
-	b := &Backend{cfg: defaults(), peers: map[peerKey]*peer{}, conns: map[*wconn]struct{}{}, inbound: map[uuid.UUID]int{}, stop: make(chan struct{}), nudge: make(chan struct{}, 1)}
+	b := &Backend{cfg: defaults(), peers: map[peerKey]*peer{}, conns: map[*wconn]struct{}{}, inbound: map[uuid.UUID]int{},
+		byIP: map[netip.Addr]int{}, byPeer: map[peerAddr]int{}, shaking: map[*wconn]uint64{},
+		stop: make(chan struct{}), nudge: make(chan struct{}, 1)}
 	var errs []error
 	for _, o := range opts {
 		if err := o.apply(&b.cfg); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if len(errs) == 0 {
+		if err := b.cfg.check(); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -146,9 +160,12 @@ func (b *Backend) Reachable(info agent.Info) error {
 // bookkeeping: the keepalive loop pings whichever connection is idle.
 type wconn struct {
 	c         *net.TCPConn
+	ip        netip.Addr // an accepted connection's remote address; zero for ours
+	peer      peerAddr   // an accepted connection's peer, once counted in byPeer
+	evicted   bool       // closed to make room for another handshake; under Backend.mu
 	wmu       sync.Mutex
 	lastWrite atomic.Int64 // unix nanos
-	every     atomic.Int64 // ping after this long without a write, in ns
+	every     atomic.Int64 // ping after this long without a write, in ns; 0 until the handshake is done
 	ping      [hdrSize]byte
 }
 
@@ -182,6 +199,17 @@ func (b *Backend) track(w *wconn) bool {
 func (b *Backend) untrack(w *wconn) {
 	b.mu.Lock()
 	delete(b.conns, w)
+	delete(b.shaking, w)
+	if w.ip.IsValid() {
+		if b.byIP[w.ip]--; b.byIP[w.ip] <= 0 {
+			delete(b.byIP, w.ip)
+		}
+	}
+	if w.peer.id != uuid.Nil {
+		if b.byPeer[w.peer]--; b.byPeer[w.peer] <= 0 {
+			delete(b.byPeer, w.peer)
+		}
+	}
 	b.mu.Unlock()
 }
 
@@ -207,7 +235,7 @@ func (b *Backend) keepalive() {
 		for w := range b.conns {
 			every := time.Duration(w.every.Load())
 			if every <= 0 {
-				every = b.cfg.interval
+				continue // still in the handshake: it must not see a ping first
 			}
 			tick = min(tick, every/2)
 			if now.UnixNano()-w.lastWrite.Load() >= int64(every) {

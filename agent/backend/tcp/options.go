@@ -28,6 +28,10 @@ type config struct {
 	inflight  int
 	maxPieces int
 	maxFrame  int
+
+	maxConnsPerPeer int
+	maxConnsPerIP   int
+	maxHandshakes   int
 }
 
 func defaults() config {
@@ -40,7 +44,25 @@ func defaults() config {
 		inflight:  4,
 		maxPieces: 1024,
 		maxFrame:  16 << 20,
+
+		maxConnsPerPeer: 256,
+		maxConnsPerIP:   4096,
+		maxHandshakes:   256,
 	}
+}
+
+// check reports options that conflict with each other.
+func (c *config) check() error {
+	if c.chunk > c.maxFrame {
+		return fmt.Errorf("%w: chunk size %d exceeds the max frame size %d: this agent's own frames would be refused by its peers; lower WithChunkSize or raise WithMaxFrameSize", ErrInvalidOption, c.chunk, c.maxFrame)
+	}
+	if c.maxConnsPerPeer > c.maxConnsPerIP {
+		return fmt.Errorf("%w: %d connections per peer exceed the %d allowed per address", ErrInvalidOption, c.maxConnsPerPeer, c.maxConnsPerIP)
+	}
+	if c.maxConnsPerPeer < c.streams+1 {
+		return fmt.Errorf("%w: %d connections per peer cannot carry a peer's %d streams and its control connection", ErrInvalidOption, c.maxConnsPerPeer, c.streams)
+	}
+	return nil
 }
 
 // WithListenAddr sets the address the backend listens on, as host:port.
@@ -120,6 +142,98 @@ func WithInflight(n int) Option {
 			return fmt.Errorf("%w: in-flight frames must be in [1, 256], got %d", ErrInvalidOption, n)
 		}
 		c.inflight = n
+		return nil
+	})
+}
+
+// WithMaxFrameSize sets the most payload bytes one READ or WRITE request may
+// carry: the sum of its pieces' lengths. A request over it closes the
+// connection and is counted in Stats.LimitRejected. The limit is announced
+// in the handshake, and a peer running this version cuts its frames to fit;
+// it must be at least this agent's own chunk size (WithChunkSize), which New
+// checks. Default: 16 MiB, the largest chunk size, so that it never refuses
+// a peer of any configuration.
+func WithMaxFrameSize(n int) Option {
+	return optionFunc(func(c *config) error {
+		if n < 4<<10 || n > 256<<20 {
+			return fmt.Errorf("%w: max frame size must be in [4 KiB, 256 MiB], got %d", ErrInvalidOption, n)
+		}
+		c.maxFrame = n
+		return nil
+	})
+}
+
+// WithMaxPieces sets the most pieces (address, length) one READ or WRITE
+// request may name, and so the size of the table the exposing agent reads
+// for it (16 bytes a piece). A request over it closes the connection and is
+// counted in Stats.LimitRejected. This agent's own requests use at most as
+// many, and at most what each peer announces in its handshake. Default:
+// 1024, the pieces a vectored system call takes at once (IOV_MAX).
+func WithMaxPieces(n int) Option {
+	return optionFunc(func(c *config) error {
+		if n < 16 || n > 65535 {
+			return fmt.Errorf("%w: max pieces must be in [16, 65535], got %d", ErrInvalidOption, n)
+		}
+		c.maxPieces = n
+		return nil
+	})
+}
+
+// WithMaxConnsPerPeer sets how many connections one remote agent may hold to
+// this one at once. Each connection has at most one request being served, so
+// this also bounds the requests, leases and serving goroutines a peer can
+// occupy. An agent's identity is only claimed in the handshake, so the limit
+// counts connections per identity and remote address together: a stranger
+// elsewhere who claims a peer's identity cannot use up that peer's share. A
+// connection over the limit is closed at once and counted in
+// Stats.LimitRejected; the dialler sees agent.ErrRemoteLost. Default: 256,
+// four times what the busiest legitimate peer holds (64 streams and a
+// control connection), which leaves room for a peer reconnecting while its
+// old connections are still being torn down and for a peer that reaches
+// this agent under two advertised addresses.
+func WithMaxConnsPerPeer(n int) Option {
+	return optionFunc(func(c *config) error {
+		if n < 2 || n > 1<<20 {
+			return fmt.Errorf("%w: connections per peer must be in [2, 1048576], got %d", ErrInvalidOption, n)
+		}
+		c.maxConnsPerPeer = n
+		return nil
+	})
+}
+
+// WithMaxConnsPerIP sets how many connections may come from one remote IP
+// address at once, in the handshake or past it. It bounds what one host can
+// hold however many identities it claims. A connection over the limit is
+// closed as soon as it is accepted, before a byte is read, and counted in
+// Stats.LimitRejected. Default: 4096: sixteen agents on one host (or behind
+// one NAT address) each with 64 streams and reconnecting, or hundreds with
+// the default 4 streams.
+func WithMaxConnsPerIP(n int) Option {
+	return optionFunc(func(c *config) error {
+		if n < 2 || n > 1<<20 {
+			return fmt.Errorf("%w: connections per address must be in [2, 1048576], got %d", ErrInvalidOption, n)
+		}
+		c.maxConnsPerIP = n
+		return nil
+	})
+}
+
+// WithMaxHandshakes sets how many accepted connections may be in the
+// handshake at once, from all addresses together. A handshake must complete
+// within the keepalive timeout; when a new connection finds the limit
+// reached, the oldest unfinished handshake is closed to make room and
+// counted in Stats.LimitRejected. A flood of connections that never
+// handshake (slow-loris) thus holds a bounded number of goroutines and
+// sockets, and cannot lock legitimate peers out: their handshakes complete
+// in one round trip, long before a flood pushes them out. Default: 256; a
+// legitimate agent dials its connections one after another, so this is 256
+// agents connecting in the same round trip.
+func WithMaxHandshakes(n int) Option {
+	return optionFunc(func(c *config) error {
+		if n < 1 || n > 1<<20 {
+			return fmt.Errorf("%w: handshakes in progress must be in [1, 1048576], got %d", ErrInvalidOption, n)
+		}
+		c.maxHandshakes = n
 		return nil
 	})
 }

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/netip"
 	"time"
 
 	"github.com/google/uuid"
@@ -36,13 +37,83 @@ func (b *Backend) accept() {
 			continue
 		}
 		w := newWconn(c.(*net.TCPConn))
-		if !b.track(w) {
+		w.ip = remoteIP(w.c)
+		switch b.admit(w) {
+		case admitClosed:
 			_ = c.Close()
 			return
+		case admitRefused:
+			_ = c.Close()
+			b.host.Refused()
+			continue
 		}
 		b.wg.Add(1)
 		go b.serve(w)
 	}
+}
+
+func remoteIP(c *net.TCPConn) netip.Addr {
+	if a, ok := c.RemoteAddr().(*net.TCPAddr); ok {
+		return a.AddrPort().Addr().Unmap()
+	}
+	return netip.IPv6Unspecified()
+}
+
+const (
+	admitted = iota
+	admitRefused
+	admitClosed
+)
+
+// admit tracks an accepted connection, or refuses it if its address already
+// holds WithMaxConnsPerIP. When more than WithMaxHandshakes connections are
+// in the handshake, it closes the oldest: a legitimate handshake takes one
+// round trip, so the oldest is the likeliest to be a slow-loris.
+func (b *Backend) admit(w *wconn) int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return admitClosed
+	}
+	if b.byIP[w.ip] >= b.cfg.maxConnsPerIP {
+		b.limited()
+		return admitRefused
+	}
+	b.byIP[w.ip]++
+	b.conns[w] = struct{}{}
+	b.arrived++
+	b.shaking[w] = b.arrived
+	if len(b.shaking) > b.cfg.maxHandshakes {
+		var oldest *wconn
+		for v, n := range b.shaking {
+			if oldest == nil || n < b.shaking[oldest] {
+				oldest = v
+			}
+		}
+		delete(b.shaking, oldest)
+		oldest.evicted = true
+		_ = oldest.c.Close() // its goroutine returns, uncounted: counted here
+		b.limited()
+		b.host.Refused()
+	}
+	return admitted
+}
+
+// handshook reports that w's handshake arrived, or ended, and whether w may
+// go on: false if it was closed to make room for another.
+func (b *Backend) handshook(w *wconn) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	delete(b.shaking, w)
+	return !w.evicted
+}
+
+// peerAddr names a claimed identity at one remote address: identities are
+// claims, so a connection limit counted by identity alone would let a
+// stranger lock a peer out by claiming its identity.
+type peerAddr struct {
+	id uuid.UUID
+	ip netip.Addr
 }
 
 // server is the exposing side of one connection: it answers requests in
@@ -65,16 +136,16 @@ func (b *Backend) serve(w *wconn) {
 	defer w.c.Close()
 	s := &server{b: b, w: w, br: bufio.NewReaderSize(w.c, readBuf)}
 	if err := s.handshake(); err != nil {
-		b.host.Refused()
+		if !b.stopping() && !errors.Is(err, errEvicted) && b.dropped(err, true) {
+			b.host.Refused()
+		}
 		return
 	}
 	err := s.loop()
-	select {
-	case <-b.stop:
+	if b.stopping() {
 		return // our own shutdown closed it
-	default:
 	}
-	if errors.Is(err, errProtocol) {
+	if b.dropped(err, false) && errors.Is(err, errProtocol) {
 		b.host.Refused()
 	}
 	// A goodbye is an orderly close, but the peer is gone all the same:
@@ -88,11 +159,28 @@ func (b *Backend) serve(w *wconn) {
 	}
 }
 
-// joined counts a live connection from peer.
-func (b *Backend) joined(peer uuid.UUID) {
+func (b *Backend) stopping() bool {
+	select {
+	case <-b.stop:
+		return true
+	default:
+		return false
+	}
+}
+
+// joined counts w as a live connection from peer, or reports that peer
+// already holds WithMaxConnsPerPeer connections from w's address.
+func (b *Backend) joined(w *wconn, peer uuid.UUID) bool {
 	b.mu.Lock()
+	defer b.mu.Unlock()
+	k := peerAddr{peer, w.ip}
+	if b.byPeer[k] >= b.cfg.maxConnsPerPeer {
+		return false
+	}
+	b.byPeer[k]++
+	w.peer = k
 	b.inbound[peer]++
-	b.mu.Unlock()
+	return true
 }
 
 // left uncounts a connection from peer and reports whether it was the last.
@@ -106,12 +194,20 @@ func (b *Backend) left(peer uuid.UUID) bool {
 	return true
 }
 
-var errBye = errors.New("tcp: peer said goodbye")
+var (
+	errBye     = errors.New("tcp: peer said goodbye")
+	errEvicted = errors.New("tcp: handshake closed to make room for another")
+)
 
 func (s *server) handshake() error {
+	b := s.b
 	var hs [hsSize]byte
-	_ = s.w.c.SetDeadline(time.Now().Add(s.b.cfg.timeout))
-	if _, err := io.ReadFull(s.br, hs[:]); err != nil {
+	_ = s.w.c.SetDeadline(time.Now().Add(b.cfg.timeout))
+	_, err := io.ReadFull(s.br, hs[:])
+	if !b.handshook(s.w) {
+		return errEvicted
+	}
+	if err != nil {
 		return err
 	}
 	in, err := getHandshake(hs[:])
@@ -120,33 +216,40 @@ func (s *server) handshake() error {
 	}
 	peer, expect := in.self, in.expect
 	var status uint8
-	if expect != s.b.id {
-		status = stDenied // an agent that used to live at this address
-	}
-	out := handshake{status: status, self: s.b.id, timeout: s.b.cfg.timeout}
-	out.put(hs[:])
-	ok := status == stOK && peer != uuid.Nil
-	if ok {
-		s.b.setPingEvery(s.w, pingEvery(s.b.cfg.interval, in.timeout))
-	}
-	if ok {
+	switch {
+	case expect != b.id: // an agent that used to live at this address
+		status = stDenied
+		err = fmt.Errorf("%w: handshake expected agent %s, this is %s", errProtocol, expect, b.id)
+	case peer == uuid.Nil:
+		status = stDenied
+		err = fmt.Errorf("%w: handshake from the nil agent", errProtocol)
+	case !b.joined(s.w, peer):
 		// Counted before the peer can use the connection: otherwise its
 		// other connections could all close, and report it lost, before
 		// this one, which may carry its last notification, is counted.
+		status = stLimit
+		err = fmt.Errorf("%w: peer %s already holds %d connections from %s", errLimit, peer, b.cfg.maxConnsPerPeer, s.w.ip)
+	default:
 		s.peer = peer
-		s.b.joined(peer)
 	}
-	s.w.wmu.Lock() // the keepalive loop must not ping before the answer
-	_, err = s.w.c.Write(hs[:])
+	out := handshake{status: status, self: b.id, timeout: b.cfg.timeout, maxPieces: b.cfg.maxPieces, maxFrame: b.cfg.maxFrame}
+	out.put(hs[:])
+	s.w.wmu.Lock()
+	_, werr := s.w.c.Write(hs[:])
+	if err == nil && werr == nil {
+		// Only now: the keepalive loop leaves connections without a ping
+		// interval alone, and must not ping before the answer.
+		b.setPingEvery(s.w, pingEvery(b.cfg.interval, in.timeout))
+	}
 	s.w.wmu.Unlock()
 	if err != nil {
-		if ok && s.b.left(peer) {
-			s.b.host.PeerLost(peer, fmt.Errorf("tcp: handshake with peer %s: %w: %w", peer, agent.ErrRemoteLost, err))
-		}
 		return err
 	}
-	if !ok {
-		return fmt.Errorf("%w: handshake expected agent %s, this is %s", errProtocol, expect, s.b.id)
+	if werr != nil {
+		if b.left(peer) {
+			b.host.PeerLost(peer, fmt.Errorf("tcp: handshake with peer %s: %w: %w", peer, agent.ErrRemoteLost, werr))
+		}
+		return werr
 	}
 	_ = s.w.c.SetDeadline(time.Time{})
 	return nil
@@ -179,8 +282,11 @@ func (s *server) loop() error {
 }
 
 func (s *server) notify(h *header) error {
-	if h.length > maxNotify || h.count != 0 {
-		return fmt.Errorf("%w: notification of %d bytes, at most %d", errProtocol, h.length, maxNotify)
+	if h.count != 0 {
+		return fmt.Errorf("%w: notification with %d pieces", errProtocol, h.count)
+	}
+	if h.length > maxNotify {
+		return fmt.Errorf("%w: notification of %d bytes, at most %d", errLimit, h.length, maxNotify)
 	}
 	msg := make([]byte, h.length)
 	if _, err := io.ReadFull(s.br, msg); err != nil {
@@ -195,8 +301,11 @@ func (s *server) notify(h *header) error {
 // access serves one READ or WRITE frame under one lease.
 func (s *server) access(h *header) error {
 	cfg := &s.b.cfg
-	if h.count == 0 || int(h.count) > cfg.maxPieces {
-		return fmt.Errorf("%w: %d pieces in a frame, want 1 to %d", errProtocol, h.count, cfg.maxPieces)
+	if h.count == 0 {
+		return fmt.Errorf("%w: a request of no pieces", errProtocol)
+	}
+	if uint64(h.count) > uint64(cfg.maxPieces) {
+		return fmt.Errorf("%w: %d pieces in a frame, at most %d", errLimit, h.count, cfg.maxPieces)
 	}
 	n := int(h.count) * pieceSize
 	if cap(s.table) < n {
@@ -209,8 +318,11 @@ func (s *server) access(h *header) error {
 	var total uint64
 	for i := 0; i < n; i += pieceSize {
 		l := binary.LittleEndian.Uint64(table[i+8:])
-		if l == 0 || l > uint64(cfg.maxFrame) || total+l > uint64(cfg.maxFrame) {
-			return fmt.Errorf("%w: frame of more than %d bytes", errProtocol, cfg.maxFrame)
+		if l == 0 {
+			return fmt.Errorf("%w: piece %d of no bytes", errProtocol, i/pieceSize)
+		}
+		if l > uint64(cfg.maxFrame) || total+l > uint64(cfg.maxFrame) {
+			return fmt.Errorf("%w: frame of more than %d bytes", errLimit, cfg.maxFrame)
 		}
 		total += l
 	}
@@ -245,6 +357,9 @@ func (s *server) access(h *header) error {
 		}
 	}
 	s.iov = iov[:0]
+	if denied != nil {
+		s.b.stats.denied.Add(1)
+	}
 	if write {
 		if denied != nil {
 			if _, err := io.CopyN(io.Discard, s.br, int64(total)); err != nil {

@@ -23,6 +23,13 @@ import (
 // to serve. It stops with the test.
 func fakePassive(t *testing.T, id uuid.UUID, serve func(c net.Conn)) agent.Info {
 	t.Helper()
+	return fakePassiveAnswering(t, handshake{self: id}, serve)
+}
+
+// fakePassiveAnswering is fakePassive answering every handshake with ans.
+func fakePassiveAnswering(t *testing.T, ans handshake, serve func(c net.Conn)) agent.Info {
+	t.Helper()
+	id := ans.self
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	var wg sync.WaitGroup
@@ -43,7 +50,7 @@ func fakePassive(t *testing.T, id uuid.UUID, serve func(c net.Conn)) agent.Info 
 				if _, err := io.ReadFull(c, hs[:]); err != nil {
 					return
 				}
-				(&handshake{self: id}).put(hs[:])
+				ans.put(hs[:])
 				if _, err := c.Write(hs[:]); err != nil {
 					return
 				}

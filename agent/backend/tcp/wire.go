@@ -44,6 +44,7 @@ const (
 
 	stOK     = 0
 	stDenied = 1 // access refused by the exposing agent
+	stLimit  = 2 // handshake: too many connections from this peer
 
 	maxNotify = 64 << 10 // largest notification accepted
 	maxErrMsg = 1 << 10  // largest error message accepted in an answer
@@ -56,6 +57,10 @@ var magic = [4]byte{'G', 'X', 'T', 'P'}
 // errProtocol marks a peer that broke the wire protocol; the connection is
 // dropped and the refusal counted.
 var errProtocol = errors.New("tcp: protocol violation")
+
+// errLimit marks a peer that went over one of this agent's limits; it wraps
+// errProtocol, and is counted apart.
+var errLimit = fmt.Errorf("%w: over a limit", errProtocol)
 
 type header struct {
 	typ    uint8
@@ -86,12 +91,20 @@ func (h *header) get(b []byte) {
 
 // handshake: magic[4] version u8 stream u8 - u8 status u8 self[16]
 // expect[16] timeout u32 (the sender's keepalive timeout in milliseconds)
-// - u32. The answer has the same shape, with expect zero.
+// pieces u16 frame u16 (the most pieces and payload bytes, in units of
+// frameUnit, the sender accepts in one request; zero from agents that
+// predate them: unknown). The answer has the same shape, with expect zero.
 type handshake struct {
 	stream, status uint8
 	self, expect   uuid.UUID
 	timeout        time.Duration
+	maxPieces      int // 0: not announced
+	maxFrame       int // bytes, a multiple of frameUnit; 0: not announced
 }
+
+// frameUnit is the unit in which a handshake announces the max frame size.
+// Announcements round down, so a peer never takes more than allowed.
+const frameUnit = 4 << 10
 
 func (h *handshake) put(b []byte) {
 	_ = b[hsSize-1]
@@ -100,7 +113,8 @@ func (h *handshake) put(b []byte) {
 	copy(b[8:24], h.self[:])
 	copy(b[24:40], h.expect[:])
 	binary.LittleEndian.PutUint32(b[40:], uint32(min(h.timeout.Milliseconds(), math.MaxUint32)))
-	binary.LittleEndian.PutUint32(b[44:], 0)
+	binary.LittleEndian.PutUint16(b[44:], uint16(min(max(h.maxPieces, 0), math.MaxUint16)))
+	binary.LittleEndian.PutUint16(b[46:], uint16(min(max(h.maxFrame/frameUnit, 0), math.MaxUint16)))
 }
 
 func getHandshake(b []byte) (handshake, error) {
@@ -115,7 +129,22 @@ func getHandshake(b []byte) (handshake, error) {
 	copy(h.self[:], b[8:24])
 	copy(h.expect[:], b[24:40])
 	h.timeout = time.Duration(binary.LittleEndian.Uint32(b[40:])) * time.Millisecond
+	h.maxPieces = int(binary.LittleEndian.Uint16(b[44:]))
+	h.maxFrame = int(binary.LittleEndian.Uint16(b[46:])) * frameUnit
 	return h, nil
+}
+
+// peerLimits returns the frame bytes and pieces to use towards a peer that
+// announced maxFrame and maxPieces: ours, lowered to the peer's where it
+// announced lower ones.
+func peerLimits(chunk, pieces int, in handshake) (int, int) {
+	if in.maxFrame > 0 {
+		chunk = min(chunk, in.maxFrame)
+	}
+	if in.maxPieces > 0 {
+		pieces = min(pieces, in.maxPieces)
+	}
+	return chunk, pieces
 }
 
 // pingEvery is how often a connection pings when idle: often enough for its

@@ -1,0 +1,205 @@
+package tcp
+
+import (
+	"bytes"
+	crand "crypto/rand"
+	"encoding/binary"
+	"io"
+	"net"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/goxfer/goxfer/agent"
+)
+
+// The test-only hostile client: exposed memory surrounded by secret guard
+// bytes in the same allocation, a recorder of every byte a raw peer
+// receives, and the checks every hostile test ends with.
+
+const (
+	page     = 4096
+	exposedB = 0x5A // every exposed readable byte; never a guard byte
+)
+
+// guarded is one allocation laid out as
+//
+//	guard | R | guard | W | guard | S1 S2 | guard
+//
+// with R exposed for reading, W for writing, and S1, S2 two adjacent
+// regions exposed together for reading. Guards hold random secret bytes.
+type guarded struct {
+	all    []byte
+	secret []byte // the guards' contents, in order
+	r, w   []byte
+	s1, s2 []byte
+}
+
+func newGuarded(t testing.TB) *guarded {
+	t.Helper()
+	g := &guarded{all: make([]byte, 8*page)}
+	g.r, g.w = g.all[page:2*page], g.all[3*page:4*page]
+	g.s1, g.s2 = g.all[5*page:5*page+page/2], g.all[5*page+page/2:6*page]
+	for _, gd := range g.guards() {
+		_, _ = crand.Read(gd)
+		for i := range gd {
+			if gd[i] == exposedB {
+				gd[i] = 0xA5
+			}
+		}
+		g.secret = append(g.secret, gd...)
+	}
+	for _, b := range [][]byte{g.r, g.s1, g.s2} {
+		for i := range b {
+			b[i] = exposedB
+		}
+	}
+	return g
+}
+
+func (g *guarded) guards() [][]byte {
+	return [][]byte{g.all[:page], g.all[2*page : 3*page], g.all[4*page : 5*page], g.all[6*page:]}
+}
+
+func (g *guarded) base() uint64 { return agent.DRAM(g.all).Addr }
+
+// intact fails t unless every guard holds its secret and R, S1, S2 their
+// exposed bytes; W must equal w.
+func (g *guarded) intact(t testing.TB, w []byte) {
+	t.Helper()
+	var got []byte
+	for _, gd := range g.guards() {
+		got = append(got, gd...)
+	}
+	require.True(t, bytes.Equal(g.secret, got), "guard bytes around the exposed memory changed")
+	for _, b := range [][]byte{g.r, g.s1, g.s2} {
+		require.Equal(t, bytes.Repeat([]byte{exposedB}, len(b)), b, "read-only exposed memory changed")
+	}
+	if w != nil {
+		require.True(t, bytes.Equal(w, g.w), "writable exposed memory changed by a refused WRITE")
+	}
+}
+
+// leaked reports whether any 8 consecutive guard bytes occur in got.
+func (g *guarded) leaked(got []byte) bool {
+	for _, gd := range g.guards() {
+		for i := 0; i+8 <= len(gd); i += 8 {
+			if bytes.Contains(got, gd[i:i+8]) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// exposures exposes R, W and S1+S2 on a.
+type exposures struct{ r, w, s *agent.Exposure }
+
+func (g *guarded) expose(t testing.TB, a *agent.Agent) exposures {
+	t.Helper()
+	r, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(g.r)})
+	require.NoError(t, err)
+	w, err := a.Expose(agent.AccessWrite, []agent.Local{agent.DRAM(g.w)})
+	require.NoError(t, err)
+	s, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(g.s1), agent.DRAM(g.s2)})
+	require.NoError(t, err)
+	return exposures{r, w, s}
+}
+
+// recorder keeps every byte read through it.
+type recorder struct {
+	net.Conn
+	mu  sync.Mutex
+	got []byte
+}
+
+func (r *recorder) Read(b []byte) (int, error) {
+	n, err := r.Conn.Read(b)
+	r.mu.Lock()
+	r.got = append(r.got, b[:n]...)
+	r.mu.Unlock()
+	return n, err
+}
+
+func (r *recorder) received() []byte {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return bytes.Clone(r.got)
+}
+
+// dialHostile is dialRaw with every received byte recorded. Its handshake
+// has been answered with status OK when it returns.
+func dialHostile(t testing.TB, b *Backend, expect [16]byte) (*rawPeer, *recorder) {
+	t.Helper()
+	p := dialRaw(t, b, expect)
+	rec := &recorder{Conn: p.c}
+	p.c = rec
+	status, _, err := p.answer()
+	require.NoError(t, err)
+	require.Equal(t, uint8(stOK), status)
+	return p, rec
+}
+
+// dropped reports whether the server closed p's connection (rather than
+// leaving it open until the hang guard).
+func (p *rawPeer) dropped(t testing.TB) {
+	t.Helper()
+	_ = p.c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	_, err := io.Copy(io.Discard, p.c)
+	if ne, ok := err.(net.Error); ok && ne.Timeout() {
+		t.Fatal("the server kept the connection of a hostile peer open")
+	}
+}
+
+// delta returns what changed between two Stats.
+func delta(after, before Stats) Stats {
+	return Stats{
+		Disconnected:      after.Disconnected - before.Disconnected,
+		HandshakeFailures: after.HandshakeFailures - before.HandshakeFailures,
+		ProtocolErrors:    after.ProtocolErrors - before.ProtocolErrors,
+		LimitRejected:     after.LimitRejected - before.LimitRejected,
+		Timeouts:          after.Timeouts - before.Timeouts,
+		Denied:            after.Denied - before.Denied,
+	}
+}
+
+// waitStats waits until b's counters moved by want since before, and fails
+// if they moved by anything else.
+func waitStats(t testing.TB, b *Backend, before, want Stats) {
+	t.Helper()
+	require.Eventually(t, func() bool { return delta(b.Stats(), before) == want }, 10*time.Second, time.Millisecond,
+		"want counters to move by %+v", want)
+	time.Sleep(5 * time.Millisecond) // nothing more arrives late
+	assert.Equal(t, want, delta(b.Stats(), before))
+}
+
+// legitRead has active READ all of exp's region r from passive and checks
+// the bytes: the agent still serves honest peers.
+func legitRead(t testing.TB, active, passive *agent.Agent, exp *agent.Exposure, r []byte) {
+	t.Helper()
+	dst := make([]byte, len(r))
+	x, err := active.Post(agent.Request{Op: agent.OpRead, Peer: passive.Info(), Key: exp.Key(),
+		Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.DRAM(r).Region}}})
+	require.NoError(t, err)
+	select {
+	case <-x.Done():
+	case <-time.After(20 * time.Second):
+		t.Fatal("a legitimate transfer hung")
+	}
+	require.NoError(t, x.Err(), "a legitimate transfer failed")
+	require.Equal(t, r, dst)
+}
+
+// frameBytes encodes one frame.
+func frameBytes(h header, table [][2]uint64, payload []byte) []byte {
+	b := make([]byte, hdrSize, hdrSize+len(table)*pieceSize+len(payload))
+	h.put(b)
+	for _, pc := range table {
+		b = binary.LittleEndian.AppendUint64(b, pc[0])
+		b = binary.LittleEndian.AppendUint64(b, pc[1])
+	}
+	return append(b, payload...)
+}

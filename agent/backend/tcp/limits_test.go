@@ -1,0 +1,362 @@
+package tcp
+
+import (
+	"bytes"
+	"errors"
+	"io"
+	"net"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/goxfer/goxfer/agent"
+)
+
+func TestLimitOptions(t *testing.T) {
+	for _, o := range [][]Option{
+		{WithMaxFrameSize(1)}, {WithMaxFrameSize(1 << 30)},
+		{WithMaxPieces(0)}, {WithMaxPieces(1 << 16)},
+		{WithMaxConnsPerPeer(1)}, {WithMaxConnsPerIP(0)}, {WithMaxHandshakes(0)},
+		{WithMaxFrameSize(1 << 20)}, // below the default 2 MiB chunk
+		{WithChunkSize(8 << 20), WithMaxFrameSize(4 << 20)},
+		{WithMaxConnsPerPeer(64), WithMaxConnsPerIP(32)},
+		{WithStreams(16), WithMaxConnsPerPeer(16)}, // no room for the control connection
+	} {
+		_, err := agent.New(agent.WithBackends(New(o...)))
+		require.ErrorIs(t, err, ErrInvalidOption)
+	}
+	a, err := agent.New(agent.WithBackends(New(WithChunkSize(64<<10), WithMaxFrameSize(64<<10), WithMaxPieces(16),
+		WithStreams(1), WithMaxConnsPerPeer(2), WithMaxConnsPerIP(2), WithMaxHandshakes(1))))
+	require.NoError(t, err)
+	require.NoError(t, a.Close())
+}
+
+// trickle writes b one byte at a time, every gap, until the server drops
+// the connection or b is sent; it returns how long the server took to drop
+// it, counted from the first byte.
+func trickle(t *testing.T, c net.Conn, b []byte, gap time.Duration) time.Duration {
+	t.Helper()
+	start := time.Now()
+	gone := make(chan struct{})
+	go func() { // the server's drop shows as the end of what it sends
+		defer close(gone)
+		_ = c.SetReadDeadline(time.Now().Add(20 * time.Second))
+		_, _ = io.Copy(io.Discard, c)
+	}()
+	for _, x := range b {
+		select {
+		case <-gone:
+			return time.Since(start)
+		case <-time.After(gap):
+		}
+		if _, err := c.Write([]byte{x}); err != nil {
+			break
+		}
+	}
+	select {
+	case <-gone:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the server never dropped a slow peer")
+	}
+	return time.Since(start)
+}
+
+// A peer that trickles any part of its traffic, or reads its answers too
+// slowly, is cut within the keepalive timeout: it holds a goroutine, and a
+// lease, for no longer. It is counted as a timeout.
+func TestSlowLoris(t *testing.T) {
+	const timeout = 300 * time.Millisecond
+	a, b := newAgent(t, WithKeepalive(50*time.Millisecond, timeout))
+	honest, _ := newAgent(t)
+	g := newGuarded(t)
+	ex := g.expose(t, a)
+	big := bytes.Repeat([]byte{exposedB}, 16<<20)
+	bigExp, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(big)})
+	require.NoError(t, err)
+	defer bigExp.Revoke()
+	hs := func() []byte {
+		var hs [hsSize]byte
+		(&handshake{self: uuid.New(), expect: a.ID(), timeout: time.Minute}).put(hs[:])
+		return hs[:]
+	}
+	readR := frameBytes(header{typ: tRead, count: 1, id: 1, key: ex.r.Key()}, [][2]uint64{{agent.DRAM(g.r).Addr, page}}, nil)
+	table := make([][2]uint64, 64)
+	for i := range table {
+		table[i] = [2]uint64{agent.DRAM(g.r).Addr + uint64(i), 1}
+	}
+	tableFrame := frameBytes(header{typ: tRead, count: 64, id: 1, key: ex.r.Key()}, table, nil)
+	const gap = 20 * time.Millisecond
+	for _, tc := range []struct {
+		name   string
+		attack func(t *testing.T) time.Duration
+	}{
+		{"handshake", func(t *testing.T) time.Duration {
+			c, err := net.Dial("tcp", b.Addr().String())
+			require.NoError(t, err)
+			defer c.Close()
+			return trickle(t, c, hs(), gap)
+		}},
+		{"silent after the handshake", func(t *testing.T) time.Duration {
+			p, _ := dialHostile(t, b, a.ID())
+			start := time.Now()
+			p.dropped(t)
+			return time.Since(start)
+		}},
+		{"header", func(t *testing.T) time.Duration {
+			p, _ := dialHostile(t, b, a.ID())
+			return trickle(t, p.c, readR[:hdrSize], gap)
+		}},
+		{"piece table", func(t *testing.T) time.Duration {
+			p, _ := dialHostile(t, b, a.ID())
+			_, err := p.c.Write(tableFrame[:hdrSize+8])
+			require.NoError(t, err)
+			return trickle(t, p.c, tableFrame[hdrSize+8:], gap)
+		}},
+		{"WRITE payload", func(t *testing.T) time.Duration {
+			w, err := a.Expose(agent.AccessWrite, []agent.Local{agent.DRAM(g.w)})
+			require.NoError(t, err)
+			p, _ := dialHostile(t, b, a.ID())
+			f := frameBytes(header{typ: tWrite, count: 1, id: 1, length: page, key: w.Key()}, [][2]uint64{{agent.DRAM(g.w).Addr, page}}, make([]byte, page))
+			_, err = p.c.Write(f[:hdrSize+pieceSize+1])
+			require.NoError(t, err)
+			// The lease it holds meanwhile is released by the cut: Revoke
+			// returns within the same bound.
+			revoked := make(chan time.Duration)
+			go func() {
+				start := time.Now()
+				time.Sleep(gap)
+				w.Revoke()
+				revoked <- time.Since(start)
+			}()
+			took := trickle(t, p.c, f[hdrSize+pieceSize+1:], gap)
+			select {
+			case d := <-revoked:
+				t.Logf("Revoke waited %v for the trickling WRITE's lease", d)
+			case <-time.After(20 * time.Second):
+				t.Fatal("Revoke hung on a trickling WRITE")
+			}
+			return took
+		}},
+		{"slow reader", func(t *testing.T) time.Duration {
+			p, _ := dialHostile(t, b, a.ID())
+			require.NoError(t, p.c.(*recorder).Conn.(*net.TCPConn).SetReadBuffer(4096))
+			_, err := p.c.Write(frameBytes(header{typ: tRead, count: 1, id: 1, key: bigExp.Key()}, [][2]uint64{{agent.DRAM(big).Addr, 16 << 20}}, nil))
+			require.NoError(t, err)
+			start := time.Now()
+			// Read a trickle of the answer, far too slowly for 16 MiB,
+			// until the server counts the cut: what it sent before then
+			// would take this reader minutes to drain.
+			before := b.Stats()
+			stop := make(chan struct{})
+			var wg sync.WaitGroup
+			defer wg.Wait()
+			defer close(stop)
+			wg.Go(func() {
+				var one [1]byte
+				for {
+					select {
+					case <-stop:
+						return
+					case <-time.After(gap):
+					}
+					if _, err := p.c.Read(one[:]); err != nil {
+						return
+					}
+				}
+			})
+			require.Eventually(t, func() bool { return b.Stats().Timeouts > before.Timeouts }, 20*time.Second, time.Millisecond,
+				"the server never cut a slow reader")
+			took := time.Since(start)
+			_ = p.c.Close()
+			return took
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			before := b.Stats()
+			took := tc.attack(t)
+			t.Logf("cut after %v (keepalive timeout %v)", took, timeout)
+			waitStats(t, b, before, Stats{Disconnected: 1, Timeouts: 1})
+			g.intact(t, nil)
+			legitRead(t, honest, a, ex.r, g.r)
+		})
+	}
+}
+
+// A flood of connections that never handshake holds at most
+// WithMaxHandshakes of them: the oldest are closed and counted, and an
+// honest peer gets through while the flood goes on.
+func TestHandshakeFlood(t *testing.T) {
+	const limit = 16
+	// Handshakes may take 30 s: none of the flood ends by itself.
+	a, b := newAgent(t, WithMaxHandshakes(limit), WithKeepalive(time.Second, 30*time.Second))
+	honest, _ := newAgent(t)
+	g := newGuarded(t)
+	ex := g.expose(t, a)
+	before := b.Stats()
+
+	var mu sync.Mutex
+	var conns []net.Conn
+	defer func() {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range conns {
+			_ = c.Close()
+		}
+	}()
+	open := func() {
+		c, err := net.Dial("tcp", b.Addr().String())
+		require.NoError(t, err)
+		mu.Lock()
+		conns = append(conns, c)
+		mu.Unlock()
+	}
+	const flood = 200
+	for range flood {
+		open()
+	}
+	require.Eventually(t, func() bool { return b.Stats().LimitRejected-before.LimitRejected == flood-limit }, 10*time.Second, time.Millisecond)
+	b.mu.Lock()
+	assert.LessOrEqual(t, len(b.shaking), limit)
+	b.mu.Unlock()
+
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() { // the flood goes on during the honest transfers
+		for {
+			select {
+			case <-stop:
+				return
+			case <-time.After(time.Millisecond):
+				open()
+			}
+		}
+	})
+	for range 3 {
+		legitRead(t, honest, a, ex.r, g.r)
+	}
+	close(stop)
+	wg.Wait()
+	got := delta(b.Stats(), before)
+	assert.Equal(t, got.LimitRejected, got.Disconnected)
+	assert.Zero(t, got.HandshakeFailures+got.ProtocolErrors+got.Timeouts+got.Denied)
+	t.Logf("%d connections in the flood, %d closed to make room", len(conns), got.LimitRejected)
+
+	// The flood's oldest connections were closed by the server.
+	_ = conns[0].SetReadDeadline(time.Now().Add(5 * time.Second))
+	_, err := conns[0].Read(make([]byte, 1))
+	var ne net.Error
+	require.Error(t, err)
+	require.False(t, errors.As(err, &ne) && ne.Timeout(), "the oldest handshake was kept")
+	g.intact(t, nil)
+}
+
+// dialFrom dials b from a second loopback address, or skips the test.
+func dialFrom(t *testing.T, b *Backend) func() net.Conn {
+	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.IPv4(127, 0, 0, 2)}}
+	c, err := d.Dial("tcp", b.Addr().String())
+	if err != nil {
+		t.Skipf("no second loopback address: %v", err)
+	}
+	first := c
+	return func() net.Conn {
+		if first != nil {
+			c, first = first, nil
+			return c
+		}
+		c, err := d.Dial("tcp", b.Addr().String())
+		require.NoError(t, err)
+		return c
+	}
+}
+
+// handshakeOn sends a handshake on c as self and returns the answer's
+// status, or an error if the connection was closed first.
+func handshakeOn(t *testing.T, c net.Conn, self, expect uuid.UUID) (uint8, error) {
+	t.Helper()
+	var hs [hsSize]byte
+	(&handshake{self: self, expect: expect, timeout: time.Minute}).put(hs[:])
+	if _, err := c.Write(hs[:]); err != nil {
+		return 0, err
+	}
+	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.ReadFull(c, hs[:]); err != nil {
+		return 0, err
+	}
+	in, err := getHandshake(hs[:])
+	return in.status, err
+}
+
+// One address claiming many identities is held to WithMaxConnsPerIP, and
+// one identity at one address to WithMaxConnsPerPeer; a stranger claiming an
+// honest peer's identity from elsewhere does not use up the honest peer's
+// share. Honest peers get through throughout.
+func TestConnectionFloods(t *testing.T) {
+	const perIP, perPeer = 24, 8
+	a, b := newAgent(t, WithMaxConnsPerIP(perIP), WithMaxConnsPerPeer(perPeer), WithStreams(2))
+	honest, _ := newAgent(t)
+	g := newGuarded(t)
+	ex := g.expose(t, a)
+	dial := dialFrom(t, b)
+
+	t.Run("identities from one address", func(t *testing.T) {
+		before := b.Stats()
+		var ok, refused int
+		for range perIP + 16 {
+			c := dial()
+			defer c.Close()
+			status, err := handshakeOn(t, c, uuid.New(), a.ID())
+			switch {
+			case err == nil && status == stOK:
+				ok++
+			case err != nil:
+				refused++ // closed at accept, before a byte was read
+			default:
+				t.Fatalf("handshake answered with status %d", status)
+			}
+		}
+		assert.Equal(t, perIP, ok)
+		assert.Equal(t, 16, refused)
+		waitStats(t, b, before, Stats{Disconnected: 16, LimitRejected: 16})
+		legitRead(t, honest, a, ex.r, g.r)
+	})
+	require.Eventually(t, func() bool { b.mu.Lock(); defer b.mu.Unlock(); return len(b.byIP) == 1 }, 10*time.Second, time.Millisecond,
+		"the closed connections are uncounted")
+
+	t.Run("one identity from one address", func(t *testing.T) {
+		before := b.Stats()
+		// The stranger claims the honest agent's identity.
+		var statuses []uint8
+		for range perPeer + 2 {
+			c := dial()
+			defer c.Close()
+			status, err := handshakeOn(t, c, honest.ID(), a.ID())
+			require.NoError(t, err)
+			statuses = append(statuses, status)
+		}
+		assert.Equal(t, append(bytes.Repeat([]byte{stOK}, perPeer), stLimit, stLimit), statuses)
+		waitStats(t, b, before, Stats{Disconnected: 2, LimitRejected: 2})
+		// The honest agent, from its own address, is unaffected.
+		legitRead(t, honest, a, ex.r, g.r)
+		legitRead(t, honest, a, ex.r, g.r)
+	})
+	g.intact(t, nil)
+}
+
+// An honest agent over the passive side's per-peer limit hears why.
+func TestOverPeerLimitSaysWhy(t *testing.T) {
+	a, _ := newAgent(t, WithStreams(1), WithMaxConnsPerPeer(2))
+	active, _ := newAgent(t, WithStreams(4))
+	src := make([]byte, 64)
+	exp, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
+	require.NoError(t, err)
+	x, err := active.Post(agent.Request{Op: agent.OpRead, Peer: a.Info(), Key: exp.Key(),
+		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 64)), Remote: agent.DRAM(src).Region}}})
+	require.NoError(t, err)
+	<-x.Done()
+	require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
+	assert.Contains(t, x.Err().Error(), "WithMaxConnsPerPeer")
+}
