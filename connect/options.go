@@ -10,6 +10,7 @@ import (
 	"github.com/goxfer/goxfer/agent/backend/cma"
 	"github.com/goxfer/goxfer/agent/backend/mem"
 	"github.com/goxfer/goxfer/agent/backend/tcp"
+	"github.com/goxfer/goxfer/agent/backend/ucx"
 )
 
 // Option configures a Connector. Options are applied in order by
@@ -26,6 +27,7 @@ type options struct {
 	tcp      []tcp.Option
 	cma      []cma.Option
 	noCMA    bool
+	ucx      []ucx.Option // non-nil: WithUCX was given
 	force    string
 	logger   *slog.Logger
 	resolver Resolver
@@ -40,7 +42,8 @@ type options struct {
 //
 // Default: the in-process backend (agent/backend/mem), then same-host
 // cross-memory attach (agent/backend/cma, see WithCMAOptions and
-// WithoutCMA), then TCP (agent/backend/tcp, see WithTCPOptions).
+// WithoutCMA), then UCX if WithUCX asks for it, then TCP
+// (agent/backend/tcp, see WithTCPOptions).
 func WithBackends(bs ...agent.Backend) Option {
 	return optionFunc(func(o *options) error {
 		if len(bs) == 0 {
@@ -67,6 +70,9 @@ func WithBackend(name string) Option {
 	return optionFunc(func(o *options) error {
 		if name == "" {
 			return fmt.Errorf("%w: WithBackend needs a backend name", ErrInvalidOption)
+		}
+		if name == ucx.Name && !ucx.BuiltIn() {
+			return fmt.Errorf("%w: WithBackend(%q): %w", ErrInvalidOption, name, ucx.ErrNotBuiltIn)
 		}
 		o.force = name
 		return nil
@@ -170,6 +176,9 @@ func defaultBackends(o *options) []agent.Backend {
 	if !o.noCMA {
 		bs = append(bs, cma.New(o.cma...))
 	}
+	if o.ucx != nil {
+		bs = append(bs, ucx.New(o.ucx...))
+	}
 	return append(bs, tcp.New(o.tcp...))
 }
 
@@ -180,6 +189,8 @@ func (o *options) conflicts() error {
 		return fmt.Errorf("%w: WithTCPOptions configures a default backend, which WithBackends replaces", ErrInvalidOption)
 	case o.backends != nil && (o.cma != nil || o.noCMA):
 		return fmt.Errorf("%w: WithCMAOptions and WithoutCMA configure a default backend, which WithBackends replaces", ErrInvalidOption)
+	case o.backends != nil && o.ucx != nil:
+		return fmt.Errorf("%w: WithUCX adds a default backend, which WithBackends replaces", ErrInvalidOption)
 	case o.noCMA && o.cma != nil:
 		return fmt.Errorf("%w: WithCMAOptions configures the cma backend, which WithoutCMA leaves out", ErrInvalidOption)
 	}

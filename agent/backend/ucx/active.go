@@ -1,0 +1,543 @@
+//go:build ucx
+
+package ucx
+
+import (
+	"bytes"
+	"encoding/binary"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/goxfer/goxfer/agent"
+)
+
+// outPeer is the transferring side's connection to one remote agent: an
+// endpoint to its worker, the leases requested on it, and the remote keys
+// it granted, unpacked.
+type outPeer struct {
+	id    uuid.UUID
+	raw   []byte // its connection information
+	cid   cid    // this side's connection ID
+	ep    endpoint
+	epID  uint64
+	ready bool // welcomed: remote is known
+	// remote is the peer's connection ID, from its welcome.
+	remote   cid
+	failed   bool
+	deadline time.Time // for the welcome
+	lastRecv time.Time
+	lastPing time.Time
+
+	waiting []*xstate // posted before the welcome
+	notes   []*note
+	wins    map[uint64]*window
+	rkeys   map[uint64]*rkeyEntry // by the peer's registration ID
+}
+
+type rkeyEntry struct {
+	k     uintptr
+	users int // windows in flight using it
+}
+
+// xstate is one transfer.
+type xstate struct {
+	x        *agent.Xfer
+	p        *outPeer
+	write    bool
+	next     cursor // first byte not yet leased
+	inflight int    // windows requested or moving
+	err      error
+	finished bool
+}
+
+func (xs *xstate) fail(err error) {
+	if xs.err == nil {
+		xs.err = err
+	}
+}
+
+// window is one lease of a transfer: requested, granted, moved, flushed,
+// released.
+type window struct {
+	id        uint64
+	xs        *xstate
+	start     cursor
+	n         uint64
+	pieces    int
+	deadline  time.Time // for the grant
+	granted   bool
+	flushID   uint64
+	rkeys     []*rkeyEntry
+	locals    []*mapping
+	flushOnly bool  // a flush of the shutdown, no window
+	remotePut bool  // a READ the exposing side writes into this side's memory
+	push      *held // the exposing side's write of a READ into a peer's memory
+	pushPeer  *inPeer
+	pushLease uint64
+}
+
+func (l *loop) allOuts() []*outPeer {
+	var ps []*outPeer
+	for _, p := range l.outCID {
+		ps = append(ps, p)
+	}
+	return ps
+}
+
+// outFor returns the connection to the agent info describes, connecting
+// if there is none. Connections are keyed by identity and worker address
+// together: a token that claims a known agent's identity at another
+// address gets a connection of its own and never redirects anyone else's
+// transfers.
+func (l *loop) outFor(info agent.Info) (*outPeer, error) {
+	raw, _ := info.Conn(Name)
+	for _, p := range l.outs[info.ID] {
+		if bytes.Equal(p.raw, raw) {
+			return p, nil
+		}
+	}
+	ci, err := parseConnInfo(raw)
+	if err != nil {
+		return nil, fmt.Errorf("ucx: peer %s: %w", info.ID, err)
+	}
+	now := time.Now()
+	p := &outPeer{id: info.ID, raw: bytes.Clone(raw), cid: newCID(), epID: l.next(), deadline: now.Add(l.b.cfg.timeout),
+		wins: map[uint64]*window{}, rkeys: map[uint64]*rkeyEntry{}}
+	p.ep, err = l.n.connect(ci.addr, p.epID)
+	if err != nil {
+		return nil, fmt.Errorf("ucx: connect to peer %s: %w: %w", info.ID, agent.ErrRemoteLost, err)
+	}
+	l.epErr[p.epID] = p
+	l.outs[p.id] = append(l.outs[p.id], p)
+	l.outCID[p.cid] = p
+	b := l.frame(tHello, 0, 0, cid{})
+	b = append(b, l.b.id[:]...)
+	b = append(b, info.ID[:]...)
+	b = append(b, p.cid[:]...)
+	b = append(b, l.b.self.addr...)
+	if err := l.send(p.ep, b); err != nil {
+		l.failOut(p, fmt.Errorf("ucx: hello to peer %s: %w: %w", p.id, agent.ErrRemoteLost, err), false)
+		return nil, p.failure(err)
+	}
+	return p, nil
+}
+
+func (p *outPeer) failure(err error) error {
+	return fmt.Errorf("ucx: peer %s: %w: %w", p.id, agent.ErrRemoteLost, err)
+}
+
+func (l *loop) onWelcome(p *outPeer, m *msg) {
+	if p.ready {
+		l.b.host.Refused()
+		return
+	}
+	if m.from != p.id {
+		l.failOut(p, fmt.Errorf("ucx: the worker of peer %s answers as agent %s: %w", p.id, m.from, agent.ErrRemoteLost), false)
+		return
+	}
+	now := time.Now()
+	p.ready, p.remote, p.lastRecv, p.lastPing = true, m.src, now, now
+	waiting, notes := p.waiting, p.notes
+	p.waiting, p.notes = nil, nil
+	for _, n := range notes {
+		l.sendNotify(p, n.key, n.msg)
+	}
+	for _, xs := range waiting {
+		l.pump(xs)
+	}
+}
+
+func (l *loop) startXfer(xs *xstate) {
+	p, err := l.outFor(xs.x.Peer)
+	if err != nil {
+		xs.x.Finish(err)
+		return
+	}
+	xs.p = p
+	if !p.ready {
+		p.waiting = append(p.waiting, xs)
+		return
+	}
+	l.pump(xs)
+}
+
+// pump requests the transfer's next leases, up to leaseDepth at a time,
+// and finishes the transfer once nothing of it is in flight any more.
+func (l *loop) pump(xs *xstate) {
+	x, p := xs.x, xs.p
+	for xs.err == nil && xs.inflight < leaseDepth && xs.next.seg < len(x.Segments) {
+		select {
+		case <-x.Cancelled():
+			xs.fail(x.CancelErr())
+			continue
+		default:
+		}
+		end, n, pieces := advance(x.Segments, xs.next, uint64(l.b.cfg.lease), l.b.cfg.maxRanges)
+		w := &window{id: l.next(), xs: xs, start: xs.next, n: n, pieces: pieces, deadline: time.Now().Add(l.b.cfg.timeout)}
+		xs.next = end
+		p.wins[w.id] = w
+		xs.inflight++
+		w.remotePut = !xs.write && !l.b.cfg.getReads
+		var keys []byte
+		if w.remotePut {
+			var err error
+			if keys, err = l.localKeys(w); err != nil {
+				delete(p.wins, w.id)
+				xs.inflight--
+				xs.fail(err)
+				continue
+			}
+		}
+		b := l.frame(tOpen, uint8(x.Op.Access()), uint32(pieces), p.remote)
+		b = binary.LittleEndian.AppendUint64(b, w.id)
+		b = append(b, x.Key[:]...)
+		w.each(func(seg *agent.Segment, off, take uint64) {
+			b = binary.LittleEndian.AppendUint64(b, seg.Remote.Addr+off)
+			b = binary.LittleEndian.AppendUint64(b, take)
+		})
+		if w.remotePut {
+			b[3] = 1
+			w.each(func(seg *agent.Segment, off, take uint64) {
+				b = binary.LittleEndian.AppendUint64(b, seg.Local.Addr+off)
+			})
+			b = binary.LittleEndian.AppendUint32(b, uint32(len(w.locals)))
+			b = append(b, keys...)
+		}
+		if err := l.send(p.ep, b); err != nil {
+			l.failOut(p, p.failure(err), true) // fails this transfer and pumps it
+			return
+		}
+	}
+	if xs.inflight == 0 && (xs.err != nil || xs.next.seg >= len(x.Segments)) {
+		l.finish(xs)
+	}
+}
+
+// localKeys maps the local memory of a READ window the exposing side will
+// write into (registrations, or the segment mapped for the window alone),
+// and returns the packed keys and per-piece key indices, as in a grant.
+// The window holds the registrations until it is done.
+func (l *loop) localKeys(w *window) ([]byte, error) {
+	if l.seen == nil {
+		l.seen = map[*mapping]uint16{}
+	}
+	clear(l.seen)
+	var keys, idx []byte
+	var err error
+	l.b.regMu.Lock()
+	defer l.b.regMu.Unlock()
+	w.each(func(seg *agent.Segment, off, take uint64) {
+		if err != nil {
+			return
+		}
+		mp := l.b.findLocked(seg.Local.Region, seg.Local.Addr+off, take)
+		if mp == nil {
+			if mp, err = l.b.mapLocked(seg.Local.Addr, seg.Local.Len, seg.Local.Kind == agent.KindVRAM); err != nil {
+				return
+			}
+			l.b.regs[regKey{seg.Local.Addr, seg.Local.Len}] = mp // found again by the next pieces
+		}
+		if mp.packed == nil {
+			if mp.packed, err = l.n.pack(mp.memh); err != nil {
+				return
+			}
+		}
+		k, ok := l.seen[mp]
+		if !ok {
+			k = uint16(len(w.locals))
+			l.seen[mp] = k
+			mp.users++
+			w.locals = append(w.locals, mp)
+			keys = binary.LittleEndian.AppendUint64(keys, mp.id)
+			keys = binary.LittleEndian.AppendUint16(keys, uint16(len(mp.packed)))
+			keys = append(keys, mp.packed...)
+		}
+		idx = binary.LittleEndian.AppendUint16(idx, k)
+	})
+	// Lazy mappings are the window's alone: out of regs again.
+	for _, mp := range w.locals {
+		if !mp.registered {
+			if k := (regKey{mp.addr, mp.len}); l.b.regs[k] == mp {
+				delete(l.b.regs, k)
+			}
+		}
+	}
+	if err != nil {
+		for _, mp := range w.locals {
+			mp.users--
+			if !mp.registered && mp.users == 0 {
+				_ = l.b.dropLocked(mp)
+			}
+		}
+		w.locals = nil
+		return nil, fmt.Errorf("ucx: map local memory for a READ: %w", err)
+	}
+	return append(keys, idx...), nil
+}
+
+// each calls f for every piece of w: segment, offset in it, length.
+func (w *window) each(f func(seg *agent.Segment, off, take uint64)) {
+	segs := w.xs.x.Segments
+	c, left := w.start, w.n
+	for left > 0 {
+		sg := &segs[c.seg]
+		take := min(sg.Local.Len-c.off, left)
+		f(sg, c.off, take)
+		left -= take
+		if c.off += take; c.off == sg.Local.Len {
+			c.seg, c.off = c.seg+1, 0
+		}
+	}
+}
+
+func (l *loop) finish(xs *xstate) {
+	if xs.finished {
+		return
+	}
+	xs.finished = true
+	x, err := xs.x, xs.err
+	if err == nil {
+		select {
+		case <-x.Cancelled():
+			err = x.CancelErr() // a cancelled transfer never reports success
+		default:
+		}
+	}
+	if err == nil && x.Notify != nil {
+		// Every lease is flushed: the bytes are in place.
+		if serr := l.sendNotify(xs.p, x.Key, x.Notify); serr != nil {
+			err = xs.p.failure(serr)
+		}
+	}
+	x.Finish(err)
+}
+
+func (l *loop) sendNotify(p *outPeer, key agent.Key, msg []byte) error {
+	b := l.frame(tNotify, 0, 0, p.remote)
+	b = append(b, key[:]...)
+	b = append(b, msg...)
+	return l.send(p.ep, b)
+}
+
+// endLease tells the peer a lease is over.
+func (l *loop) endLease(p *outPeer, id uint64) {
+	if p.failed {
+		return
+	}
+	b := l.frame(tRelease, 0, 0, p.remote)
+	b = binary.LittleEndian.AppendUint64(b, id)
+	_ = l.send(p.ep, b)
+}
+
+func (l *loop) onGrant(p *outPeer, m *msg) {
+	w := p.wins[m.lease]
+	if w == nil || w.granted {
+		l.b.host.Refused()
+		return
+	}
+	xs := w.xs
+	x := xs.x
+	drop := func(err error, release bool) {
+		l.doneWith(w)
+		delete(p.wins, w.id)
+		if release {
+			l.endLease(p, w.id)
+		}
+		xs.fail(err)
+		xs.inflight--
+		l.pump(xs)
+	}
+	if m.status != stOK {
+		text := string(m.body)
+		if m.status == stLost {
+			drop(fmt.Errorf("ucx: peer %s is closing: %w (%s)", p.id, agent.ErrRemoteLost, text), false)
+		} else {
+			drop(fmt.Errorf("ucx: peer %s refused the %v: %w (%s)", p.id, x.Op, agent.ErrAccessDenied, text), false)
+		}
+		return
+	}
+	if w.remotePut { // the exposing side wrote the bytes, flushed, and let go of the lease
+		if m.count != 0 || len(m.body) != 0 {
+			l.b.host.Refused()
+		}
+		drop(nil, false)
+		return
+	}
+	if xs.err != nil {
+		drop(xs.err, true)
+		return
+	}
+	select {
+	case <-x.Cancelled():
+		drop(x.CancelErr(), true)
+		return
+	default:
+	}
+	var err error
+	l.keys, l.idx, err = parseGrant(m.body, m.count, w.pieces, l.keys, l.idx)
+	if err != nil {
+		l.b.host.Refused()
+		drop(fmt.Errorf("ucx: grant from peer %s: %w", p.id, err), true)
+		return
+	}
+	rk := make([]uintptr, len(l.keys))
+	for i, k := range l.keys {
+		e := p.rkeys[k.reg]
+		if e == nil {
+			h, err := unpack(p.ep, k.packed)
+			if err != nil {
+				for _, e := range w.rkeys {
+					e.users--
+				}
+				w.rkeys = nil
+				drop(fmt.Errorf("ucx: remote key from peer %s: %w", p.id, err), true)
+				return
+			}
+			e = &rkeyEntry{k: h}
+			p.rkeys[k.reg] = e
+		}
+		e.users++
+		w.rkeys = append(w.rkeys, e)
+		rk[i] = e.k
+	}
+	l.trimRkeys(p)
+	l.batch.reset()
+	l.b.regMu.Lock()
+	i := 0
+	w.each(func(seg *agent.Segment, off, take uint64) {
+		var mh uintptr
+		if m := l.b.regs[regKey{seg.Local.Addr, seg.Local.Len}]; m != nil && m.memh != nil {
+			if len(w.locals) == 0 || w.locals[len(w.locals)-1] != m {
+				m.users++
+				w.locals = append(w.locals, m)
+			}
+			mh = memhPtr(m.memh)
+		}
+		l.batch.add(seg.Local.Addr+off, seg.Remote.Addr+off, take, rk[l.idx[i]], mh)
+		i++
+	})
+	l.b.regMu.Unlock()
+	w.granted = true
+	w.flushID = l.next()
+	l.ops[w.flushID] = w
+	if err := l.n.rma(p.ep, xs.write, &l.batch, w.flushID); err != nil {
+		xs.fail(p.failure(err)) // the flush's event still comes
+	}
+}
+
+// trimRkeys drops unused remote keys of p beyond maxRkeys.
+func (l *loop) trimRkeys(p *outPeer) {
+	if len(p.rkeys) <= maxRkeys {
+		return
+	}
+	for id, e := range p.rkeys {
+		if e.users == 0 {
+			destroyRkey(e.k)
+			delete(p.rkeys, id)
+		}
+	}
+}
+
+// flushed runs when a window's operations have all completed, or failed.
+func (l *loop) flushed(w *window, err error) {
+	if w.flushOnly {
+		return
+	}
+	if w.push != nil {
+		l.pushed(w, err)
+		return
+	}
+	xs := w.xs
+	p := xs.p
+	l.doneWith(w)
+	delete(p.wins, w.id)
+	l.endLease(p, w.id)
+	if err != nil {
+		xs.fail(fmt.Errorf("ucx: %v of %d bytes with peer %s: %w: %w", xs.x.Op, w.n, p.id, agent.ErrRemoteLost, err))
+	}
+	xs.inflight--
+	l.pump(xs)
+}
+
+// doneWith lets go of the remote keys and registrations w used.
+func (l *loop) doneWith(w *window) {
+	for _, e := range w.rkeys {
+		e.users--
+	}
+	w.rkeys = nil
+	if len(w.locals) > 0 {
+		l.b.regMu.Lock()
+		for _, m := range w.locals {
+			m.users--
+			if !m.registered && m.users == 0 {
+				_ = l.b.dropLocked(m)
+			}
+		}
+		l.b.regMu.Unlock()
+		w.locals = nil
+	}
+}
+
+// failOut fails p once: transfers waiting for it fail, its endpoint is
+// force-closed, and the next transfer connects afresh. report tells the
+// agent the peer is lost. Windows whose operations are in flight finish
+// when their flush fails or, at the latest, when the endpoint is closed.
+func (l *loop) failOut(p *outPeer, err error, report bool) {
+	if p.failed {
+		return
+	}
+	p.failed, p.ready = true, false
+	delete(l.outCID, p.cid)
+	if ps := l.outs[p.id]; len(ps) > 0 {
+		ps = slices.DeleteFunc(ps, func(q *outPeer) bool { return q == p })
+		if len(ps) == 0 {
+			delete(l.outs, p.id)
+		} else {
+			l.outs[p.id] = ps
+		}
+	}
+	var touched []*xstate
+	for id, w := range p.wins {
+		w.xs.fail(err)
+		if !w.granted {
+			l.doneWith(w)
+			delete(p.wins, id)
+			w.xs.inflight--
+			touched = append(touched, w.xs)
+		}
+	}
+	for _, xs := range p.waiting {
+		xs.fail(err)
+		touched = append(touched, xs)
+	}
+	p.waiting, p.notes = nil, nil
+	l.dying = append(l.dying, p)
+	l.closeEP(p.ep, p.epID, true)
+	for _, xs := range touched {
+		l.pump(xs)
+	}
+	if report {
+		l.b.host.PeerLost(p.id, err)
+	}
+}
+
+// buried runs once p's endpoint is closed: no operation of it can touch
+// memory any more.
+func (l *loop) buried(p *outPeer) {
+	l.dying = slices.DeleteFunc(l.dying, func(q *outPeer) bool { return q == p })
+	for id, w := range p.wins {
+		delete(p.wins, id)
+		delete(l.ops, w.flushID)
+		l.doneWith(w)
+		w.xs.fail(p.failure(fmt.Errorf("endpoint closed")))
+		w.xs.inflight--
+		l.pump(w.xs)
+	}
+	for id, e := range p.rkeys {
+		destroyRkey(e.k)
+		delete(p.rkeys, id)
+	}
+}

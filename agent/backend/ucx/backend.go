@@ -1,0 +1,392 @@
+//go:build ucx
+
+package ucx
+
+import (
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"os"
+	"runtime"
+	"strings"
+	"sync"
+	"sync/atomic"
+
+	"github.com/google/uuid"
+	"golang.org/x/sys/unix"
+
+	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/internal/hostid"
+)
+
+// Backend is the UCX backend. Create one per agent with New and hand it to
+// the agent, which starts and closes it. Safe for concurrent use.
+//
+// Memory: the backend maps every region the agent registers
+// (agent.Registrar) with ucp_mem_map, and unmaps it when the agent
+// deregisters it. The agent's caller owns the memory and keeps it alive and
+// in place meanwhile (Go's heap does not move objects); UCX keeps its
+// address, never a Go pointer.
+type Backend struct {
+	cfg    config
+	optErr error
+
+	host agent.Host
+	id   uuid.UUID
+	self connInfo
+	cuda bool
+	lim  limits
+
+	mu      sync.Mutex
+	started bool
+	closed  bool
+	cmds    []command
+	wakeFD  int
+	done    chan struct{} // closed when the progress loop has exited
+
+	regMu  sync.RWMutex // guards regs and n's context against Close
+	regs   map[regKey]*mapping
+	live   map[*mapping]struct{} // every mapping not yet unmapped
+	dead   bool                  // the context is gone
+	regSeq atomic.Uint64
+
+	n *native // created and destroyed by the progress thread
+}
+
+// New returns a UCX backend for one agent. Invalid options are reported by
+// Start, that is by the agent's constructor.
+func New(opts ...Option) *Backend {
+	cfg, err := newConfig(opts)
+	return &Backend{cfg: cfg, optErr: err, regs: map[regKey]*mapping{}, live: map[*mapping]struct{}{}, wakeFD: -1, done: make(chan struct{})}
+}
+
+// BuiltIn reports whether this binary was built with the ucx tag.
+func BuiltIn() bool { return true }
+
+// Name implements agent.Backend.
+func (b *Backend) Name() string { return Name }
+
+// Supports implements agent.Backend: host memory, and GPU memory when UCX
+// was built with CUDA.
+func (b *Backend) Supports(k agent.MemKind) bool {
+	return k == agent.KindDRAM || (k == agent.KindVRAM && b.cuda)
+}
+
+// settings returns the UCX configuration the context is created with:
+// the environment's, overridden by the options. Shared-memory transports
+// report peer failures only when asked to; endpoints with peer error
+// handling need that, so it is asked for unless the environment decides.
+func (c *config) ucxSettings() [][2]string {
+	var s [][2]string
+	set := false
+	for _, k := range []string{"MM_ERROR_HANDLING", "POSIX_ERROR_HANDLING", "SYSV_ERROR_HANDLING"} {
+		_, ok := os.LookupEnv("UCX_" + k)
+		set = set || ok
+	}
+	tls := c.tls
+	if tls == "" {
+		tls = os.Getenv("UCX_TLS")
+	}
+	if !set && usesSharedMemory(tls) {
+		s = append(s, [2]string{"MM_ERROR_HANDLING", "y"})
+	}
+	if c.tls != "" {
+		s = append(s, [2]string{"TLS", c.tls})
+	}
+	return append(s, c.settings...)
+}
+
+// usesSharedMemory guesses from a UCX_TLS list whether UCX loads its
+// shared-memory transports (posix, sysv).
+func usesSharedMemory(tls string) bool {
+	tls = strings.TrimSpace(tls)
+	if tls == "" || tls == "all" || strings.HasPrefix(tls, "^") {
+		return true
+	}
+	for _, t := range strings.Split(tls, ",") {
+		switch strings.TrimSpace(strings.TrimPrefix(t, "\\")) {
+		case "sm", "shm", "mm", "posix", "sysv":
+			return true
+		}
+	}
+	return false
+}
+
+// reachesNet guesses from a UCX_TLS list whether the transports reach
+// other hosts: anything but shared memory and loopback does.
+func reachesNet(tls string) bool {
+	tls = strings.TrimSpace(tls)
+	if tls == "" || tls == "all" || strings.HasPrefix(tls, "^") {
+		return true
+	}
+	for _, t := range strings.Split(tls, ",") {
+		switch strings.TrimSpace(strings.TrimPrefix(t, "\\")) {
+		case "self", "sm", "shm", "posix", "sysv", "xpmem", "cma", "knem", "cuda_copy", "cuda_ipc", "rocm_copy", "rocm_ipc", "":
+		default:
+			return true
+		}
+	}
+	return false
+}
+
+// Start implements agent.Backend: it creates the UCP context and worker on
+// a new progress thread and returns the worker's address.
+func (b *Backend) Start(h agent.Host) ([]byte, error) {
+	if b.optErr != nil {
+		return nil, b.optErr
+	}
+	b.host, b.id = h, h.ID()
+	b.lim = limits{maxRanges: b.cfg.maxRanges, maxNotify: b.cfg.maxNotify}
+	wfd, err := unix.Eventfd(0, unix.EFD_NONBLOCK|unix.EFD_CLOEXEC)
+	if err != nil {
+		return nil, fmt.Errorf("ucx: eventfd: %w", err)
+	}
+	ready := make(chan error, 1)
+	l := &loop{b: b, wake: wfd}
+	go l.run(ready)
+	if err := <-ready; err != nil {
+		_ = unix.Close(wfd)
+		return nil, err
+	}
+	tls := b.cfg.tls
+	if tls == "" {
+		tls = os.Getenv("UCX_TLS")
+	}
+	b.self.net = reachesNet(tls)
+	b.self.host = hostid.Of("net")
+	b.cuda = b.n.cuda()
+	b.mu.Lock()
+	b.started, b.wakeFD = true, wfd
+	b.mu.Unlock()
+	return b.self.marshal(), nil
+}
+
+// Reachable implements agent.Backend. The peer must publish ucx connection
+// information; a peer on another host (or network namespace) is reachable
+// only if both sides' transports include a network one.
+func (b *Backend) Reachable(info agent.Info) error {
+	raw, ok := info.Conn(Name)
+	if !ok {
+		return errors.New("peer has no ucx backend")
+	}
+	b.mu.Lock()
+	started, closed := b.started, b.closed
+	b.mu.Unlock()
+	if !started {
+		return errors.New("ucx backend not started")
+	}
+	if closed {
+		return agent.ErrClosed
+	}
+	ci, err := parseConnInfo(raw)
+	if err != nil {
+		return err
+	}
+	if ci.host != b.self.host && (!ci.net || !b.self.net) {
+		return errors.New("peer runs on another host and one side's UCX transports are shared memory only")
+	}
+	return nil
+}
+
+// command is work handed to the progress thread.
+type command struct {
+	post   *xstate
+	notify *note
+	close  bool
+}
+
+type note struct {
+	peer agent.Info
+	key  agent.Key
+	msg  []byte
+}
+
+// submit queues c for the progress thread and wakes it.
+func (b *Backend) submit(c command) error {
+	b.mu.Lock()
+	if b.closed && !c.close {
+		b.mu.Unlock()
+		return agent.ErrClosed
+	}
+	wake := len(b.cmds) == 0
+	b.cmds = append(b.cmds, c)
+	fd := b.wakeFD
+	b.mu.Unlock()
+	if wake {
+		var one = [8]byte{1}
+		_, _ = unix.Write(fd, one[:])
+	}
+	return nil
+}
+
+// takeCommands returns the queued commands, for the progress thread.
+func (b *Backend) takeCommands(into []command) []command {
+	b.mu.Lock()
+	into = append(into, b.cmds...)
+	clear(b.cmds)
+	b.cmds = b.cmds[:0]
+	b.mu.Unlock()
+	return into
+}
+
+// Post implements agent.Backend: the progress thread connects to the peer
+// if need be and drives the transfer.
+func (b *Backend) Post(x *agent.Xfer) error {
+	for i, s := range x.Segments {
+		if !b.Supports(s.Local.Kind) || !b.Supports(s.Remote.Kind) {
+			return fmt.Errorf("%w: segment %d: ucx does not support %v memory here", agent.ErrInvalid, i, s.Local.Kind)
+		}
+	}
+	if len(x.Notify) > b.cfg.maxNotify {
+		return fmt.Errorf("%w: notification of %d bytes, at most %d", agent.ErrInvalid, len(x.Notify), b.cfg.maxNotify)
+	}
+	return b.submit(command{post: &xstate{x: x, write: x.Op == agent.OpWrite}})
+}
+
+// Notify implements agent.Backend. The notification is queued for the
+// progress thread, which sends it once connected to the peer.
+func (b *Backend) Notify(peer agent.Info, key agent.Key, msg []byte) error {
+	if len(msg) > b.cfg.maxNotify {
+		return fmt.Errorf("%w: notification of %d bytes, at most %d", agent.ErrInvalid, len(msg), b.cfg.maxNotify)
+	}
+	return b.submit(command{notify: &note{peer: peer, key: key, msg: append([]byte(nil), msg...)}})
+}
+
+// Close implements agent.Backend: it says goodbye to every peer, fails
+// what is still in flight with agent.ErrClosed, unmaps every registration
+// and destroys the worker and context.
+func (b *Backend) Close() error {
+	b.mu.Lock()
+	if b.closed {
+		b.mu.Unlock()
+		<-b.done
+		return nil
+	}
+	b.closed = true
+	started := b.started
+	b.mu.Unlock()
+	if !started {
+		close(b.done)
+		return nil
+	}
+	_ = b.submit(command{close: true})
+	<-b.done
+	return unix.Close(b.wakeFD)
+}
+
+// regKey names a registered region.
+type regKey struct{ addr, len uint64 }
+
+// mapping is one ucp_mem_map registration.
+type mapping struct {
+	id         uint64
+	addr, len  uint64
+	memh       memh
+	packed     []byte // the packed remote key; made by the progress thread
+	users      int    // leases and windows using it; guarded by regMu
+	registered bool   // in regs; false: lazy, or deregistered while in use
+}
+
+// RegisterMem implements agent.Registrar: ucp_mem_map of the region. GPU
+// memory is mapped only when UCX supports CUDA; otherwise the handle is
+// nil and the region is left to other backends.
+func (b *Backend) RegisterMem(l agent.Local) (any, error) {
+	if l.Kind == agent.KindVRAM && !b.cuda {
+		return nil, nil
+	}
+	b.regMu.Lock()
+	defer b.regMu.Unlock()
+	if b.dead {
+		return nil, agent.ErrClosed
+	}
+	m, err := b.mapLocked(l.Addr, l.Len, l.Kind == agent.KindVRAM)
+	if err != nil {
+		return nil, err
+	}
+	m.registered = true
+	k := regKey{l.Addr, l.Len}
+	if old := b.regs[k]; old != nil {
+		old.registered = false // the agent registers a region once; be safe anyway
+		b.dropLocked(old)
+	}
+	b.regs[k] = m
+	return m, nil
+}
+
+func (b *Backend) mapLocked(addr, n uint64, cuda bool) (*mapping, error) {
+	h, err := b.n.mapMem(addr, n, cuda)
+	if err != nil {
+		return nil, fmt.Errorf("ucx: map 0x%x+%d: %w", addr, n, err)
+	}
+	m := &mapping{id: b.regSeq.Add(1), addr: addr, len: n, memh: h}
+	b.live[m] = struct{}{}
+	return m, nil
+}
+
+// DeregisterMem implements agent.Registrar. A mapping still used by a
+// lease or a transfer is unmapped when the last one lets go of it.
+func (b *Backend) DeregisterMem(handle any) error {
+	m, _ := handle.(*mapping)
+	if m == nil {
+		return nil
+	}
+	b.regMu.Lock()
+	defer b.regMu.Unlock()
+	if b.dead || !m.registered {
+		return nil
+	}
+	m.registered = false
+	if k := (regKey{m.addr, m.len}); b.regs[k] == m {
+		delete(b.regs, k)
+	}
+	return b.dropLocked(m)
+}
+
+// dropLocked unmaps m unless it is registered or in use. The caller holds
+// regMu.
+func (b *Backend) dropLocked(m *mapping) error {
+	if m.registered || m.users > 0 || m.memh == nil {
+		return nil
+	}
+	h := m.memh
+	m.memh = nil
+	delete(b.live, m)
+	return b.n.unmap(h)
+}
+
+// find returns the registration holding [addr, addr+n), preferring the one
+// registered as exactly hint. The caller holds regMu.
+func (b *Backend) findLocked(hint agent.Region, addr, n uint64) *mapping {
+	if m := b.regs[regKey{hint.Addr, hint.Len}]; m != nil && m.addr <= addr && addr+n <= m.addr+m.len {
+		return m
+	}
+	for _, m := range b.regs { // the exposed region is not itself registered: rare
+		if m.addr <= addr && addr+n <= m.addr+m.len {
+			return m
+		}
+	}
+	return nil
+}
+
+// unmapAll unmaps every mapping as the context goes away.
+func (b *Backend) unmapAll() {
+	b.regMu.Lock()
+	defer b.regMu.Unlock()
+	for m := range b.live {
+		_ = b.n.unmap(m.memh)
+		m.memh = nil
+	}
+	clear(b.live)
+	clear(b.regs)
+	b.dead = true
+}
+
+func newCID() cid {
+	var c cid
+	_, _ = rand.Read(c[:])
+	return c
+}
+
+// lockThread pins the calling goroutine to its OS thread for good: the
+// thread exits with the goroutine, taking nothing UCX left on it along.
+func lockThread() { runtime.LockOSThread() }

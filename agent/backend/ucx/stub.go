@@ -1,0 +1,50 @@
+//go:build !ucx
+
+package ucx
+
+import (
+	"fmt"
+
+	"github.com/goxfer/goxfer/agent"
+)
+
+// Backend is the UCX backend. This binary was built without the ucx build
+// tag, so it is a placeholder: Start fails with an error wrapping
+// ErrNotBuiltIn (or ErrInvalidOption for invalid options), and an agent
+// given it fails to start. Safe for concurrent use.
+type Backend struct{ optErr error }
+
+// New returns a placeholder backend whose Start fails: UCX is not built in.
+func New(opts ...Option) *Backend {
+	_, err := newConfig(opts)
+	return &Backend{optErr: err}
+}
+
+// Name implements agent.Backend.
+func (b *Backend) Name() string { return Name }
+
+// Supports implements agent.Backend: nothing, without UCX.
+func (b *Backend) Supports(agent.MemKind) bool { return false }
+
+// Start implements agent.Backend: it fails, saying how to build the backend.
+func (b *Backend) Start(agent.Host) ([]byte, error) {
+	if b.optErr != nil {
+		return nil, b.optErr
+	}
+	return nil, fmt.Errorf("%w (this binary was built without the ucx tag)", ErrNotBuiltIn)
+}
+
+// Reachable implements agent.Backend: never.
+func (b *Backend) Reachable(agent.Info) error { return ErrNotBuiltIn }
+
+// Post implements agent.Backend.
+func (b *Backend) Post(*agent.Xfer) error { return ErrNotBuiltIn }
+
+// Notify implements agent.Backend.
+func (b *Backend) Notify(agent.Info, agent.Key, []byte) error { return ErrNotBuiltIn }
+
+// Close implements agent.Backend.
+func (b *Backend) Close() error { return nil }
+
+// BuiltIn reports whether this binary was built with the ucx tag.
+func BuiltIn() bool { return false }
