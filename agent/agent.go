@@ -58,6 +58,10 @@ func WithLogger(l *slog.Logger) Option {
 type Stats struct {
 	Refused              uint64 // remote accesses refused
 	DroppedNotifications uint64 // notifications for no known key, or to a full queue
+	// Backends holds, per backend name, the counters of backends that keep
+	// them (see Counting), for example how many connections the tcp
+	// backend dropped and why. Nil when no backend counts.
+	Backends map[string]map[string]uint64
 }
 
 // Agent registers memory, exposes it, and posts transfers to remote agents
@@ -154,7 +158,16 @@ func (a *Agent) Backends() []string {
 
 // Stats returns the agent's counters.
 func (a *Agent) Stats() Stats {
-	return Stats{Refused: a.refused.Load(), DroppedNotifications: a.dropped.Load()}
+	st := Stats{Refused: a.refused.Load(), DroppedNotifications: a.dropped.Load()}
+	for _, b := range a.backends {
+		if c, ok := b.(Counting); ok {
+			if st.Backends == nil {
+				st.Backends = make(map[string]map[string]uint64)
+			}
+			st.Backends[b.Name()] = c.Counters()
+		}
+	}
+	return st
 }
 
 func (a *Agent) isClosed() bool { return a.closed.Load() }

@@ -39,6 +39,17 @@ type Backend interface {
 	Close() error
 }
 
+// Counting is an optional Backend interface for backends that count what
+// their peers did wrong, by kind: connections dropped for a protocol error,
+// a limit or a timeout, requests refused. Agent.Stats collects the counters
+// under the backend's name.
+type Counting interface {
+	// Counters returns a fresh map of the backend's counters since it
+	// started, keyed by stable snake_case names ("disconnected",
+	// "limit_rejected"). It is safe for concurrent use.
+	Counters() map[string]uint64
+}
+
 // Host is the agent as its backends see it: the only way a backend reaches
 // back into the agent. Its methods are safe for concurrent use.
 type Host interface {

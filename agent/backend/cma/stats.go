@@ -37,6 +37,20 @@ type Stats struct {
 	Denied uint64
 }
 
+// Counters returns the same counters as Stats, keyed by snake_case name,
+// for agent.Stats (the agent.Counting interface). Safe for concurrent use.
+func (b *Backend) Counters() map[string]uint64 {
+	s := b.Stats()
+	return map[string]uint64{
+		"disconnected":       s.Disconnected,
+		"handshake_failures": s.HandshakeFailures,
+		"protocol_errors":    s.ProtocolErrors,
+		"limit_rejected":     s.LimitRejected,
+		"timeouts":           s.Timeouts,
+		"denied":             s.Denied,
+	}
+}
+
 type stats struct {
 	disconnected, handshake, protocol, limit, timeouts, denied atomic.Uint64
 }

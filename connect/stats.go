@@ -1,0 +1,29 @@
+package connect
+
+// Stats are a Connector's counters since it started: what remote peers
+// asked for and were refused, and what the backends dropped on a peer's
+// account. They are for monitoring: a steady rise in Refused or in a
+// backend's "limit_rejected" or "protocol_errors" means a misconfigured or
+// hostile peer is knocking (see docs/security.md).
+type Stats struct {
+	// Refused counts remote accesses this Connector's agent refused: forged
+	// or revoked tokens, out-of-range addresses, the wrong access kind,
+	// malformed requests.
+	Refused uint64
+	// DroppedNotifications counts notifications that arrived for no known
+	// operation, or while its queue was full.
+	DroppedNotifications uint64
+	// Backends holds, per backend name ("tcp", "cma"), the counters of
+	// backends that keep them: "disconnected" (connections dropped on a
+	// peer's account) and, by kind, "handshake_failures",
+	// "protocol_errors", "limit_rejected" and "timeouts", plus "denied"
+	// (requests refused, the connection kept). See tcp.Stats and cma.Stats.
+	Backends map[string]map[string]uint64
+}
+
+// Stats returns the Connector's counters. The result is a fresh copy the
+// caller owns. Safe for concurrent use, also after Close.
+func (c *Connector) Stats() Stats {
+	st := c.a.Stats()
+	return Stats{Refused: st.Refused, DroppedNotifications: st.DroppedNotifications, Backends: st.Backends}
+}
