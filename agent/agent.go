@@ -72,8 +72,9 @@ type Agent struct {
 	conns    []ConnInfo
 	log      *slog.Logger
 
-	regMu sync.Mutex
-	regs  map[regKey]regEntry
+	regMu    sync.Mutex
+	regs     map[regKey]regEntry
+	regsPeak int // most entries regs held since it was last rebuilt
 
 	expMu sync.RWMutex
 	exps  map[Key]*Exposure

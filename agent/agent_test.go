@@ -601,3 +601,38 @@ func TestPeerDepartedAbortsItsTransfers(t *testing.T) {
 	<-other.Done()
 	require.ErrorIs(t, other.Err(), ErrCancelled)
 }
+
+// A burst of registrations does not pin its peak map size: once most are
+// released the map is rebuilt, keeping every live entry and its references.
+func TestRegistrationMapShrinks(t *testing.T) {
+	a := newTestAgent(t)
+	mem := make([]byte, 8192)
+	ls := make([]Local, len(mem))
+	for i := range mem {
+		ls[i] = DRAM(mem[i : i+1])
+	}
+	keep, err := a.Register(ls[:100]...)
+	require.NoError(t, err)
+	twice, err := a.Register(ls[:10]...)
+	require.NoError(t, err)
+	burst, err := a.Register(ls[100:]...)
+	require.NoError(t, err)
+	regions, refs := a.Registered()
+	require.Equal(t, len(ls), regions)
+	require.Equal(t, len(ls)+10, refs)
+
+	require.NoError(t, burst.Release())
+	regions, refs = a.Registered()
+	assert.Equal(t, 100, regions)
+	assert.Equal(t, 110, refs)
+	a.regMu.Lock()
+	peak := a.regsPeak
+	a.regMu.Unlock()
+	assert.Equal(t, 100, peak, "the map was rebuilt at its live size")
+
+	require.NoError(t, twice.Release())
+	require.NoError(t, keep.Release())
+	regions, refs = a.Registered()
+	assert.Zero(t, regions)
+	assert.Zero(t, refs)
+}

@@ -168,6 +168,7 @@ func (a *Agent) Register(ls ...Local) (*Registration, error) {
 		a.regs[k] = e
 		r.keys = append(r.keys, k)
 	}
+	a.regsPeak = max(a.regsPeak, len(a.regs))
 	return r, nil
 }
 
@@ -218,7 +219,24 @@ func (a *Agent) unref(keys []regKey) error {
 			errs = append(errs, err)
 		}
 	}
+	a.shrinkRegs()
 	return errors.Join(errs...)
+}
+
+// shrinkRegs rebuilds the registration map once it holds a quarter of its
+// peak: Go maps never give back their tables, so a burst of thousands of
+// blocks would otherwise pin its peak size for the agent's life. The copy
+// costs at most a quarter of the deletions that led to it.
+func (a *Agent) shrinkRegs() {
+	const floor = 1024 // small maps are not worth a copy
+	if a.regsPeak < floor || len(a.regs) > a.regsPeak/4 {
+		return
+	}
+	m := make(map[regKey]regEntry, len(a.regs))
+	for k, e := range a.regs {
+		m[k] = e
+	}
+	a.regs, a.regsPeak = m, len(m)
 }
 
 // Registered reports how many distinct regions are registered and how many
