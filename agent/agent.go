@@ -58,6 +58,10 @@ func WithLogger(l *slog.Logger) Option {
 type Stats struct {
 	Refused              uint64 // remote accesses refused
 	DroppedNotifications uint64 // notifications for no known key, or to a full queue
+	// Registered, Exposed and InFlight are gauges, not counters: regions
+	// registered now, exposures not yet revoked, transfers posted and not
+	// finished. A steady climb means operations are not being closed.
+	Registered, Exposed, InFlight int
 	// Backends holds, per backend name, the counters of backends that keep
 	// them (see Counting), for example how many connections the tcp
 	// backend dropped and why. Nil when no backend counts.
@@ -160,6 +164,15 @@ func (a *Agent) Backends() []string {
 // Stats returns the agent's counters.
 func (a *Agent) Stats() Stats {
 	st := Stats{Refused: a.refused.Load(), DroppedNotifications: a.dropped.Load()}
+	a.regMu.Lock()
+	st.Registered = len(a.regs)
+	a.regMu.Unlock()
+	a.expMu.RLock()
+	st.Exposed = len(a.exps)
+	a.expMu.RUnlock()
+	a.xferMu.Lock()
+	st.InFlight = len(a.xfers)
+	a.xferMu.Unlock()
 	for _, b := range a.backends {
 		if c, ok := b.(Counting); ok {
 			if st.Backends == nil {

@@ -13,6 +13,12 @@ type Stats struct {
 	// DroppedNotifications counts notifications that arrived for no known
 	// operation, or while its queue was full.
 	DroppedNotifications uint64
+	// Registered, Exposed and InFlight are gauges of what is open now:
+	// memory regions registered, passive operations whose memory is still
+	// exposed, and transfers on their way. An idle Connector whose
+	// operations were all closed shows zeros; a steady climb means
+	// operations are not being closed.
+	Registered, Exposed, InFlight int
 	// Backends holds, per backend name ("tcp", "cma"), the counters of
 	// backends that keep them: "disconnected" (connections dropped on a
 	// peer's account) and, by kind, "handshake_failures",
@@ -25,5 +31,12 @@ type Stats struct {
 // caller owns. Safe for concurrent use, also after Close.
 func (c *Connector) Stats() Stats {
 	st := c.a.Stats()
-	return Stats{Refused: st.Refused, DroppedNotifications: st.DroppedNotifications, Backends: st.Backends}
+	return Stats{
+		Refused:              st.Refused,
+		DroppedNotifications: st.DroppedNotifications,
+		Registered:           st.Registered,
+		Exposed:              st.Exposed,
+		InFlight:             st.InFlight,
+		Backends:             st.Backends,
+	}
 }

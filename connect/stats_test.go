@@ -20,6 +20,9 @@ func TestStatsCountRefusals(t *testing.T) {
 
 			pop := expose(t, passive, KindRead, buffers([]int{4096}, 1))
 			md := pop.Metadata()
+			open := passive.Stats()
+			assert.Equal(t, 1, open.Registered)
+			assert.Equal(t, 1, open.Exposed)
 			require.NoError(t, pop.Close())
 			aop, err := begin(ctx, active, md, buffers([]int{4096}, 2))
 			if err == nil {
@@ -29,6 +32,8 @@ func TestStatsCountRefusals(t *testing.T) {
 
 			after := passive.Stats()
 			assert.Equal(t, before.Refused+1, after.Refused)
+			assert.Zero(t, after.Registered+after.Exposed+after.InFlight, "nothing is left open")
+			assert.Zero(t, active.Stats().Registered+active.Stats().InFlight, "nothing is left open")
 			if backend == "tcp" {
 				assert.Equal(t, uint64(1), after.Backends["tcp"]["denied"])
 				assert.Zero(t, after.Backends["tcp"]["disconnected"], "a refused request keeps its connection")
