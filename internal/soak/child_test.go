@@ -399,6 +399,10 @@ func (s *childServer) close() error {
 	for id, e := range left {
 		errs = append(errs, fmt.Errorf("op %d still exposed at stop", id), e.op.Close())
 	}
+	if st := s.conn.Stats(); st.Registered+st.Exposed+st.InFlight != 0 || st.Refused != 0 {
+		errs = append(errs, fmt.Errorf("the child's Connector holds %d regions, %d exposures, %d transfers after every operation closed, and refused %d accesses",
+			st.Registered, st.Exposed, st.InFlight, st.Refused))
+	}
 	errs = append(errs, s.conn.Close())
 	s.nc.Close()
 	return errors.Join(errs...)

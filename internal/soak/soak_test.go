@@ -228,6 +228,10 @@ func soak(t *testing.T, cfg config, backend string) *report {
 	r.nMu.Lock()
 	rep.Parent.Counts = r.n
 	r.nMu.Unlock()
+	st := r.conn.Stats()
+	assert.Zero(t, st.Registered+st.Exposed+st.InFlight,
+		"the parent's Connector still holds %d regions, %d exposures, %d transfers after every operation closed", st.Registered, st.Exposed, st.InFlight)
+	assert.Zero(t, st.Refused, "accesses the parent refused")
 	closeAll()
 	rep.Parent.GoroutinesBefore = baseGoroutines
 	rep.Parent.GoroutinesClosed = settleGoroutines(baseGoroutines)
