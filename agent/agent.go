@@ -386,6 +386,11 @@ func (a *Agent) PeerDeparted(peer uuid.UUID, cause error) {
 	for _, x := range xs {
 		x.abort(cause)
 	}
+	for _, b := range a.backends {
+		if d, ok := b.(Departer); ok {
+			d.PeerDeparted(peer, cause)
+		}
+	}
 	a.PeerLost(peer, cause)
 }
 

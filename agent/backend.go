@@ -50,6 +50,16 @@ type Counting interface {
 	Counters() map[string]uint64
 }
 
+// Departer is an optional Backend interface for backends that keep state
+// per remote agent, such as connections. Agent.PeerDeparted calls it after
+// aborting the peer's transfers: the backend drops what it holds for peer
+// at once, failing whatever still waits on it with cause, instead of
+// waiting for its own timeouts to notice a peer that may have gone silent
+// rather than closed its connections. Transfers posted later reconnect.
+type Departer interface {
+	PeerDeparted(peer uuid.UUID, cause error)
+}
+
 // Host is the agent as its backends see it: the only way a backend reaches
 // back into the agent. Its methods are safe for concurrent use.
 type Host interface {

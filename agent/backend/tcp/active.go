@@ -53,6 +53,7 @@ type peer struct {
 type stream struct {
 	p       *peer
 	w       *wconn
+	pc      *patientConn // under br; reader only
 	br      *bufio.Reader
 	slots   chan struct{} // one token per frame awaiting its answer
 	pending chan frame    // frames awaiting answers, in order
@@ -65,7 +66,8 @@ type stream struct {
 	bufs [][]byte
 	out  net.Buffers
 
-	rhdr [hdrSize]byte // reader only
+	rhdr    [hdrSize]byte // reader only
+	writing atomic.Bool   // a frame is being written
 }
 
 // frame is one request awaiting its answer.
@@ -403,7 +405,9 @@ func (p *peer) handshake(c *net.TCPConn, idx uint8) (*stream, handshake, error) 
 	if _, err := c.Write(hs[:]); err != nil {
 		return nil, handshake{}, fmt.Errorf("tcp: handshake with peer %s at %s: %w: %w", p.id, p.addr, agent.ErrRemoteLost, err)
 	}
-	br := bufio.NewReaderSize(c, readBuf)
+	w := newWconn(c)
+	pc := &patientConn{c: c, rx: &w.rx, timeout: b.cfg.timeout}
+	br := bufio.NewReaderSize(pc, readBuf)
 	if _, err := io.ReadFull(br, hs[:]); err != nil {
 		return nil, handshake{}, fmt.Errorf("tcp: handshake with peer %s at %s: %w: %w", p.id, p.addr, agent.ErrRemoteLost, err)
 	}
@@ -419,10 +423,9 @@ func (p *peer) handshake(c *net.TCPConn, idx uint8) (*stream, handshake, error) 
 	}
 	_ = c.SetDeadline(time.Time{})
 	inflight := b.cfg.inflight
-	w := newWconn(c)
 	w.every.Store(int64(pingEvery(b.cfg.interval, in.timeout)))
 	return &stream{
-		p: p, w: w, br: br,
+		p: p, w: w, pc: pc, br: br,
 		slots:   make(chan struct{}, inflight),
 		pending: make(chan frame, inflight),
 		head:    make([]byte, hdrSize+b.cfg.maxPieces*pieceSize),
@@ -481,8 +484,7 @@ func (p *peer) notify(key agent.Key, msg []byte) error {
 	h.put(s.head)
 	s.bufs = append(s.bufs[:0], s.head[:hdrSize], msg)
 	s.out = s.bufs
-	_ = w.c.SetWriteDeadline(time.Now().Add(p.b.cfg.timeout))
-	_, err := s.out.WriteTo(w.c)
+	err := writeFrame(w.c, &s.out, p.b.cfg.timeout)
 	w.lastWrite.Store(time.Now().UnixNano())
 	if err != nil {
 		_ = w.c.Close()
@@ -546,8 +548,9 @@ func (s *stream) sendLocked(f frame, pieces int) {
 	}
 	h.put(s.head)
 	s.out = s.bufs
-	_ = w.c.SetWriteDeadline(time.Now().Add(s.p.b.cfg.timeout))
-	_, err := s.out.WriteTo(w.c)
+	s.writing.Store(true)
+	err := writeFrame(w.c, &s.out, s.p.b.cfg.timeout)
+	s.writing.Store(false)
 	w.lastWrite.Store(time.Now().UnixNano())
 	clear(s.bufs)
 	w.wmu.Unlock()
@@ -601,7 +604,7 @@ func (s *stream) loop() error {
 	timeout := s.p.b.cfg.timeout
 	var unanswered time.Time // since when keepalives came while requests waited
 	for {
-		_ = s.w.c.SetReadDeadline(time.Now().Add(timeout))
+		s.pc.arm()
 		if _, err := io.ReadFull(s.br, s.rhdr[:]); err != nil {
 			return err
 		}
@@ -610,7 +613,10 @@ func (s *stream) loop() error {
 		case tPing:
 			// Keepalives prove the peer alive, not that it serves: a peer
 			// that keeps pinging but leaves requests unanswered is lost.
-			if len(s.pending) == 0 {
+			// On a slow link a request takes a while to arrive, though:
+			// the clock does not run while we are still writing one, nor
+			// while the peer's pings say it is still reading one.
+			if len(s.pending) == 0 || s.writing.Load() || h.status == stBusy {
 				unanswered = time.Time{}
 			} else if now := time.Now(); unanswered.IsZero() {
 				unanswered = now
@@ -684,4 +690,23 @@ func (s *stream) land(h *header, f *frame) error {
 		}
 	}
 	return nil
+}
+
+// PeerDeparted implements agent.Departer: the connections to agent id are
+// closed and its transfers' pending frames fail with cause at once, rather than
+// when the keepalive timeout notices a silent connection. The next transfer
+// to it dials afresh. Connections it opened to this agent are left to
+// their own keepalives: they serve its requests if it is in fact alive.
+func (b *Backend) PeerDeparted(id uuid.UUID, cause error) {
+	b.mu.Lock()
+	var gone []*peer
+	for k, p := range b.peers {
+		if k.id == id {
+			gone = append(gone, p)
+		}
+	}
+	b.mu.Unlock()
+	for _, p := range gone {
+		p.fail(fmt.Errorf("tcp: peer %s departed: %w", id, cause), false)
+	}
 }

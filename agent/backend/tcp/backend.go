@@ -164,8 +164,10 @@ type wconn struct {
 	peer      peerAddr   // an accepted connection's peer, once counted in byPeer
 	evicted   bool       // closed to make room for another handshake; under Backend.mu
 	wmu       sync.Mutex
-	lastWrite atomic.Int64 // unix nanos
-	every     atomic.Int64 // ping after this long without a write, in ns; 0 until the handshake is done
+	lastWrite atomic.Int64  // unix nanos
+	rx        atomic.Uint64 // bytes read, counted by the patientConn under the reader
+	pingRx    uint64        // rx when the last ping was sent; keepalive loop only
+	every     atomic.Int64  // ping after this long without a write, in ns; 0 until the handshake is done
 	ping      [hdrSize]byte
 }
 
@@ -245,8 +247,15 @@ func (b *Backend) keepalive() {
 		b.mu.Unlock()
 		for _, w := range idle {
 			if w.wmu.TryLock() { // busy connections are not idle
+				// A ping tells a peer whose request is still arriving that
+				// it is arriving: on a slow link it must not take the
+				// wait for its answer as a stall.
+				ping := w.ping
+				if rx := w.rx.Load(); rx != w.pingRx {
+					w.pingRx, ping[1] = rx, stBusy
+				}
 				_ = w.c.SetWriteDeadline(now.Add(b.cfg.timeout))
-				if _, err := w.c.Write(w.ping[:]); err == nil {
+				if _, err := w.c.Write(ping[:]); err == nil {
 					w.lastWrite.Store(now.UnixNano())
 				}
 				w.wmu.Unlock()

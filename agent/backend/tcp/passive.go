@@ -121,6 +121,7 @@ type peerAddr struct {
 type server struct {
 	b     *Backend
 	w     *wconn
+	pc    *patientConn // under br
 	br    *bufio.Reader
 	peer  uuid.UUID
 	hdr   [hdrSize]byte
@@ -134,7 +135,8 @@ func (b *Backend) serve(w *wconn) {
 	defer b.wg.Done()
 	defer b.untrack(w)
 	defer w.c.Close()
-	s := &server{b: b, w: w, br: bufio.NewReaderSize(w.c, readBuf)}
+	pc := &patientConn{c: w.c, rx: &w.rx, timeout: b.cfg.timeout}
+	s := &server{b: b, w: w, pc: pc, br: bufio.NewReaderSize(pc, readBuf)}
 	if err := s.handshake(); err != nil {
 		if !b.stopping() && !errors.Is(err, errEvicted) && b.dropped(err, true) {
 			b.host.Refused()
@@ -258,7 +260,7 @@ func (s *server) handshake() error {
 func (s *server) loop() error {
 	var h header
 	for {
-		_ = s.w.c.SetReadDeadline(time.Now().Add(s.b.cfg.timeout))
+		s.pc.arm()
 		if _, err := io.ReadFull(s.br, s.hdr[:]); err != nil {
 			return err
 		}
@@ -407,9 +409,8 @@ func (s *server) answer(typ uint8, id uint64, denied error, data [][]byte) error
 	w := s.w
 	w.wmu.Lock()
 	defer w.wmu.Unlock()
-	_ = w.c.SetWriteDeadline(time.Now().Add(s.b.cfg.timeout))
 	s.out = s.bufs // WriteTo consumes its receiver; s.bufs keeps the backing array
-	_, err := s.out.WriteTo(w.c)
+	err := writeFrame(w.c, &s.out, s.b.cfg.timeout)
 	w.lastWrite.Store(time.Now().UnixNano())
 	clear(s.bufs[:cap(s.bufs)])
 	return err

@@ -208,3 +208,28 @@ func TestStrangerCannotReportPeerLost(t *testing.T) {
 	case <-time.After(500 * time.Millisecond):
 	}
 }
+
+// A peer declared departed from outside (a presence registry) fails the
+// transfers waiting on its silent connections at once, not at the
+// keepalive timeout: the backend drops its connections to it.
+func TestDepartedPeerFailsAtOnce(t *testing.T) {
+	peer := fakePassive(t, uuid.New(), func(c net.Conn) {
+		_, _ = io.Copy(io.Discard, c) // a black hole: reads, never answers, never pings
+	})
+	a, _ := newAgent(t, WithKeepalive(5*time.Second, 20*time.Second))
+	dst := make([]byte, 1<<20)
+	x, err := a.Post(agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
+		Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: 1 << 20}}}})
+	require.NoError(t, err)
+	time.Sleep(100 * time.Millisecond)
+	start := time.Now()
+	a.PeerDeparted(peer.ID, errors.New("registry: heartbeats stopped"))
+	select {
+	case <-x.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("the departed peer's transfer waited for the keepalive timeout")
+	}
+	require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
+	assert.Contains(t, x.Err().Error(), "heartbeats stopped")
+	t.Logf("transfer to a departed peer ended %v after the departure (keepalive timeout 20s): %v", time.Since(start), x.Err())
+}

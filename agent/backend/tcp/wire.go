@@ -45,6 +45,7 @@ const (
 	stOK     = 0
 	stDenied = 1 // access refused by the exposing agent
 	stLimit  = 2 // handshake: too many connections from this peer
+	stBusy   = 3 // ping: bytes of a request arrived since the last ping
 
 	maxNotify = 64 << 10 // largest notification accepted
 	maxErrMsg = 1 << 10  // largest error message accepted in an answer
