@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -274,4 +275,17 @@ func peerCred(c *net.UnixConn) (int, error) {
 		return 0, cerr
 	}
 	return int(cred.Pid), nil
+}
+
+// PeerDeparted implements agent.Departer: the control connections to agent
+// id are closed, so lease requests waiting on a peer that may be frozen
+// rather than dead fail with cause at once instead of at the timeout. The
+// next transfer to it connects afresh.
+func (b *Backend) PeerDeparted(id uuid.UUID, cause error) {
+	b.mu.Lock()
+	gone := slices.Clone(b.peers[id])
+	b.mu.Unlock()
+	for _, p := range gone {
+		p.fail(fmt.Errorf("cma: peer %s departed: %w", id, cause), false)
+	}
 }
