@@ -37,6 +37,34 @@ type backendDef struct {
 	// baseline names the raw measurement the backend is compared with.
 	baseline string
 	newFn    func(c *config) agent.Backend
+	// alloc, if set, places a point's buffers, on both sides, in memory
+	// the backend b allocates (ucx: ucp_mem_map with UCP_MEM_MAP_ALLOCATE,
+	// as ucx_perftest does); free gives it back. -ucx-alloc decides.
+	alloc func(b agent.Backend, n int) (buf []byte, free func() error, err error)
+}
+
+// heapSuffix names the rows of a backend with an allocator measured on Go
+// heap memory instead (-ucx-alloc both).
+const heapSuffix = " (Go heap)"
+
+// findBackend returns the instance named name among bs, or nil.
+func findBackend(bs []agent.Backend, name string) agent.Backend {
+	for _, b := range bs {
+		if b.Name() == name {
+			return b
+		}
+	}
+	return nil
+}
+
+// allocDef returns the built backend named name if it has an allocator.
+func allocDef(name string) (backendDef, bool) {
+	for _, d := range builtBackends() {
+		if d.name == name && d.alloc != nil {
+			return d, true
+		}
+	}
+	return backendDef{}, false
 }
 
 // extraBackends holds backends contributed by files behind build tags.

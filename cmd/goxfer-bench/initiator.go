@@ -19,6 +19,7 @@ import (
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 
+	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/connect"
 	gxnats "github.com/goxfer/goxfer/transport/nats"
 	"github.com/goxfer/goxfer/transport/nats/natsserver"
@@ -38,6 +39,7 @@ type initiator struct {
 	stderr         io.Writer
 	proc, local    *remote
 	conns          map[string]*connect.Connector
+	insts          map[string]agent.Backend // each connector's instance of the backend it measures
 	raw1, raw4     []net.Conn
 	prog           *progress
 	round          atomic.Uint64
@@ -50,7 +52,7 @@ type initiator struct {
 
 func runInitiator(ctx context.Context, cfg *config, stdout, stderr io.Writer) (err error) {
 	stderr = &lockedWriter{w: stderr} // the target child writes to it too
-	in := &initiator{cfg: cfg, stderr: stderr, conns: map[string]*connect.Connector{}, createNs: map[int]float64{}, tokenBytes: map[int]int{}, baselineNotice: map[string]string{}}
+	in := &initiator{cfg: cfg, stderr: stderr, conns: map[string]*connect.Connector{}, insts: map[string]agent.Backend{}, createNs: map[int]float64{}, tokenBytes: map[int]int{}, baselineNotice: map[string]string{}}
 	in.natsURL = cfg.natsURL
 	if in.natsURL == "" {
 		host := "127.0.0.1"
@@ -111,12 +113,14 @@ func runInitiator(ctx context.Context, cfg *config, stdout, stderr io.Writer) (e
 	bcfg := *cfg
 	bcfg.listen = anyPort(cfg.listen)
 	for _, b := range cfg.backends {
-		c, err := connect.NewConnector(connect.WithBackends(agentBackends(&bcfg)...), connect.WithBackend(b.name), connect.WithLogger(quiet))
+		bs := agentBackends(&bcfg)
+		c, err := connect.NewConnector(connect.WithBackends(bs...), connect.WithBackend(b.name), connect.WithLogger(quiet))
 		if err != nil {
 			return fmt.Errorf("start a connector for %s: %w", b.name, err)
 		}
 		defer c.Close()
 		in.conns[b.name] = c
+		in.insts[b.name] = findBackend(bs, b.name)
 	}
 	if in.proc != nil && cfg.baseline {
 		if in.raw1, err = dialN(ctx, in.proc.hello.Raw, 1); err != nil {
@@ -249,11 +253,25 @@ func closeAll(cs []net.Conn) {
 	}
 }
 
+// memories returns how b's points are measured: with buffers from its
+// allocator (true), on Go heap memory (false), or both, per -ucx-alloc.
+func (in *initiator) memories(b backendDef) []bool {
+	switch {
+	case b.alloc == nil || in.cfg.ucxAlloc == "off":
+		return []bool{false}
+	case in.cfg.ucxAlloc == "on":
+		return []bool{true}
+	}
+	return []bool{true, false}
+}
+
 func (in *initiator) countSteps(ucx int) int {
 	n := 0
 	for range in.cfg.ops {
 		for range in.cfg.shapes {
-			n += len(in.cfg.inflight) * len(in.cfg.backends)
+			for _, b := range in.cfg.backends {
+				n += len(in.cfg.inflight) * len(in.memories(b))
+			}
 			if in.cfg.baseline {
 				n++
 			}
@@ -275,13 +293,15 @@ func (in *initiator) sweep(ctx context.Context) error {
 		for _, sh := range in.cfg.shapes {
 			for _, n := range in.cfg.inflight {
 				for _, b := range in.cfg.backends {
-					in.prog.step(fmt.Sprintf("%s %s %s ×%d, %d in flight", b.name, op, fmtSize(float64(sh.Block)), sh.Descs, n))
-					r, err := in.measure(ctx, b, op, sh, n)
-					if err != nil {
-						return fmt.Errorf("%s %s of %d × %s, %d in flight: %w", b.name, op, sh.Descs, fmtSize(float64(sh.Block)), n, err)
+					for _, alloc := range in.memories(b) {
+						in.prog.step(fmt.Sprintf("%s %s %s ×%d, %d in flight", b.name, op, fmtSize(float64(sh.Block)), sh.Descs, n))
+						r, err := in.measure(ctx, b, op, sh, n, alloc)
+						if err != nil {
+							return fmt.Errorf("%s %s of %d × %s, %d in flight: %w", b.name, op, sh.Descs, fmtSize(float64(sh.Block)), n, err)
+						}
+						in.results = append(in.results, r)
+						in.prog.done(r.summary())
 					}
-					in.results = append(in.results, r)
-					in.prog.done(r.summary())
 				}
 			}
 			if in.cfg.baseline {
@@ -349,20 +369,27 @@ func (in *initiator) finish(ctx context.Context, p *prepared) (roundResult, erro
 // measure runs one goxfer point: warm-up then measured operations, n in
 // flight, each on a fresh passive operation whose token was fetched before
 // the clock started.
-func (in *initiator) measure(ctx context.Context, b backendDef, op string, sh shape, n int) (Result, error) {
+func (in *initiator) measure(ctx context.Context, b backendDef, op string, sh shape, n int, alloc bool) (Result, error) {
 	t := in.proc
 	if b.inProcess {
 		t = in.local
 	}
 	iters, warmup := in.cfg.itersFor(sh.bytes())
 	total := warmup + iters
-	p, err := in.prepare(ctx, t, roundReq{Op: op, Block: sh.Block, Descs: sh.Descs, Slots: n, Ops: total, Check: in.cfg.check, WaitMsec: millis(in.cfg.timeout)})
+	req := roundReq{Op: op, Block: sh.Block, Descs: sh.Descs, Slots: n, Ops: total, Check: in.cfg.check, WaitMsec: millis(in.cfg.timeout)}
+	var allocFn func(int) ([]byte, func() error, error)
+	if alloc {
+		req.Alloc = b.name
+		inst := in.insts[b.name]
+		allocFn = func(size int) ([]byte, func() error, error) { return b.alloc(inst, size) }
+	}
+	p, err := in.prepare(ctx, t, req)
 	if err != nil {
 		return Result{}, err
 	}
 	in.createNs[sh.Descs] = float64(p.ready.CreateNs) / float64(total)
 	in.tokenBytes[sh.Descs] = p.ready.TokenLen
-	res, runErr := in.runOps(ctx, in.conns[b.name], p, op, sh, n, warmup, total)
+	res, runErr := in.runOps(ctx, in.conns[b.name], p, op, sh, n, warmup, total, allocFn)
 	fin, ferr := in.finish(ctx, p)
 	if runErr != nil {
 		return Result{}, runErr
@@ -393,6 +420,12 @@ func (in *initiator) measure(ctx context.Context, b backendDef, op string, sh sh
 	if b.inProcess {
 		r.Note = "in-process"
 	}
+	switch {
+	case alloc:
+		r.Note = joinNote(r.Note, "buffers from the backend's allocator")
+	case b.alloc != nil && in.cfg.ucxAlloc != "off":
+		r.Name += heapSuffix
+	}
 	if in.cfg.check {
 		r.Note = joinNote(r.Note, fmt.Sprintf("checked %s", fmtSize(float64(res.verified+fin.Verified))))
 	}
@@ -408,12 +441,26 @@ type opsRun struct {
 
 // runOps runs operations [0, total), the first warmup of them unmeasured,
 // with n in flight: goroutine s runs operations s, s+n, ... on slot s.
-func (in *initiator) runOps(ctx context.Context, c *connect.Connector, p *prepared, op string, sh shape, n, warmup, total int) (*opsRun, error) {
+func (in *initiator) runOps(ctx context.Context, c *connect.Connector, p *prepared, op string, sh shape, n, warmup, total int,
+	alloc func(int) ([]byte, func() error, error)) (_ *opsRun, err error) {
 	size := int(sh.bytes())
 	slots := make([][]byte, n)
 	descs := make([][]connect.Descriptor, n)
 	for s := range slots {
-		slots[s] = make([]byte, size)
+		if alloc == nil {
+			slots[s] = make([]byte, size)
+		} else {
+			buf, free, aerr := alloc(size)
+			if aerr != nil {
+				return nil, aerr
+			}
+			defer func() {
+				if ferr := free(); ferr != nil && err == nil {
+					err = ferr
+				}
+			}()
+			slots[s] = buf
+		}
 		poison(slots[s]) // fault the pages in before the clock starts
 		descs[s] = descriptors(slots[s], sh.Block, sh.Descs)
 	}

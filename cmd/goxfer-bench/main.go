@@ -45,6 +45,7 @@ type config struct {
 	control  bool
 	ucx      string
 	ucxTLS   []string
+	ucxAlloc string
 	latIters int
 	progress string
 	preset   string
@@ -136,6 +137,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.BoolVar(&c.control, "control", true, "measure the control plane (token over NATS, READ with its token request)")
 	fs.StringVar(&c.ucx, "ucx", "auto", "auto: run ucx_perftest when it is on PATH; off: never")
 	fs.StringVar(&ucxTLS, "ucx-tls", "tcp,self;posix,self", "UCX_TLS settings for ucx_perftest, separated by ';'")
+	fs.StringVar(&c.ucxAlloc, "ucx-alloc", "both", "buffers of the ucx rows, on both sides: on: allocated by UCX (ucp_mem_map ALLOCATE, as ucx_perftest's); off: Go heap; both: a row of each")
 	fs.IntVar(&c.latIters, "latency-iters", 2000, "round trips of the 4 KiB ping-pong and the control-plane measurements")
 	fs.StringVar(&c.progress, "progress", "auto", "auto: a progress bar on a terminal, one line per point otherwise; on; off")
 	if err := fs.Parse(args); err != nil {
@@ -224,6 +226,9 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	}
 	if !slices.Contains([]string{"auto", "on", "off"}, c.progress) {
 		return nil, fmt.Errorf("-progress %q: want auto, on or off", c.progress)
+	}
+	if !slices.Contains([]string{"on", "off", "both"}, c.ucxAlloc) {
+		return nil, fmt.Errorf("-ucx-alloc %q: want on, off or both", c.ucxAlloc)
 	}
 	if !slices.Contains([]string{"auto", "off"}, c.ucx) {
 		return nil, fmt.Errorf("-ucx %q: want auto or off", c.ucx)

@@ -53,8 +53,9 @@ type roundReq struct {
 	Ops      int    `json:"ops"` // passive operations to create; 0 for a baseline round
 	Check    bool   `json:"check"`
 	Seed     uint64 `json:"seed"`
-	RawBuf   bool   `json:"raw_buf"` // the raw TCP server serves from slot 0
-	WaitMsec int64  `json:"wait_ms"` // how long finish waits for passive completions
+	RawBuf   bool   `json:"raw_buf"`         // the raw TCP server serves from slot 0
+	WaitMsec int64  `json:"wait_ms"`         // how long finish waits for passive completions
+	Alloc    string `json:"alloc,omitempty"` // the backend whose allocator holds the slots; "": Go heap
 }
 
 // roundReady is the target's answer to "round".

@@ -93,10 +93,11 @@ func setRatios(rs []Result) {
 	}
 	for i := range rs {
 		r := &rs[i]
-		if r.Kind != "goxfer" || base[r.Name] == "" {
+		name := strings.TrimSuffix(r.Name, heapSuffix)
+		if r.Kind != "goxfer" || base[name] == "" {
 			continue
 		}
-		want := []string{base[r.Name]}
+		want := []string{base[name]}
 		if want[0] == baseTCP {
 			want = []string{baseTCP1, baseTCP4} // the ceiling: the better of the two
 		}

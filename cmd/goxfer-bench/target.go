@@ -17,6 +17,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/connect"
 	gxnats "github.com/goxfer/goxfer/transport/nats"
 )
@@ -35,6 +36,8 @@ type target struct {
 	nc   *nats.Conn
 	name string
 	conn *connect.Connector
+	// insts: the connector's backends by name, for their allocators
+	insts map[string]agent.Backend
 
 	raw, ping net.Listener
 	rawBuf    atomic.Pointer[[]byte] // what the raw TCP server sends from and reads into
@@ -58,6 +61,7 @@ type target struct {
 type round struct {
 	req   roundReq
 	slots [][]byte
+	frees []func() error // slots from a backend's allocator
 	ops   []passive
 	pages [][]byte
 	done  []int64
@@ -94,7 +98,12 @@ func startTarget(cfg *config, nc *nats.Conn, name string) (_ *target, err error)
 	if name != "proc" {
 		bcfg.listen = anyPort(cfg.listen)
 	}
-	t.conn, err = connect.NewConnector(connect.WithBackends(agentBackends(&bcfg)...), connect.WithLogger(quiet))
+	bs := agentBackends(&bcfg)
+	t.insts = map[string]agent.Backend{}
+	for _, b := range bs {
+		t.insts[b.Name()] = b
+	}
+	t.conn, err = connect.NewConnector(connect.WithBackends(bs...), connect.WithLogger(quiet))
 	if err != nil {
 		return nil, err
 	}
@@ -235,8 +244,24 @@ func (t *target) build(r *round) (roundReady, error) {
 	req := r.req
 	size := req.Block * req.Descs
 	addrs := make([]uint64, req.Slots)
+	var def backendDef
+	if req.Alloc != "" {
+		var ok bool
+		if def, ok = allocDef(req.Alloc); !ok || t.insts[req.Alloc] == nil {
+			return roundReady{}, fmt.Errorf("no allocator for backend %q here", req.Alloc)
+		}
+	}
 	for s := range r.slots {
-		r.slots[s] = make([]byte, size)
+		if def.alloc == nil {
+			r.slots[s] = make([]byte, size)
+		} else {
+			buf, free, err := def.alloc(t.insts[req.Alloc], size)
+			if err != nil {
+				return roundReady{}, err
+			}
+			r.slots[s] = buf
+			r.frees = append(r.frees, free)
+		}
 		if req.Op == "READ" {
 			fill(r.slots[s], readSeed(req.ID, s))
 		} else {
@@ -359,6 +384,11 @@ func (r *round) end() {
 	for _, op := range r.ops {
 		_ = op.Close()
 	}
+	r.ops = nil
+	for _, free := range r.frees { // no operation can touch the slots any more
+		_ = free()
+	}
+	r.frees = nil
 }
 
 // serveToken is the per-operation token service measured by the control

@@ -74,6 +74,7 @@ type window struct {
 	locals    []*mapping
 	flushOnly bool  // a flush of the shutdown, no window
 	remotePut bool  // a READ the exposing side writes into this side's memory
+	inline    bool  // the bytes travel in the open or the grant
 	push      *held // the exposing side's write of a READ into a peer's memory
 	pushPeer  *inPeer
 	pushLease uint64
@@ -157,6 +158,7 @@ func (l *loop) startXfer(xs *xstate) {
 		return
 	}
 	xs.p = p
+	l.xfers++ // until finish
 	if !p.ready {
 		p.waiting = append(p.waiting, xs)
 		return
@@ -180,7 +182,8 @@ func (l *loop) pump(xs *xstate) {
 		xs.next = end
 		p.wins[w.id] = w
 		xs.inflight++
-		w.remotePut = !xs.write && !l.b.cfg.getReads
+		w.inline = l.canInline(w)
+		w.remotePut = !w.inline && !xs.write && !l.b.cfg.getReads
 		var keys []byte
 		if w.remotePut {
 			var err error
@@ -198,6 +201,14 @@ func (l *loop) pump(xs *xstate) {
 			b = binary.LittleEndian.AppendUint64(b, seg.Remote.Addr+off)
 			b = binary.LittleEndian.AppendUint64(b, take)
 		})
+		if w.inline {
+			b[3] = 2
+			if xs.write {
+				w.each(func(seg *agent.Segment, off, take uint64) {
+					b = append(b, seg.Local.Mem[off:off+take]...)
+				})
+			}
+		}
 		if w.remotePut {
 			b[3] = 1
 			w.each(func(seg *agent.Segment, off, take uint64) {
@@ -214,6 +225,21 @@ func (l *loop) pump(xs *xstate) {
 	if xs.inflight == 0 && (xs.err != nil || xs.next.seg >= len(x.Segments)) {
 		l.finish(xs)
 	}
+}
+
+// canInline reports whether w moves in the control messages: at most
+// inlineMax bytes, host memory on both sides.
+func (l *loop) canInline(w *window) bool {
+	if w.n > uint64(l.b.cfg.inline) {
+		return false
+	}
+	ok := true
+	w.each(func(seg *agent.Segment, off, take uint64) {
+		if seg.Local.Kind != agent.KindDRAM || seg.Remote.Kind != agent.KindDRAM || uint64(len(seg.Local.Mem)) < off+take {
+			ok = false
+		}
+	})
+	return ok
 }
 
 // localKeys maps the local memory of a READ window the exposing side will
@@ -298,6 +324,7 @@ func (l *loop) finish(xs *xstate) {
 		return
 	}
 	xs.finished = true
+	l.xfers--
 	x, err := xs.x, xs.err
 	if err == nil {
 		select {
@@ -359,6 +386,21 @@ func (l *loop) onGrant(p *outPeer, m *msg) {
 		}
 		return
 	}
+	if w.inline { // the exposing side copied the bytes, and let go of the lease
+		if m.count != 0 || (xs.write && len(m.body) != 0) || (!xs.write && uint64(len(m.body)) != w.n) {
+			l.b.host.Refused()
+			drop(fmt.Errorf("ucx: %w: inline grant of %d bytes from peer %s for %d", errProtocol, len(m.body), p.id, w.n), false)
+			return
+		}
+		if !xs.write {
+			body := m.body
+			w.each(func(seg *agent.Segment, off, take uint64) {
+				body = body[copy(seg.Local.Mem[off:off+take], body):]
+			})
+		}
+		drop(nil, false)
+		return
+	}
 	if w.remotePut { // the exposing side wrote the bytes, flushed, and let go of the lease
 		if m.count != 0 || len(m.body) != 0 {
 			l.b.host.Refused()
@@ -409,7 +451,7 @@ func (l *loop) onGrant(p *outPeer, m *msg) {
 	i := 0
 	w.each(func(seg *agent.Segment, off, take uint64) {
 		var mh uintptr
-		if m := l.b.regs[regKey{seg.Local.Addr, seg.Local.Len}]; m != nil && m.memh != nil {
+		if m := l.b.localLocked(seg.Local.Addr, seg.Local.Len); m != nil && m.memh != nil {
 			if len(w.locals) == 0 || w.locals[len(w.locals)-1] != m {
 				m.users++
 				w.locals = append(w.locals, m)

@@ -46,6 +46,7 @@ type Backend struct {
 
 	regMu  sync.RWMutex // guards regs and n's context against Close
 	regs   map[regKey]*mapping
+	allocs map[uint64]*mapping   // Alloc's blocks, by address
 	live   map[*mapping]struct{} // every mapping not yet unmapped
 	dead   bool                  // the context is gone
 	regSeq atomic.Uint64
@@ -57,7 +58,7 @@ type Backend struct {
 // Start, that is by the agent's constructor.
 func New(opts ...Option) *Backend {
 	cfg, err := newConfig(opts)
-	return &Backend{cfg: cfg, optErr: err, regs: map[regKey]*mapping{}, live: map[*mapping]struct{}{}, wakeFD: -1, done: make(chan struct{})}
+	return &Backend{cfg: cfg, optErr: err, regs: map[regKey]*mapping{}, allocs: map[uint64]*mapping{}, live: map[*mapping]struct{}{}, wakeFD: -1, done: make(chan struct{})}
 }
 
 // BuiltIn reports whether this binary was built with the ucx tag.
@@ -285,6 +286,18 @@ type mapping struct {
 	packed     []byte // the packed remote key; made by the progress thread
 	users      int    // leases and windows using it; guarded by regMu
 	registered bool   // in regs; false: lazy, or deregistered while in use
+	// alloc: memory UCX allocated (Alloc); it stays mapped, and
+	// registered, until Free. refs counts the agent's registrations of
+	// regions inside it.
+	alloc bool
+	refs  int
+}
+
+// allocReg is the handle of a registration of a region inside memory
+// this backend allocated: the allocation's mapping serves it.
+type allocReg struct {
+	m *mapping
+	k regKey
 }
 
 // RegisterMem implements agent.Registrar: ucp_mem_map of the region. GPU
@@ -299,18 +312,50 @@ func (b *Backend) RegisterMem(l agent.Local) (any, error) {
 	if b.dead {
 		return nil, agent.ErrClosed
 	}
+	k := regKey{l.Addr, l.Len}
+	if l.Kind == agent.KindDRAM {
+		if a := b.allocOfLocked(l.Addr, l.Len); a != nil {
+			// Memory from Alloc is mapped already: its mapping, and its
+			// remote key, serve every region inside it.
+			b.forgetLocked(k)
+			a.refs++
+			b.regs[k] = a
+			return &allocReg{m: a, k: k}, nil
+		}
+	}
 	m, err := b.mapLocked(l.Addr, l.Len, l.Kind == agent.KindVRAM)
 	if err != nil {
 		return nil, err
 	}
 	m.registered = true
-	k := regKey{l.Addr, l.Len}
-	if old := b.regs[k]; old != nil {
-		old.registered = false // the agent registers a region once; be safe anyway
-		b.dropLocked(old)
-	}
+	b.forgetLocked(k)
 	b.regs[k] = m
 	return m, nil
+}
+
+// forgetLocked drops what regs holds under k: the agent registers a
+// region once, but be safe anyway. The caller holds regMu.
+func (b *Backend) forgetLocked(k regKey) {
+	old := b.regs[k]
+	if old == nil {
+		return
+	}
+	delete(b.regs, k)
+	if !old.alloc {
+		old.registered = false
+		_ = b.dropLocked(old)
+	}
+}
+
+// allocOfLocked returns the allocation holding [addr, addr+n), or nil.
+// The caller holds regMu.
+func (b *Backend) allocOfLocked(addr, n uint64) *mapping {
+	for _, a := range b.allocs {
+		if a.addr <= addr && addr+n <= a.addr+a.len && addr+n >= addr {
+			return a
+		}
+	}
+	return nil
 }
 
 func (b *Backend) mapLocked(addr, n uint64, cuda bool) (*mapping, error) {
@@ -326,6 +371,19 @@ func (b *Backend) mapLocked(addr, n uint64, cuda bool) (*mapping, error) {
 // DeregisterMem implements agent.Registrar. A mapping still used by a
 // lease or a transfer is unmapped when the last one lets go of it.
 func (b *Backend) DeregisterMem(handle any) error {
+	if r, ok := handle.(*allocReg); ok {
+		b.regMu.Lock()
+		defer b.regMu.Unlock()
+		if r.m == nil {
+			return nil
+		}
+		if b.regs[r.k] == r.m {
+			delete(b.regs, r.k)
+		}
+		r.m.refs--
+		r.m = nil
+		return nil
+	}
 	m, _ := handle.(*mapping)
 	if m == nil {
 		return nil
@@ -345,7 +403,7 @@ func (b *Backend) DeregisterMem(handle any) error {
 // dropLocked unmaps m unless it is registered or in use. The caller holds
 // regMu.
 func (b *Backend) dropLocked(m *mapping) error {
-	if m.registered || m.users > 0 || m.memh == nil {
+	if m.registered || m.alloc || m.users > 0 || m.memh == nil {
 		return nil
 	}
 	h := m.memh
@@ -365,6 +423,19 @@ func (b *Backend) findLocked(hint agent.Region, addr, n uint64) *mapping {
 			return m
 		}
 	}
+	return b.allocOfLocked(addr, n)
+}
+
+// localLocked returns the mapping of local memory [addr, addr+n) of a
+// transfer: its registration, or the allocation holding it; nil if
+// neither. The caller holds regMu.
+func (b *Backend) localLocked(addr, n uint64) *mapping {
+	if m := b.regs[regKey{addr, n}]; m != nil {
+		return m
+	}
+	if len(b.allocs) > 0 {
+		return b.allocOfLocked(addr, n)
+	}
 	return nil
 }
 
@@ -378,6 +449,7 @@ func (b *Backend) unmapAll() {
 	}
 	clear(b.live)
 	clear(b.regs)
+	clear(b.allocs)
 	b.dead = true
 }
 

@@ -25,7 +25,10 @@
 // remote keys of the registrations holding them. The transferring agent
 // then moves the bytes with one-sided ucp_get_nbx or ucp_put_nbx, flushes
 // the endpoint (for a WRITE, remote completion), ends the lease, and after
-// the last lease sends the notification. Revoking an exposure therefore
+// the last lease sends the notification. Transfers of at most 16 KiB
+// (WithInlineSize) travel in the request and its answer instead, checked
+// byte by byte by the exposing agent. Backend.Alloc places buffers in
+// memory UCX allocates, which shared-memory transports share directly. Revoking an exposure therefore
 // waits for its leases. Heartbeats on every connection bound how long a
 // dead peer goes unnoticed (WithTimeout). See docs/ucx.md for the
 // transports, the trust model and measurements.
@@ -43,3 +46,11 @@ var ErrNotBuiltIn = errors.New("ucx: not built in: rebuild with -tags ucx agains
 // ErrInvalidOption reports an option value the backend cannot use. The
 // agent's constructor returns it from Start.
 var ErrInvalidOption = errors.New("ucx: invalid option")
+
+// ErrNotAllocated reports a Free of memory the backend did not allocate,
+// or has freed already.
+var ErrNotAllocated = errors.New("ucx: not allocated by this backend, or freed already")
+
+// ErrInUse reports a Free of memory that is still registered with the
+// agent, or used by a lease or a transfer.
+var ErrInUse = errors.New("ucx: memory in use")

@@ -5,6 +5,7 @@ package ucx
 import (
 	"errors"
 	"fmt"
+	"runtime"
 	"time"
 
 	"github.com/google/uuid"
@@ -14,9 +15,10 @@ import (
 )
 
 // spinFor is how long the progress thread keeps polling after the last
-// sign of activity before it arms the worker and sleeps: requests arriving
-// in a burst are served without a wake-up each.
-const spinFor = 200 * time.Microsecond
+// progress while a transfer waits for an answer, before it arms the
+// worker and parks: answers that come quickly are served without a
+// wake-up. Polling holds a P, so with GOMAXPROCS=1 the thread does not.
+const spinFor = 100 * time.Microsecond
 
 // leaseDepth is how many leases of one transfer are requested or in flight
 // at once: the next is granted while the current one's bytes move.
@@ -35,6 +37,8 @@ type loop struct {
 	n    *native
 	wake int // eventfd that submit writes
 	ep   int // epoll instance: wake and the worker's event fd
+	// xfers counts the transfers started and not finished.
+	xfers int
 
 	seq     uint64
 	outs    map[uuid.UUID][]*outPeer // by the peer's agent ID
@@ -56,6 +60,7 @@ type loop struct {
 	out      []byte
 	keys     []grantKey
 	idx      []uint16
+	mems     [][]byte
 }
 
 func (l *loop) next() uint64 { l.seq++; return l.seq }
@@ -105,20 +110,37 @@ func (l *loop) run(ready chan<- error) {
 	_ = unix.Close(l.ep)
 }
 
-// serve polls while there is work and sleeps on the worker's event fd and
-// the wake-up eventfd otherwise, until a close command has been handled.
+// serve runs until a close command has been handled. It steps while
+// there is work; polls while operations are in flight or a peer holds a
+// lease (see below), and for spinFor after the last progress while a
+// transfer waits for an answer; and otherwise arms the worker and sleeps
+// in epoll_wait on the worker's event fd and the wake-up eventfd. With
+// GOMAXPROCS=1 it yields the P between polls, or other goroutines would
+// wait for the runtime's sysmon to preempt it (milliseconds).
 func (l *loop) serve() {
 	var evs [2]unix.EpollEvent
+	spin := runtime.GOMAXPROCS(0) > 1
 	lastBusy := time.Now()
 	for !l.closing {
 		busy := l.step()
 		now := time.Now()
-		if busy || len(l.ops) > 0 || l.leases > 0 {
+		if busy {
 			lastBusy = now
 			continue
 		}
-		if now.Sub(lastBusy) < spinFor {
+		if len(l.ops) > 0 || l.leases > 0 {
+			// Operations in flight, or a peer moving bytes through a
+			// lease: UCX emulates RMA over tcp and shared memory with
+			// both sides' progress, and a send it queued for want of
+			// room (a full shared-memory FIFO) signals nothing when
+			// room appears. Poll; alone on one P, let others run.
+			if !spin {
+				runtime.Gosched()
+			}
 			continue
+		}
+		if spin && l.xfers > 0 && now.Sub(lastBusy) < spinFor {
+			continue // an answer is due
 		}
 		l.tick(now)
 		if !l.n.arm() {

@@ -316,6 +316,31 @@ static ucs_status_t gx_map(gx_t *g, uint64_t addr, uint64_t len, int cuda, ucp_m
 
 static ucs_status_t gx_unmap(gx_t *g, ucp_mem_h memh) { return ucp_mem_unmap(g->ctx, memh); }
 
+// gx_alloc has UCX allocate len bytes of host memory and map them
+// (UCP_MEM_MAP_ALLOCATE): with shared-memory transports the memory is a
+// segment peers map, so RMA into it is a plain copy. *addr is where it lies.
+static ucs_status_t gx_alloc(gx_t *g, uint64_t len, ucp_mem_h *memh, void **addr, uint64_t *got) {
+	ucp_mem_map_params_t p;
+	memset(&p, 0, sizeof(p));
+	p.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+	p.address = NULL;
+	p.length = len;
+	p.flags = UCP_MEM_MAP_ALLOCATE;
+	ucs_status_t st = ucp_mem_map(g->ctx, &p, memh);
+	if (st != UCS_OK) return st;
+	ucp_mem_attr_t a;
+	memset(&a, 0, sizeof(a));
+	a.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+	st = ucp_mem_query(*memh, &a);
+	if (st != UCS_OK || a.address == NULL || a.length < len) {
+		ucp_mem_unmap(g->ctx, *memh);
+		return st != UCS_OK ? st : UCS_ERR_NO_MEMORY;
+	}
+	*addr = a.address;
+	*got = a.length;
+	return UCS_OK;
+}
+
 static ucs_status_t gx_pack(gx_t *g, ucp_mem_h memh, void **buf, size_t *len) {
 	return ucp_rkey_pack(g->ctx, memh, buf, len);
 }
@@ -562,6 +587,19 @@ func (n *native) mapMem(addr, length uint64, cuda bool) (memh, error) {
 }
 
 func (n *native) unmap(m memh) error { return statusErr("ucp_mem_unmap", C.gx_unmap(n.g, m)) }
+
+// allocMem has UCX allocate and map length bytes of host memory. It
+// returns the mapping, where the memory lies and how long it is (at least
+// length).
+func (n *native) allocMem(length uint64) (memh, unsafe.Pointer, uint64, error) {
+	var m C.ucp_mem_h
+	var p unsafe.Pointer
+	var got C.uint64_t
+	if err := statusErr("ucp_mem_map(ALLOCATE)", C.gx_alloc(n.g, C.uint64_t(length), &m, &p, &got)); err != nil {
+		return nil, nil, 0, err
+	}
+	return m, p, uint64(got), nil
+}
 
 // pack returns the packed remote key of m, in Go memory.
 func (n *native) pack(m memh) ([]byte, error) {

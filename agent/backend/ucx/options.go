@@ -22,6 +22,7 @@ type config struct {
 	maxNotify int
 	maxRanges int
 	getReads  bool
+	inline    int
 }
 
 func defaults() config {
@@ -30,6 +31,7 @@ func defaults() config {
 		lease:     16 << 20,
 		maxNotify: 64 << 10,
 		maxRanges: 4096,
+		inline:    maxInline,
 	}
 }
 
@@ -111,6 +113,24 @@ func WithLeaseSize(n int) Option {
 func WithGetReads(on bool) Option {
 	return optionFunc(func(c *config) error {
 		c.getReads = on
+		return nil
+	})
+}
+
+// WithInlineSize sets the largest transfer (in bytes, all its descriptors
+// together, host memory on both sides) that travels in the control
+// messages instead of by RMA: the bytes of a WRITE go in the lease
+// request and the exposing agent copies them in after checking their
+// ranges; those of a READ come back in its answer. Such a transfer takes
+// one round trip instead of two or three, hands out no remote key, and the
+// exposing agent checks every byte. 0 turns it off. Default and maximum:
+// 16 KiB.
+func WithInlineSize(n int) Option {
+	return optionFunc(func(c *config) error {
+		if n < 0 || n > maxInline {
+			return fmt.Errorf("%w: inline size must be in [0, %d], got %d", ErrInvalidOption, maxInline, n)
+		}
+		c.inline = n
 		return nil
 	})
 }

@@ -26,6 +26,9 @@ func TestOptions(t *testing.T) {
 		{"TimeoutShort", ucx.WithTimeout(time.Millisecond), false},
 		{"Lease", ucx.WithLeaseSize(1 << 20), true},
 		{"LeaseSmall", ucx.WithLeaseSize(1), false},
+		{"InlineOff", ucx.WithInlineSize(0), true},
+		{"Inline", ucx.WithInlineSize(4096), true},
+		{"InlineBig", ucx.WithInlineSize(1 << 20), false},
 		{"GetReads", ucx.WithGetReads(true), true},
 		{"Nil", nil, false},
 	} {

@@ -83,6 +83,10 @@ func (l *loop) onOpen(p *inPeer, m *msg) {
 	}
 	h := &held{l: lease}
 	l.leases++
+	if m.inline {
+		l.inlineOpen(p, m, h)
+		return
+	}
 	b := l.frame(tGrant, stOK, 0, p.remote)
 	b = binary.LittleEndian.AppendUint64(b, m.lease)
 	if l.seen == nil {
@@ -144,6 +148,41 @@ func (l *loop) onOpen(p *inPeer, m *msg) {
 	}
 	binary.LittleEndian.PutUint32(b[4:], uint32(len(h.maps)))
 	p.leases[m.lease] = h
+	_ = l.send(p.ep, b)
+}
+
+// inlineOpen serves an inline open: every range is checked first, then a
+// WRITE's bytes are copied in, or a READ's copied into the grant, and the
+// lease ends before the answer goes out. No remote key is handed out.
+func (l *loop) inlineOpen(p *inPeer, m *msg, h *held) {
+	l.mems = l.mems[:0]
+	for i := range int(m.count) {
+		addr, n := m.rangeAt(i)
+		mem, err := h.l.Slice(addr, n)
+		if err == nil && mem == nil {
+			err = fmt.Errorf("%w: device memory moves by RMA only", agent.ErrAccessDenied)
+		}
+		if err != nil {
+			clear(l.mems)
+			l.release(h)
+			l.refuse(p, m.lease, stDenied, fmt.Errorf("range %d: %w", i, err))
+			return
+		}
+		l.mems = append(l.mems, mem)
+	}
+	b := l.frame(tGrant, stOK, 0, p.remote)
+	b = binary.LittleEndian.AppendUint64(b, m.lease)
+	data := m.data
+	write := agent.Access(m.status) == agent.AccessWrite
+	for i, mem := range l.mems {
+		if write {
+			data = data[copy(mem, data):]
+		} else {
+			b = append(b, mem...)
+		}
+		l.mems[i] = nil
+	}
+	l.release(h)
 	_ = l.send(p.ep, b)
 }
 

@@ -46,5 +46,11 @@ func (b *Backend) Notify(agent.Info, agent.Key, []byte) error { return ErrNotBui
 // Close implements agent.Backend.
 func (b *Backend) Close() error { return nil }
 
+// Alloc fails: without UCX there is nothing to allocate memory from.
+func (b *Backend) Alloc(int) ([]byte, error) { return nil, ErrNotBuiltIn }
+
+// Free fails with ErrNotAllocated: Alloc never succeeds here.
+func (b *Backend) Free([]byte) error { return ErrNotAllocated }
+
 // BuiltIn reports whether this binary was built with the ucx tag.
 func BuiltIn() bool { return false }

@@ -31,9 +31,14 @@ import (
 //	open    active→passive  lease u64, key [16], count × (address u64, length u64);
 //	                        a READ the exposing side pushes (header byte 3 = 1) then
 //	                        has count × local address u64, a key count u32, and the
-//	                        reader's keys and key indices as in a grant
+//	                        reader's keys and key indices as in a grant; an inline
+//	                        open (header byte 3 = 2; at most maxInline bytes in all)
+//	                        is answered at once: a WRITE's bytes follow the ranges, in
+//	                        order, and the exposing side copies them in; a READ's come
+//	                        back in the grant
 //	grant   passive→active  lease u64; ok: count × (registration u64, length u16, packed
-//	                        remote key), then one u16 key index per range; else error text
+//	                        remote key), then one u16 key index per range; inline: count
+//	                        0, and a READ's bytes; else error text
 //	release active→passive  lease u64
 //	notify  active→passive  key [16], message (the rest)
 //	ping, pong, bye         nothing
@@ -59,6 +64,10 @@ const (
 	maxErrMsg  = 1 << 10
 	maxRkey    = 64 << 10 // largest packed remote key
 	rangeBytes = 16
+	// maxInline is the most bytes an inline open moves: small transfers
+	// travel in the control messages themselves, one round trip, and the
+	// exposing side copies every byte after checking its range.
+	maxInline = 16 << 10
 )
 
 // cid is a connection ID.
@@ -78,6 +87,8 @@ type msg struct {
 	addr        []byte    // hello
 	lease       uint64    // open, grant, release
 	push        bool      // open: the exposing side writes into the reader's memory
+	inline      bool      // open: the bytes travel in the open (WRITE) or the grant (READ)
+	data        []byte    // inline WRITE open: the bytes, range after range
 	local       []byte    // push open: the reader's addresses
 	nkeys       uint32    // push open: the reader's keys
 	keys        []byte    // push open: keys and indices, as in a grant
@@ -135,6 +146,22 @@ func parseMsg(b []byte, lim limits) (msg, error) {
 		m.body = r.Bytes(int(m.count)*rangeBytes, "ranges")
 		switch b[3] {
 		case 0:
+		case 2:
+			m.inline = true
+			if r.Err() != nil {
+				break
+			}
+			var total uint64
+			for i := range int(m.count) {
+				_, n := m.rangeAt(i)
+				if n > maxInline || total+n > maxInline {
+					return m, fmt.Errorf("%w: inline open of more than %d bytes", errProtocol, maxInline)
+				}
+				total += n
+			}
+			if m.status == uint8(agent.AccessWrite) {
+				m.data = r.Bytes(int(total), "inline bytes")
+			}
 		case 1:
 			if m.status != uint8(agent.AccessRead) {
 				return m, fmt.Errorf("%w: push open for access %d", errProtocol, m.status)

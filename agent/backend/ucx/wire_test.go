@@ -57,6 +57,34 @@ func TestParseMsg(t *testing.T) {
 	require.ErrorIs(t, err, errProtocol)
 }
 
+func TestParseInline(t *testing.T) {
+	inline := func(acc agent.Access, n uint64, data int) []byte {
+		b := header(nil, tOpen, uint8(acc), 1, cid{1})
+		b = binary.LittleEndian.AppendUint64(b, 7)
+		k := agent.NewKey()
+		b = append(b, k[:]...)
+		b = binary.LittleEndian.AppendUint64(b, 0x1000)
+		b = binary.LittleEndian.AppendUint64(b, n)
+		b[3] = 2
+		return append(b, make([]byte, data)...)
+	}
+	m, err := parseMsg(inline(agent.AccessWrite, 100, 100), testLimits)
+	require.NoError(t, err)
+	require.True(t, m.inline)
+	require.Len(t, m.data, 100)
+	m, err = parseMsg(inline(agent.AccessRead, 100, 0), testLimits)
+	require.NoError(t, err)
+	require.True(t, m.inline)
+	_, err = parseMsg(inline(agent.AccessWrite, 100, 99), testLimits)
+	require.ErrorIs(t, err, errProtocol, "short data")
+	_, err = parseMsg(inline(agent.AccessWrite, 100, 101), testLimits)
+	require.ErrorIs(t, err, errProtocol, "trailing data")
+	_, err = parseMsg(inline(agent.AccessRead, maxInline+1, 0), testLimits)
+	require.ErrorIs(t, err, errProtocol, "too big")
+	_, err = parseMsg(inline(agent.AccessRead, 1<<63, 0), testLimits)
+	require.ErrorIs(t, err, errProtocol, "huge")
+}
+
 func TestConnInfo(t *testing.T) {
 	c := connInfo{net: true, host: [8]byte{1, 2}, addr: []byte("worker")}
 	got, err := parseConnInfo(c.marshal())
