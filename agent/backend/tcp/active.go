@@ -640,7 +640,11 @@ func (s *stream) loop() error {
 		err := s.land(&h, &f)
 		<-s.slots
 		if err != nil && !errors.Is(err, agent.ErrAccessDenied) {
-			f.st.release(fmt.Errorf("tcp: connection to peer %s: %w: %w", s.p.id, agent.ErrRemoteLost, err))
+			cause := fmt.Errorf("tcp: connection to peer %s: %w: %w", s.p.id, agent.ErrRemoteLost, err)
+			if perr := s.p.failure(); perr != nil {
+				cause = perr // the peer was failed, closing this connection under the frame: report why
+			}
+			f.st.release(cause)
 			return err
 		}
 		f.st.release(err)
