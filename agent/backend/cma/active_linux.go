@@ -357,60 +357,15 @@ type window struct {
 	tasks   atomic.Int64
 }
 
-// xstate tracks one transfer: a reference for the driver plus one per
-// window that holds a lease slot. The last reference finishes the transfer.
+// xstate tracks one transfer: a part for the driver plus one per window
+// that holds a lease slot. The last part finishes the transfer.
 type xstate struct {
+	agent.Parts
 	b     *Backend
 	p     *peer
 	x     *agent.Xfer
 	write bool
 	slots chan struct{} // one per lease requested or held
-	refs  atomic.Int64
-
-	mu  sync.Mutex
-	err error
-}
-
-func (s *xstate) fail(err error) {
-	s.mu.Lock()
-	if s.err == nil {
-		s.err = err
-	}
-	s.mu.Unlock()
-}
-
-func (s *xstate) failed() bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.err != nil
-}
-
-func (s *xstate) release(err error) {
-	if err != nil {
-		s.fail(err)
-	}
-	if s.refs.Add(-1) == 0 {
-		s.finish()
-	}
-}
-
-func (s *xstate) finish() {
-	defer s.b.xwg.Done()
-	s.mu.Lock()
-	err := s.err
-	s.mu.Unlock()
-	x := s.x
-	if err == nil {
-		select {
-		case <-x.Cancelled():
-			err = x.CancelErr() // a cancelled transfer never reports success
-		default:
-		}
-	}
-	if err == nil && x.Notify != nil {
-		err = s.p.notify(x.Key, x.Notify)
-	}
-	x.Finish(err)
 }
 
 // Post implements agent.Backend. Post starts a driver goroutine that
@@ -421,17 +376,17 @@ func (b *Backend) Post(x *agent.Xfer) error {
 		return err
 	}
 	st := &xstate{b: b, p: p, x: x, write: x.Op == agent.OpWrite, slots: make(chan struct{}, b.cfg.leaseDepth)}
-	st.refs.Store(1)
+	st.Init(x, p.notify, b.xwg.Done)
 	if end, n, pieces := advance(x.Segments, cursor{}, uint64(b.cfg.chunk), iovMax); end.seg == len(x.Segments) {
 		// One chunk: request the lease here and copy when it is granted.
 		st.slots <- struct{}{}
 		w := &window{st: st, n: n, pieces: pieces, inline: true}
-		st.refs.Add(1)
+		st.Add()
 		if err := p.begin(w); err != nil {
 			w.abandon()
-			st.fail(err)
+			st.Fail(err)
 		}
-		st.release(nil)
+		st.Done(nil)
 		return nil
 	}
 	go b.drive(st)
@@ -441,7 +396,7 @@ func (b *Backend) Post(x *agent.Xfer) error {
 // drive requests the transfer's leases in order, at most leaseDepth at a
 // time, and dispatches each granted span's chunks to the workers.
 func (b *Backend) drive(st *xstate) {
-	defer st.release(nil)
+	defer st.Done(nil)
 	x, p := st.x, st.p
 	lease, chunk := uint64(b.cfg.lease), uint64(b.cfg.chunk)
 	timer := time.NewTimer(b.cfg.timeout)
@@ -454,7 +409,7 @@ func (b *Backend) drive(st *xstate) {
 	}()
 	var c cursor
 	for {
-		for c.seg < len(x.Segments) && !st.failed() {
+		for c.seg < len(x.Segments) && !st.Failed() {
 			select {
 			case st.slots <- struct{}{}:
 			default:
@@ -464,25 +419,25 @@ func (b *Backend) drive(st *xstate) {
 				select {
 				case st.slots <- struct{}{}:
 				case <-x.Cancelled():
-					st.fail(x.CancelErr())
+					st.Fail(x.CancelErr())
 					return
 				case <-p.dead:
-					st.fail(p.failure())
+					st.Fail(p.failure())
 					return
 				}
 			}
 			end, n, pieces := advance(x.Segments, c, lease, b.cfg.maxRanges)
 			w := &window{st: st, start: c, n: n, pieces: pieces, granted: make(chan error, 1)}
-			st.refs.Add(1)
+			st.Add()
 			pending = append(pending, w)
 			if err := p.begin(w); err != nil {
-				st.fail(err)
+				st.Fail(err)
 				return
 			}
 			c = end
 		}
 	wait:
-		if len(pending) == 0 || st.failed() {
+		if len(pending) == 0 || st.Failed() {
 			return
 		}
 		w := pending[0]
@@ -496,12 +451,12 @@ func (b *Backend) drive(st *xstate) {
 			}
 			w.dispatch(chunk)
 		case <-x.Cancelled():
-			st.fail(x.CancelErr())
+			st.Fail(x.CancelErr())
 			return
 		case <-timer.C:
 			err := fmt.Errorf("cma: peer %s left a lease request unanswered for %v: %w", p.id, b.cfg.timeout, agent.ErrRemoteLost)
 			p.fail(err, true)
-			st.fail(err)
+			st.Fail(err)
 			return
 		}
 	}
@@ -563,7 +518,7 @@ func (w *window) done(err error) {
 		_ = st.p.write(&header{typ: tEnd, id: w.id}, nil, nil)
 	}
 	<-st.slots
-	st.release(err)
+	st.Done(err)
 }
 
 // dispatch cuts w into chunks of at most chunk bytes and IOV_MAX pieces.
@@ -597,7 +552,7 @@ func (w *window) dispatch(chunk uint64) {
 
 func (w *window) taskDone(err error) {
 	if err != nil {
-		w.st.fail(err)
+		w.st.Fail(err)
 	}
 	if w.tasks.Add(-1) == 0 {
 		w.done(nil)
@@ -646,7 +601,7 @@ func (b *Backend) copyTask(t task, v *iovecs) {
 	case <-st.x.Cancelled():
 		err = st.x.CancelErr()
 	default:
-		if st.failed() {
+		if st.Failed() {
 			break
 		}
 		if v == nil {

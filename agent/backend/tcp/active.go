@@ -79,58 +79,13 @@ type frame struct {
 	typ   uint8
 }
 
-// xstate tracks one transfer: a reference per frame in flight plus one for
-// the goroutine posting them. The last reference finishes the transfer.
+// xstate tracks one transfer: a part per frame in flight plus one for the
+// goroutine posting them. The last part finishes the transfer.
 type xstate struct {
-	b    *Backend
-	x    *agent.Xfer
-	p    *peer
-	refs atomic.Int64
-
-	mu  sync.Mutex
-	err error
-}
-
-func (s *xstate) fail(err error) {
-	s.mu.Lock()
-	if s.err == nil {
-		s.err = err
-	}
-	s.mu.Unlock()
-}
-
-func (s *xstate) failed() bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.err != nil
-}
-
-func (s *xstate) release(err error) {
-	if err != nil {
-		s.fail(err)
-	}
-	if s.refs.Add(-1) == 0 {
-		s.finish()
-	}
-}
-
-func (s *xstate) finish() {
-	defer s.b.wg.Done()
-	s.mu.Lock()
-	err := s.err
-	s.mu.Unlock()
-	x := s.x
-	if err == nil {
-		select {
-		case <-x.Cancelled():
-			err = x.CancelErr() // a cancelled transfer never reports success
-		default:
-		}
-	}
-	if err == nil && x.Notify != nil {
-		err = s.p.notify(x.Key, x.Notify)
-	}
-	x.Finish(err)
+	agent.Parts
+	b *Backend
+	x *agent.Xfer
+	p *peer
 }
 
 // Post implements agent.Backend.
@@ -140,7 +95,7 @@ func (b *Backend) Post(x *agent.Xfer) error {
 		return err
 	}
 	st := &xstate{b: b, x: x, p: p}
-	st.refs.Store(1)
+	st.Init(x, p.notify, b.wg.Done)
 	typ := uint8(tRead)
 	if x.Op == agent.OpWrite {
 		typ = tWrite
@@ -152,9 +107,9 @@ func (b *Backend) Post(x *agent.Xfer) error {
 				// Inline only if the stream is free this instant: a small
 				// transfer never waits behind another one's frame here.
 				if s.w.wmu.TryLock() {
-					st.refs.Add(1)
+					st.Add()
 					s.sendLocked(frame{st: st, n: n, typ: typ}, pieces)
-					st.release(nil)
+					st.Done(nil)
 					return nil
 				}
 				<-s.slots
@@ -169,16 +124,16 @@ func (b *Backend) Post(x *agent.Xfer) error {
 // drive posts a transfer's frames, waiting for free slots.
 func (b *Backend) drive(st *xstate, typ uint8) {
 	defer b.wg.Done()
-	defer st.release(nil)
+	defer st.Done(nil)
 	x, p := st.x, st.p
 	select {
 	case <-p.ready:
 	case <-x.Cancelled():
-		st.fail(x.CancelErr())
+		st.Fail(x.CancelErr())
 		return
 	}
 	if err := p.failure(); err != nil {
-		st.fail(err)
+		st.Fail(err)
 		return
 	}
 	chunk := p.chunk
@@ -187,16 +142,16 @@ func (b *Backend) drive(st *xstate, typ uint8) {
 		return
 	}
 	for c := (cursor{}); c.seg < len(x.Segments); {
-		if st.failed() {
+		if st.Failed() {
 			return
 		}
 		end, n, pieces := nextFrame(x.Segments, c, chunk, p.pieces)
 		s, err := p.acquire(x)
 		if err != nil {
-			st.fail(err)
+			st.Fail(err)
 			return
 		}
-		st.refs.Add(1)
+		st.Add()
 		s.send(frame{st: st, start: c, n: n, typ: typ}, pieces)
 		c = end
 	}
@@ -213,7 +168,7 @@ func (b *Backend) driveParallel(st *xstate, chunk uint64) {
 	next := func() (f frame, pieces int, ok bool) {
 		mu.Lock()
 		defer mu.Unlock()
-		if c.seg >= len(x.Segments) || st.failed() {
+		if c.seg >= len(x.Segments) || st.Failed() {
 			return f, 0, false
 		}
 		end, n, pieces := nextFrame(x.Segments, c, chunk, p.pieces)
@@ -228,10 +183,10 @@ func (b *Backend) driveParallel(st *xstate, chunk uint64) {
 				select {
 				case s.slots <- struct{}{}:
 				case <-x.Cancelled():
-					st.fail(x.CancelErr())
+					st.Fail(x.CancelErr())
 					return
 				case <-p.dead:
-					st.fail(p.failure())
+					st.Fail(p.failure())
 					return
 				}
 				f, pieces, ok := next()
@@ -239,7 +194,7 @@ func (b *Backend) driveParallel(st *xstate, chunk uint64) {
 					<-s.slots
 					return
 				}
-				st.refs.Add(1)
+				st.Add()
 				s.send(f, pieces)
 			}
 		})
@@ -517,7 +472,7 @@ func (s *stream) sendLocked(f frame, pieces int) {
 		err := s.err
 		w.wmu.Unlock()
 		<-s.slots
-		f.st.release(err)
+		f.st.Done(err)
 		return
 	}
 	s.seq++
@@ -590,7 +545,7 @@ func (s *stream) read() {
 		select {
 		case f := <-s.pending:
 			<-s.slots
-			f.st.release(err)
+			f.st.Done(err)
 			continue
 		default:
 		}
@@ -644,10 +599,10 @@ func (s *stream) loop() error {
 			if perr := s.p.failure(); perr != nil {
 				cause = perr // the peer was failed, closing this connection under the frame: report why
 			}
-			f.st.release(cause)
+			f.st.Done(cause)
 			return err
 		}
-		f.st.release(err)
+		f.st.Done(err)
 	}
 }
 

@@ -1,0 +1,96 @@
+package agent
+
+import (
+	"sync"
+	"sync/atomic"
+)
+
+// Parts finishes a transfer that a backend moves in parts (frames, leases,
+// chunks) from several goroutines, by the rules every backend keeps:
+//
+//   - the first error any part reports is the transfer's outcome;
+//   - a transfer cancelled before it finished never reports success, even
+//     if every part went through;
+//   - the notification, if any, goes out only once every part is done and
+//     successful, and its failure fails the transfer;
+//   - Xfer.Finish is called exactly once, after the last part.
+//
+// A backend embeds or allocates one per transfer and calls Init before
+// sharing it. The zero value is not usable. Methods are safe for concurrent
+// use.
+type Parts struct {
+	x        *Xfer
+	notify   func(key Key, msg []byte) error
+	finished func()
+	refs     atomic.Int64
+
+	mu  sync.Mutex
+	err error
+}
+
+// Init prepares p for x with one reference, held by the caller (usually
+// the goroutine that posts the parts), which it drops with Done like any
+// part's. notify delivers x.Notify to the peer; it is not called when
+// x.Notify is nil. finished, if not nil, runs after x.Finish, for example
+// to mark a backend's goroutine or transfer done.
+func (p *Parts) Init(x *Xfer, notify func(key Key, msg []byte) error, finished func()) {
+	p.x, p.notify, p.finished = x, notify, finished
+	p.refs.Store(1)
+}
+
+// Xfer returns the transfer p finishes.
+func (p *Parts) Xfer() *Xfer { return p.x }
+
+// Add counts one more part in flight; each Add is matched by one Done.
+func (p *Parts) Add() { p.refs.Add(1) }
+
+// Fail records err as the outcome unless an error came first. The
+// transfer still finishes only once every part is done.
+func (p *Parts) Fail(err error) {
+	p.mu.Lock()
+	if p.err == nil {
+		p.err = err
+	}
+	p.mu.Unlock()
+}
+
+// Failed reports whether an error was recorded: parts not yet started
+// need not be.
+func (p *Parts) Failed() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.err != nil
+}
+
+// Done ends one part, with err if it failed. The last Done finishes the
+// transfer on the calling goroutine: it sends the notification, if any,
+// and calls Xfer.Finish.
+func (p *Parts) Done(err error) {
+	if err != nil {
+		p.Fail(err)
+	}
+	if p.refs.Add(-1) == 0 {
+		p.finish()
+	}
+}
+
+func (p *Parts) finish() {
+	if p.finished != nil {
+		defer p.finished()
+	}
+	p.mu.Lock()
+	err := p.err
+	p.mu.Unlock()
+	x := p.x
+	if err == nil {
+		select {
+		case <-x.Cancelled():
+			err = x.CancelErr()
+		default:
+		}
+	}
+	if err == nil && x.Notify != nil {
+		err = p.notify(x.Key, x.Notify)
+	}
+	x.Finish(err)
+}

@@ -1,0 +1,113 @@
+package agent
+
+import (
+	"errors"
+	"sync"
+	"testing"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// capturingBackend hands every posted transfer to the test.
+type capturingBackend struct {
+	stubBackend
+	posted chan *Xfer
+}
+
+func (b *capturingBackend) Post(x *Xfer) error { b.posted <- x; return nil }
+
+func TestParts(t *testing.T) {
+	b := &capturingBackend{stubBackend{name: "parts"}, make(chan *Xfer, 1)}
+	a := newTestAgent(t, b)
+	peer := Info{ID: uuid.New(), Conns: []ConnInfo{{Backend: "parts"}}}
+	buf := make([]byte, 64)
+	post := func(notify []byte) *Xfer {
+		_, err := a.Post(Request{Op: OpWrite, Peer: peer, Notify: notify,
+			Segments: []Segment{{Local: DRAM(buf), Remote: Region{Addr: 0x1000, Len: 64}}}})
+		require.NoError(t, err)
+		return <-b.posted
+	}
+	type sent struct {
+		key Key
+		msg string
+	}
+
+	cases := []struct {
+		name      string
+		notify    []byte
+		notifyErr error
+		run       func(p *Parts, x *Xfer)
+		want      error // nil: success
+		notified  bool
+	}{
+		{name: "every part succeeds, then the notification", notify: []byte("done"),
+			run:      func(p *Parts, x *Xfer) { p.Add(); p.Add(); p.Done(nil); p.Done(nil); p.Done(nil) },
+			notified: true},
+		{name: "the first error wins", notify: []byte("done"),
+			run: func(p *Parts, x *Xfer) {
+				p.Add()
+				p.Add()
+				p.Done(ErrAccessDenied)
+				p.Done(ErrRemoteLost)
+				p.Done(nil)
+			},
+			want: ErrAccessDenied},
+		{name: "a cancelled transfer never succeeds",
+			run:  func(p *Parts, x *Xfer) { p.Add(); p.Done(nil); x.Cancel(nil); p.Done(nil) },
+			want: ErrCancelled},
+		{name: "a failed notification fails the transfer", notify: []byte("done"), notifyErr: ErrRemoteLost,
+			run:  func(p *Parts, x *Xfer) { p.Done(nil) },
+			want: ErrRemoteLost, notified: true},
+		{name: "Fail records without finishing",
+			run: func(p *Parts, x *Xfer) {
+				p.Add()
+				p.Fail(ErrRemoteLost)
+				assert.True(t, p.Failed())
+				select {
+				case <-x.Done():
+					t.Error("finished with a part still in flight")
+				default:
+				}
+				p.Done(nil)
+				p.Done(nil)
+			},
+			want: ErrRemoteLost},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			x := post(tc.notify)
+			var mu sync.Mutex
+			var notes []sent
+			finished := 0
+			var p Parts
+			p.Init(x, func(k Key, msg []byte) error {
+				mu.Lock()
+				defer mu.Unlock()
+				select {
+				case <-x.Done():
+					t.Error("notified after Finish")
+				default:
+				}
+				notes = append(notes, sent{k, string(msg)})
+				return tc.notifyErr
+			}, func() { finished++ })
+			assert.Same(t, x, p.Xfer())
+			assert.False(t, p.Failed())
+			tc.run(&p, x)
+			<-x.Done()
+			if tc.want == nil {
+				require.NoError(t, x.Err())
+			} else {
+				require.True(t, errors.Is(x.Err(), tc.want), "got %v, want %v", x.Err(), tc.want)
+			}
+			assert.Equal(t, 1, finished)
+			if tc.notified {
+				assert.Equal(t, []sent{{x.Key, "done"}}, notes)
+			} else {
+				assert.Empty(t, notes)
+			}
+		})
+	}
+}
