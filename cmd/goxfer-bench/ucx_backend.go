@@ -5,6 +5,7 @@ package main
 import (
 	"fmt"
 	"os"
+	"strconv"
 
 	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/agent/backend/ucx"
@@ -22,11 +23,17 @@ import (
 // -ucx-alloc off (-ucx-alloc both adds rows on Go heap memory, named
 // "ucx (Go heap)"). GOXFER_BENCH_UCX_GET_READS=1 in the environment
 // (which the target inherits) measures READ as ucp_get_nbx
-// (ucx.WithGetReads) instead of a put by the exposing side.
+// (ucx.WithGetReads) instead of a put by the exposing side;
+// GOXFER_BENCH_UCX_LEASE=n sets the lease size (ucx.WithLeaseSize) of
+// both sides.
 func init() {
 	extraBackends = append(extraBackends, backendDef{name: ucx.Name, baseline: baseUCX,
 		newFn: func(*config) agent.Backend {
-			return ucx.New(ucx.WithGetReads(os.Getenv("GOXFER_BENCH_UCX_GET_READS") == "1"))
+			opts := []ucx.Option{ucx.WithGetReads(os.Getenv("GOXFER_BENCH_UCX_GET_READS") == "1")}
+			if n, err := strconv.Atoi(os.Getenv("GOXFER_BENCH_UCX_LEASE")); err == nil {
+				opts = append(opts, ucx.WithLeaseSize(n))
+			}
+			return ucx.New(opts...)
 		},
 		alloc: func(b agent.Backend, n int) ([]byte, func() error, error) {
 			u, ok := b.(*ucx.Backend)

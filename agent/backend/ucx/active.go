@@ -132,10 +132,13 @@ func (p *outPeer) failure(err error) error {
 
 func (l *loop) onWelcome(p *outPeer, m *msg) {
 	if p.ready {
+		l.b.stats.protocol.Add(1)
 		l.b.host.Refused()
 		return
 	}
 	if m.from != p.id {
+		l.b.stats.drop(&l.b.stats.handshake)
+		l.b.host.Refused()
 		l.failOut(p, fmt.Errorf("ucx: the worker of peer %s answers as agent %s: %w", p.id, m.from, agent.ErrRemoteLost), false)
 		return
 	}
@@ -362,6 +365,7 @@ func (l *loop) endLease(p *outPeer, id uint64) {
 func (l *loop) onGrant(p *outPeer, m *msg) {
 	w := p.wins[m.lease]
 	if w == nil || w.granted {
+		l.b.stats.protocol.Add(1)
 		l.b.host.Refused()
 		return
 	}
@@ -388,6 +392,7 @@ func (l *loop) onGrant(p *outPeer, m *msg) {
 	}
 	if w.inline { // the exposing side copied the bytes, and let go of the lease
 		if m.count != 0 || (xs.write && len(m.body) != 0) || (!xs.write && uint64(len(m.body)) != w.n) {
+			l.b.stats.protocol.Add(1)
 			l.b.host.Refused()
 			drop(fmt.Errorf("ucx: %w: inline grant of %d bytes from peer %s for %d", errProtocol, len(m.body), p.id, w.n), false)
 			return
@@ -403,6 +408,7 @@ func (l *loop) onGrant(p *outPeer, m *msg) {
 	}
 	if w.remotePut { // the exposing side wrote the bytes, flushed, and let go of the lease
 		if m.count != 0 || len(m.body) != 0 {
+			l.b.stats.protocol.Add(1)
 			l.b.host.Refused()
 		}
 		drop(nil, false)
@@ -421,6 +427,7 @@ func (l *loop) onGrant(p *outPeer, m *msg) {
 	var err error
 	l.keys, l.idx, err = parseGrant(m.body, m.count, w.pieces, l.keys, l.idx)
 	if err != nil {
+		l.b.stats.protocol.Add(1)
 		l.b.host.Refused()
 		drop(fmt.Errorf("ucx: grant from peer %s: %w", p.id, err), true)
 		return

@@ -52,6 +52,8 @@ type Backend struct {
 	regSeq atomic.Uint64
 
 	n *native // created and destroyed by the progress thread
+
+	stats stats
 }
 
 // New returns a UCX backend for one agent. Invalid options are reported by
@@ -84,17 +86,39 @@ func (c *config) ucxSettings() [][2]string {
 		_, ok := os.LookupEnv("UCX_" + k)
 		set = set || ok
 	}
-	tls := c.tls
-	if tls == "" {
-		tls = os.Getenv("UCX_TLS")
-	}
-	if !set && usesSharedMemory(tls) {
+	if !set && usesSharedMemory(c.effectiveTLS()) {
 		s = append(s, [2]string{"MM_ERROR_HANDLING", "y"})
 	}
 	if c.tls != "" {
 		s = append(s, [2]string{"TLS", c.tls})
 	}
 	return append(s, c.settings...)
+}
+
+// effectiveTLS returns the UCX_TLS the context is created with.
+func (c *config) effectiveTLS() string {
+	if c.tls != "" {
+		return c.tls
+	}
+	return os.Getenv("UCX_TLS")
+}
+
+// socketsOnly reports whether a UCX_TLS list names nothing but tcp (and
+// self): transports whose every event, a socket that can be written again
+// included, wakes an armed worker.
+func socketsOnly(tls string) bool {
+	tls = strings.TrimSpace(tls)
+	if tls == "" || tls == "all" || strings.HasPrefix(tls, "^") {
+		return false
+	}
+	for _, t := range strings.Split(tls, ",") {
+		switch strings.TrimSpace(strings.TrimPrefix(t, "\\")) {
+		case "tcp", "self":
+		default:
+			return false
+		}
+	}
+	return true
 }
 
 // usesSharedMemory guesses from a UCX_TLS list whether UCX loads its
@@ -149,11 +173,7 @@ func (b *Backend) Start(h agent.Host) ([]byte, error) {
 		_ = unix.Close(wfd)
 		return nil, err
 	}
-	tls := b.cfg.tls
-	if tls == "" {
-		tls = os.Getenv("UCX_TLS")
-	}
-	b.self.net = reachesNet(tls)
+	b.self.net = reachesNet(b.cfg.effectiveTLS())
 	b.self.host = hostid.Of("net")
 	b.cuda = b.n.cuda()
 	b.mu.Lock()
@@ -193,7 +213,15 @@ func (b *Backend) Reachable(info agent.Info) error {
 type command struct {
 	post   *xstate
 	notify *note
+	depart *departure
+	run    func(*loop) // tests: code to run on the progress thread
 	close  bool
+}
+
+// departure is a peer declared gone from outside (agent.Departer).
+type departure struct {
+	id    uuid.UUID
+	cause error
 }
 
 type note struct {
@@ -252,6 +280,32 @@ func (b *Backend) Notify(peer agent.Info, key agent.Key, msg []byte) error {
 	}
 	return b.submit(command{notify: &note{peer: peer, key: key, msg: append([]byte(nil), msg...)}})
 }
+
+// PeerDeparted implements agent.Departer: the connections to agent id are
+// dropped at once and their endpoints force-closed, failing with cause
+// (which wraps agent.ErrRemoteLost) every transfer waiting on that peer:
+// lease requests unanswered, READs the peer is writing into this agent's
+// memory, puts and flushes in flight (these once the endpoint is closed,
+// so that no operation still touches the transfer's memory). It does not
+// wait for WithTimeout to notice a peer that may have gone silent rather
+// than closed its endpoints. The next transfer to it connects afresh.
+// Connections it opened to this agent (for its own transfers, and the
+// leases they hold here) are left to their heartbeats: they serve its
+// requests if it is in fact alive.
+func (b *Backend) PeerDeparted(id uuid.UUID, cause error) {
+	if cause == nil {
+		cause = agent.ErrRemoteLost
+	}
+	b.mu.Lock()
+	started := b.started
+	b.mu.Unlock()
+	if started {
+		_ = b.submit(command{depart: &departure{id: id, cause: cause}})
+	}
+}
+
+// Stats returns the backend's counters. Safe for concurrent use.
+func (b *Backend) Stats() Stats { return b.stats.snapshot() }
 
 // Close implements agent.Backend: it says goodbye to every peer, fails
 // what is still in flight with agent.ErrClosed, unmaps every registration

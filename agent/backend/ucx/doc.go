@@ -30,8 +30,10 @@
 // byte by byte by the exposing agent. Backend.Alloc places buffers in
 // memory UCX allocates, which shared-memory transports share directly. Revoking an exposure therefore
 // waits for its leases. Heartbeats on every connection bound how long a
-// dead peer goes unnoticed (WithTimeout). See docs/ucx.md for the
-// transports, the trust model and measurements.
+// dead peer goes unnoticed (WithTimeout); Backend.PeerDeparted
+// (agent.Departer) drops a peer a presence registry declared gone at once,
+// and Backend.Stats (agent.Counting) counts what peers did wrong. See
+// docs/ucx.md for the transports, the trust model and measurements.
 package ucx
 
 import "errors"

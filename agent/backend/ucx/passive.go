@@ -43,13 +43,23 @@ type held struct {
 // onHello accepts a connection: it connects back to the worker address
 // the hello names and answers with this side's connection ID.
 func (l *loop) onHello(m *msg) {
-	if m.peer != l.b.id || m.from == uuid.Nil || len(l.ins) >= maxInPeers || l.closing {
+	switch {
+	case l.closing:
+		l.b.host.Refused()
+		return
+	case m.peer != l.b.id || m.from == uuid.Nil:
+		l.b.stats.drop(&l.b.stats.handshake)
+		l.b.host.Refused()
+		return
+	case len(l.ins) >= maxInPeers:
+		l.b.stats.drop(&l.b.stats.limit)
 		l.b.host.Refused()
 		return
 	}
 	p := &inPeer{cid: newCID(), remote: m.src, peer: m.from, epID: l.next(), leases: map[uint64]*held{}, rkeys: map[uint64]*rkeyEntry{}, lastRecv: time.Now()}
 	var err error
 	if p.ep, err = l.n.connect(m.addr, p.epID); err != nil {
+		l.b.stats.drop(&l.b.stats.handshake)
 		l.b.host.Refused()
 		return
 	}
@@ -68,6 +78,11 @@ func (l *loop) onHello(m *msg) {
 func (l *loop) onOpen(p *inPeer, m *msg) {
 	p.used = true
 	if _, dup := p.leases[m.lease]; dup || len(p.leases) >= maxLeases {
+		if dup {
+			l.b.stats.drop(&l.b.stats.protocol)
+		} else {
+			l.b.stats.drop(&l.b.stats.limit)
+		}
 		l.b.host.Refused()
 		l.failIn(p, fmt.Errorf("%w: lease %d requested twice, or more than %d leases held", errProtocol, m.lease, maxLeases), true)
 		return
@@ -198,8 +213,12 @@ func (l *loop) push(p *inPeer, m *msg, h *held) {
 	var err error
 	l.keys, l.idx, err = parseGrant(m.keys, m.nkeys, int(m.count), l.keys, l.idx)
 	if err != nil || len(m.local) != 8*int(m.count) {
+		l.b.stats.drop(&l.b.stats.protocol)
 		l.b.host.Refused()
 		l.release(h)
+		if err == nil {
+			err = fmt.Errorf("%w: %d local addresses for %d ranges", errProtocol, len(m.local)/8, m.count)
+		}
 		l.failIn(p, fmt.Errorf("push open: %w", err), true)
 		return
 	}
@@ -259,6 +278,9 @@ func (l *loop) pushed(w *window, err error) {
 }
 
 func (l *loop) refuse(p *inPeer, id uint64, st uint8, why error) {
+	if st == stDenied {
+		l.b.stats.denied.Add(1)
+	}
 	text := why.Error()
 	if len(text) > maxErrMsg {
 		text = text[:maxErrMsg]

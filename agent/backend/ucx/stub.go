@@ -5,6 +5,8 @@ package ucx
 import (
 	"fmt"
 
+	"github.com/google/uuid"
+
 	"github.com/goxfer/goxfer/agent"
 )
 
@@ -54,3 +56,9 @@ func (b *Backend) Free([]byte) error { return ErrNotAllocated }
 
 // BuiltIn reports whether this binary was built with the ucx tag.
 func BuiltIn() bool { return false }
+
+// Stats returns the backend's counters: all 0 without UCX.
+func (b *Backend) Stats() Stats { return Stats{} }
+
+// PeerDeparted implements agent.Departer: there is nothing to drop.
+func (b *Backend) PeerDeparted(uuid.UUID, error) {}

@@ -77,6 +77,11 @@ type cid [16]byte
 // counted as refused.
 var errProtocol = errors.New("ucx: protocol violation")
 
+// errLimit marks a message over one of this agent's limits (ranges in a
+// lease request, a notification's size); it wraps errProtocol, and is
+// counted apart.
+var errLimit = fmt.Errorf("%w: over a limit", errProtocol)
+
 // msg is a decoded message. Its slices alias the input.
 type msg struct {
 	typ, status uint8
@@ -136,7 +141,10 @@ func parseMsg(b []byte, lim limits) (msg, error) {
 		m.from = uuid.UUID(arr16(r.Bytes(16, "from")))
 	case tOpen:
 		if m.count == 0 || uint64(m.count) > uint64(lim.maxRanges) {
-			return m, fmt.Errorf("%w: open of %d ranges, want 1 to %d", errProtocol, m.count, lim.maxRanges)
+			if m.count == 0 {
+				return m, fmt.Errorf("%w: open of 0 ranges", errProtocol)
+			}
+			return m, fmt.Errorf("%w: open of %d ranges, at most %d", errLimit, m.count, lim.maxRanges)
 		}
 		if m.status != uint8(agent.AccessRead) && m.status != uint8(agent.AccessWrite) {
 			return m, fmt.Errorf("%w: open for access %d", errProtocol, m.status)
@@ -187,7 +195,7 @@ func parseMsg(b []byte, lim limits) (msg, error) {
 		m.key = agent.Key(arr16(r.Bytes(16, "key")))
 		m.body = r.Bytes(r.Remaining(), "message")
 		if len(m.body) > lim.maxNotify {
-			return m, fmt.Errorf("%w: notification of %d bytes, at most %d", errProtocol, len(m.body), lim.maxNotify)
+			return m, fmt.Errorf("%w: notification of %d bytes, at most %d", errLimit, len(m.body), lim.maxNotify)
 		}
 	case tPing, tPong, tBye:
 	default:

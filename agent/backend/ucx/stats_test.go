@@ -1,0 +1,170 @@
+//go:build ucx
+
+package ucx
+
+import (
+	"encoding/binary"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/goxfer/goxfer/agent"
+)
+
+// onLoop runs f on b's progress thread and waits for it.
+func onLoop(t *testing.T, b *Backend, f func(l *loop)) {
+	t.Helper()
+	done := make(chan struct{})
+	require.NoError(t, b.submit(command{run: func(l *loop) { f(l); close(done) }}))
+	<-done
+}
+
+func newUCXAgent(t *testing.T, opts ...Option) (*agent.Agent, *Backend) {
+	t.Helper()
+	u := New(opts...)
+	a, err := agent.New(agent.WithBackends(u))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = a.Close() })
+	return a, u
+}
+
+// since returns s - before, field by field.
+func since(s, before Stats) Stats {
+	return Stats{
+		Disconnected:      s.Disconnected - before.Disconnected,
+		HandshakeFailures: s.HandshakeFailures - before.HandshakeFailures,
+		ProtocolErrors:    s.ProtocolErrors - before.ProtocolErrors,
+		LimitRejected:     s.LimitRejected - before.LimitRejected,
+		Timeouts:          s.Timeouts - before.Timeouts,
+		Denied:            s.Denied - before.Denied,
+	}
+}
+
+func waitStats(t *testing.T, u *Backend, before, want Stats) {
+	t.Helper()
+	require.Eventually(t, func() bool { return since(u.Stats(), before) == want }, 10*time.Second, time.Millisecond,
+		"got %+v, want %+v", since(u.Stats(), before), want)
+	time.Sleep(50 * time.Millisecond) // and nothing more
+	assert.Equal(t, want, since(u.Stats(), before))
+}
+
+// Lease requests refused by the exposing side count as denied there, the
+// connection kept; the agent sees them under the backend's name.
+func TestStatsDenied(t *testing.T) {
+	a, ua := newUCXAgent(t)
+	b, ub := newUCXAgent(t)
+	mem := make([]byte, 1<<20)
+	exp, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(mem)})
+	require.NoError(t, err)
+	defer exp.Revoke()
+	post := func(key agent.Key, op agent.Op, n uint64) error {
+		x, err := b.Post(agent.Request{Op: op, Peer: a.Info(), Key: key,
+			Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, n)), Remote: agent.Region{Addr: agent.DRAM(mem).Addr, Len: n}}}})
+		require.NoError(t, err)
+		<-x.Done()
+		return x.Err()
+	}
+	require.NoError(t, post(exp.Key(), agent.OpRead, 1<<20))
+	beforeA, beforeB := ua.Stats(), ub.Stats()
+	require.ErrorIs(t, post(agent.NewKey(), agent.OpRead, 1<<20), agent.ErrAccessDenied) // unknown key
+	require.ErrorIs(t, post(agent.NewKey(), agent.OpRead, 4096), agent.ErrAccessDenied)  // inline
+	require.ErrorIs(t, post(exp.Key(), agent.OpWrite, 1<<20), agent.ErrAccessDenied)     // wrong access kind
+	waitStats(t, ua, beforeA, Stats{Denied: 3})
+	assert.Equal(t, Stats{}, since(ub.Stats(), beforeB))
+	require.NoError(t, post(exp.Key(), agent.OpRead, 1<<20), "the connection is kept")
+	c := a.Stats().Backends[Name]
+	assert.Equal(t, beforeA.Denied+3, c["denied"])
+	for _, k := range []string{"disconnected", "handshake_failures", "protocol_errors", "limit_rejected", "timeouts", "denied"} {
+		assert.Contains(t, c, k)
+	}
+}
+
+// Malformed and out-of-place messages count as protocol errors (over a
+// limit: limit_rejected) where they arrive; a lease requested twice on
+// one connection costs the connection.
+func TestStatsMalformed(t *testing.T) {
+	a, ua := newUCXAgent(t)
+	b, ub := newUCXAgent(t)
+	mem := make([]byte, 1<<20)
+	exp, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(mem)})
+	require.NoError(t, err)
+	defer exp.Revoke()
+	x, err := b.Post(agent.Request{Op: agent.OpRead, Peer: a.Info(), Key: exp.Key(),
+		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 4096)), Remote: agent.Region{Addr: agent.DRAM(mem).Addr, Len: 4096}}}})
+	require.NoError(t, err)
+	<-x.Done()
+	require.NoError(t, x.Err())
+
+	before, refused := ua.Stats(), a.Stats().Refused
+	onLoop(t, ub, func(l *loop) {
+		p := l.outs[a.ID()][0]
+		require.True(t, p.ready)
+		l.send(p.ep, []byte{1, 2, 3})                                // shorter than a header
+		l.send(p.ep, header(nil, 99, 0, 0, p.remote))                // unknown type
+		l.send(p.ep, header(nil, tPing, 0, 0, cid{1}))               // no such connection
+		l.send(p.ep, append(header(nil, tGrant, 0, 0, p.remote), 8)) // a grant to the exposing side, and malformed
+		m := header(nil, tOpen, uint8(agent.AccessRead), uint32(l.b.cfg.maxRanges+1), p.remote)
+		l.send(p.ep, m) // too many ranges
+	})
+	waitStats(t, ua, before, Stats{ProtocolErrors: 4, LimitRejected: 1})
+	assert.Equal(t, refused+5, a.Stats().Refused)
+
+	// The same lease twice: the second costs the connection.
+	before = ua.Stats()
+	onLoop(t, ub, func(l *loop) {
+		p := l.outs[a.ID()][0]
+		m := header(nil, tOpen, uint8(agent.AccessRead), 1, p.remote)
+		m = binary.LittleEndian.AppendUint64(m, 1<<60)
+		k := exp.Key()
+		m = append(m, k[:]...)
+		m = binary.LittleEndian.AppendUint64(m, agent.DRAM(mem).Addr)
+		m = binary.LittleEndian.AppendUint64(m, 4096)
+		l.send(p.ep, m)
+		l.send(p.ep, m)
+	})
+	waitStats(t, ua, before, Stats{Disconnected: 1, ProtocolErrors: 1})
+}
+
+// A hello naming another agent is a handshake failure where it arrives;
+// the side that sent it hears nothing and times out.
+func TestStatsHandshakeAndTimeout(t *testing.T) {
+	a, ua := newUCXAgent(t)
+	b, ub := newUCXAgent(t, WithTimeout(300*time.Millisecond))
+	beforeA, beforeB := ua.Stats(), ub.Stats()
+	wrong := a.Info()
+	wrong.ID = uuid.New()
+	x, err := b.Post(agent.Request{Op: agent.OpRead, Peer: wrong, Key: agent.NewKey(),
+		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 4096)), Remote: agent.Region{Addr: 4096, Len: 4096}}}})
+	require.NoError(t, err)
+	<-x.Done()
+	require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
+	waitStats(t, ua, beforeA, Stats{Disconnected: 1, HandshakeFailures: 1})
+	waitStats(t, ub, beforeB, Stats{Disconnected: 1, Timeouts: 1})
+}
+
+// A lease request left unanswered is a timeout.
+func TestStatsLeaseTimeout(t *testing.T) {
+	peer := startStuck(t, WithTimeout(time.Minute))
+	a, u := newUCXAgent(t, WithTimeout(300*time.Millisecond))
+	x, err := a.Post(agent.Request{Op: agent.OpWrite, Peer: peer, Key: agent.NewKey(),
+		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 1<<20)), Remote: agent.Region{Addr: 4096, Len: 1 << 20}}}})
+	require.NoError(t, err)
+	<-x.Done()
+	require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
+	waitStats(t, u, Stats{}, Stats{Disconnected: 1, Timeouts: 1})
+}
+
+// Only transports that wake an armed worker on every event may sleep while
+// bytes move.
+func TestSocketsOnly(t *testing.T) {
+	for tls, want := range map[string]bool{
+		"tcp": true, "tcp,self": true, " self , tcp ": true, `\tcp,self`: true,
+		"": false, "all": false, "^posix": false, "posix,self": false, "tcp,posix,self": false,
+		"rc,self": false, "sm,tcp": false, "self": true,
+	} {
+		assert.Equal(t, want, socketsOnly(tls), "%q", tls)
+	}
+}
