@@ -65,7 +65,7 @@ type Stats struct {
 	// Backends holds, per backend name, the counters of backends that keep
 	// them (see Counting), for example how many connections the tcp
 	// backend dropped and why. Nil when no backend counts.
-	Backends map[string]map[string]uint64
+	Backends map[string]BackendStats
 }
 
 // Agent registers memory, exposes it, and posts transfers to remote agents
@@ -176,9 +176,9 @@ func (a *Agent) Stats() Stats {
 	for _, b := range a.backends {
 		if c, ok := b.(Counting); ok {
 			if st.Backends == nil {
-				st.Backends = make(map[string]map[string]uint64)
+				st.Backends = make(map[string]BackendStats)
 			}
-			st.Backends[b.Name()] = c.Counters()
+			st.Backends[b.Name()] = c.Stats()
 		}
 	}
 	return st

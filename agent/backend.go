@@ -40,14 +40,41 @@ type Backend interface {
 }
 
 // Counting is an optional Backend interface for backends that count what
-// their peers did wrong, by kind: connections dropped for a protocol error,
-// a limit or a timeout, requests refused. Agent.Stats collects the counters
-// under the backend's name.
+// their peers did wrong, by kind. Agent.Stats collects the counters under
+// the backend's name.
 type Counting interface {
-	// Counters returns a fresh map of the backend's counters since it
-	// started, keyed by stable snake_case names ("disconnected",
-	// "limit_rejected"). It is safe for concurrent use.
-	Counters() map[string]uint64
+	// Stats returns the backend's counters since it started. It is safe
+	// for concurrent use, also after Close.
+	Stats() BackendStats
+}
+
+// BackendStats are a backend's counters of what its peers did wrong: the
+// connections it dropped on a peer's account, by kind, and the requests it
+// refused without dropping the connection. Each dropped connection counts
+// in Disconnected and in exactly one kind. A connection the peer closed, or
+// that the agent's own Close ended, counts nowhere. Each backend's Stats
+// type documents what falls under each kind for its protocol.
+type BackendStats struct {
+	// Disconnected counts the connections dropped on a peer's account:
+	// the sum of the four kinds below, as far as they cost a connection.
+	Disconnected uint64
+	// HandshakeFailures counts connections whose handshake was malformed,
+	// named another agent or none, or was abandoned halfway.
+	HandshakeFailures uint64
+	// ProtocolErrors counts malformed or out-of-place frames, in either
+	// direction.
+	ProtocolErrors uint64
+	// LimitRejected counts connections closed, or requests dropped, for
+	// going over a limit: connections per peer or address, handshakes in
+	// progress, a request's size or pieces, a notification's size.
+	LimitRejected uint64
+	// Timeouts counts connections cut because a peer was silent, too
+	// slow, or left a request unanswered.
+	Timeouts uint64
+	// Denied counts requests answered "access denied", the connection
+	// kept: unknown, revoked or forged keys, the wrong access kind,
+	// addresses outside the exposed regions.
+	Denied uint64
 }
 
 // Departer is an optional Backend interface for backends that keep state

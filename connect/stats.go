@@ -1,9 +1,19 @@
 package connect
 
+import "github.com/goxfer/goxfer/agent"
+
+// BackendStats are one backend's counters of what its peers did wrong: the
+// connections it dropped on a peer's account, by kind (HandshakeFailures,
+// ProtocolErrors, LimitRejected, Timeouts; Disconnected is their sum), and
+// the requests it refused without dropping the connection (Denied). The
+// backends' Stats types (tcp.Stats, cma.Stats) say what falls under each
+// kind.
+type BackendStats = agent.BackendStats
+
 // Stats are a Connector's counters since it started: what remote peers
 // asked for and were refused, and what the backends dropped on a peer's
 // account. They are for monitoring: a steady rise in Refused or in a
-// backend's "limit_rejected" or "protocol_errors" means a misconfigured or
+// backend's LimitRejected or ProtocolErrors means a misconfigured or
 // hostile peer is knocking (see docs/security.md).
 type Stats struct {
 	// Refused counts remote accesses this Connector's agent refused: forged
@@ -19,12 +29,9 @@ type Stats struct {
 	// operations were all closed shows zeros; a steady climb means
 	// operations are not being closed.
 	Registered, Exposed, InFlight int
-	// Backends holds, per backend name ("tcp", "cma"), the counters of
-	// backends that keep them: "disconnected" (connections dropped on a
-	// peer's account) and, by kind, "handshake_failures",
-	// "protocol_errors", "limit_rejected" and "timeouts", plus "denied"
-	// (requests refused, the connection kept). See tcp.Stats and cma.Stats.
-	Backends map[string]map[string]uint64
+	// Backends holds, per backend name ("tcp", "cma", "ucx"), the counters
+	// of backends that keep them.
+	Backends map[string]BackendStats
 }
 
 // Stats returns the Connector's counters. The result is a fresh copy the

@@ -16,7 +16,7 @@ func TestStatsCountRefusals(t *testing.T) {
 			passive, active := pair(t, backend)
 			before := passive.Stats()
 			assert.Contains(t, before.Backends, "tcp", "tcp keeps counters")
-			assert.Zero(t, before.Backends["tcp"]["denied"])
+			assert.Zero(t, before.Backends["tcp"].Denied)
 
 			pop := expose(t, passive, KindRead, buffers([]int{4096}, 1))
 			md := pop.Metadata()
@@ -35,8 +35,8 @@ func TestStatsCountRefusals(t *testing.T) {
 			assert.Zero(t, after.Registered+after.Exposed+after.InFlight, "nothing is left open")
 			assert.Zero(t, active.Stats().Registered+active.Stats().InFlight, "nothing is left open")
 			if backend == "tcp" {
-				assert.Equal(t, uint64(1), after.Backends["tcp"]["denied"])
-				assert.Zero(t, after.Backends["tcp"]["disconnected"], "a refused request keeps its connection")
+				assert.Equal(t, uint64(1), after.Backends["tcp"].Denied)
+				assert.Zero(t, after.Backends["tcp"].Disconnected, "a refused request keeps its connection")
 			}
 			require.NoError(t, passive.Close())
 			assert.Equal(t, after.Refused, passive.Stats().Refused, "Stats works after Close")

@@ -4,59 +4,36 @@ import (
 	"errors"
 	"net"
 	"sync/atomic"
+
+	"github.com/goxfer/goxfer/agent"
 )
 
-// Stats are a backend's counters since it started: the connections it
-// dropped because of what a peer did, by kind, and the requests it refused
-// without dropping the connection. Each dropped connection counts in
-// Disconnected and in exactly one kind. A connection that a peer closes,
-// or that this agent's own Close ends, counts nowhere.
+// Stats are the backend's counters since it started (agent.BackendStats),
+// for the tcp protocol:
+//
+//   - HandshakeFailures: accepted connections whose handshake was malformed
+//     (magic, version), named no agent or another agent than this one, or
+//     ended before it was complete.
+//   - ProtocolErrors: connections dropped for a malformed frame: unknown
+//     types, lengths that disagree, a WRITE acknowledged with data, an
+//     answer to no request or with the wrong id; frames from active peers
+//     and answers from passive ones.
+//   - LimitRejected: connections closed for going over a limit:
+//     connections per address (WithMaxConnsPerIP) or per peer
+//     (WithMaxConnsPerPeer), handshakes in progress (WithMaxHandshakes, the
+//     oldest closed), a request's bytes (WithMaxFrameSize) or pieces
+//     (WithMaxPieces), or a notification's size (64 KiB).
+//   - Timeouts: connections cut because a peer was silent or too slow: a
+//     handshake not complete within the keepalive timeout, a frame or an
+//     answer moving less than 64 KiB in a timeout, or a request of ours
+//     left unanswered that long while the peer kept pinging.
+//   - Denied: requests answered "access denied", the connection kept: an
+//     unknown, revoked or forged key, the wrong access kind, a piece outside
+//     the exposed regions or across two of them.
 //
 // The agent's own count of refusals (agent.Stats.Refused) sees most of
 // these too; Stats says which kind each was.
-type Stats struct {
-	// Disconnected counts the connections this backend dropped on a peer's
-	// account: the sum of the four kinds below.
-	Disconnected uint64
-	// HandshakeFailures counts accepted connections whose handshake was
-	// malformed (magic, version), named no agent or another agent than
-	// this one, or ended before it was complete.
-	HandshakeFailures uint64
-	// ProtocolErrors counts connections dropped for a malformed frame:
-	// unknown types, lengths that disagree, a WRITE acknowledged with data,
-	// an answer to no request or with the wrong id. Both directions: frames
-	// from active peers, and answers from passive ones.
-	ProtocolErrors uint64
-	// LimitRejected counts connections closed for going over a limit:
-	// connections per address (WithMaxConnsPerIP) or per peer
-	// (WithMaxConnsPerPeer), handshakes in progress (WithMaxHandshakes,
-	// the oldest closed), a request's bytes (WithMaxFrameSize) or pieces
-	// (WithMaxPieces), or a notification's size (64 KiB).
-	LimitRejected uint64
-	// Timeouts counts connections cut because a peer was silent or too
-	// slow: a handshake, a frame, or the reading of an answer not complete
-	// within the keepalive timeout, or a request of ours left unanswered
-	// that long while the peer kept pinging.
-	Timeouts uint64
-	// Denied counts requests answered "access denied", the connection
-	// kept: an unknown, revoked or forged key, the wrong access kind, a
-	// piece outside the exposed regions or across two of them.
-	Denied uint64
-}
-
-// Counters returns the same counters as Stats, keyed by snake_case name,
-// for agent.Stats (the agent.Counting interface). Safe for concurrent use.
-func (b *Backend) Counters() map[string]uint64 {
-	s := b.Stats()
-	return map[string]uint64{
-		"disconnected":       s.Disconnected,
-		"handshake_failures": s.HandshakeFailures,
-		"protocol_errors":    s.ProtocolErrors,
-		"limit_rejected":     s.LimitRejected,
-		"timeouts":           s.Timeouts,
-		"denied":             s.Denied,
-	}
-}
+type Stats = agent.BackendStats
 
 type stats struct {
 	disconnected, handshake, protocol, limit, timeouts, denied atomic.Uint64

@@ -75,11 +75,9 @@ func TestStatsDenied(t *testing.T) {
 	waitStats(t, ua, beforeA, Stats{Denied: 3})
 	assert.Equal(t, Stats{}, since(ub.Stats(), beforeB))
 	require.NoError(t, post(exp.Key(), agent.OpRead, 1<<20), "the connection is kept")
-	c := a.Stats().Backends[Name]
-	assert.Equal(t, beforeA.Denied+3, c["denied"])
-	for _, k := range []string{"disconnected", "handshake_failures", "protocol_errors", "limit_rejected", "timeouts", "denied"} {
-		assert.Contains(t, c, k)
-	}
+	c, ok := a.Stats().Backends[Name]
+	require.True(t, ok, "the agent collects ucx's counters")
+	assert.Equal(t, beforeA.Denied+3, c.Denied)
 }
 
 // Malformed and out-of-place messages count as protocol errors (over a
