@@ -156,3 +156,27 @@ func (x *Xfer) Finish(err error) {
 		x.a.xferDone(x)
 	})
 }
+
+// Cursor is a position in a transfer's segments: byte Off of segment Seg.
+// Backends cut a transfer into spans (frames, leases, chunks) between two
+// cursors; each contiguous part of one segment in a span is a piece.
+type Cursor struct {
+	Seg int
+	Off uint64
+}
+
+// Span returns where the span starting at c ends, its bytes and its
+// pieces: at most maxBytes bytes and maxPieces pieces.
+func Span(segs []Segment, c Cursor, maxBytes uint64, maxPieces int) (end Cursor, n uint64, pieces int) {
+	for c.Seg < len(segs) && n < maxBytes && pieces < maxPieces {
+		l := segs[c.Seg].Local.Len
+		take := min(l-c.Off, maxBytes-n)
+		n += take
+		pieces++
+		c.Off += take
+		if c.Off == l {
+			c.Seg, c.Off = c.Seg+1, 0
+		}
+	}
+	return c, n, pieces
+}

@@ -377,7 +377,7 @@ func (b *Backend) Post(x *agent.Xfer) error {
 	}
 	st := &xstate{b: b, p: p, x: x, write: x.Op == agent.OpWrite, slots: make(chan struct{}, b.cfg.leaseDepth)}
 	st.Init(x, p.notify, b.xwg.Done)
-	if end, n, pieces := advance(x.Segments, cursor{}, uint64(b.cfg.chunk), iovMax); end.seg == len(x.Segments) {
+	if end, n, pieces := agent.Span(x.Segments, cursor{}, uint64(b.cfg.chunk), iovMax); end.Seg == len(x.Segments) {
 		// One chunk: request the lease here and copy when it is granted.
 		st.slots <- struct{}{}
 		w := &window{st: st, n: n, pieces: pieces, inline: true}
@@ -409,7 +409,7 @@ func (b *Backend) drive(st *xstate) {
 	}()
 	var c cursor
 	for {
-		for c.seg < len(x.Segments) && !st.Failed() {
+		for c.Seg < len(x.Segments) && !st.Failed() {
 			select {
 			case st.slots <- struct{}{}:
 			default:
@@ -426,7 +426,7 @@ func (b *Backend) drive(st *xstate) {
 					return
 				}
 			}
-			end, n, pieces := advance(x.Segments, c, lease, b.cfg.maxRanges)
+			end, n, pieces := agent.Span(x.Segments, c, lease, b.cfg.maxRanges)
 			w := &window{st: st, start: c, n: n, pieces: pieces, granted: make(chan error, 1)}
 			st.Add()
 			pending = append(pending, w)
@@ -486,13 +486,13 @@ func (p *peer) begin(w *window) error {
 		segs := st.x.Segments
 		c, left := w.start, w.n
 		for left > 0 {
-			sg := &segs[c.seg]
-			take := min(sg.Local.Len-c.off, left)
-			b = binary.LittleEndian.AppendUint64(b, sg.Remote.Addr+c.off)
+			sg := &segs[c.Seg]
+			take := min(sg.Local.Len-c.Off, left)
+			b = binary.LittleEndian.AppendUint64(b, sg.Remote.Addr+c.Off)
 			b = binary.LittleEndian.AppendUint64(b, take)
 			left -= take
-			if c.off += take; c.off == sg.Local.Len {
-				c.seg, c.off = c.seg+1, 0
+			if c.Off += take; c.Off == sg.Local.Len {
+				c.Seg, c.Off = c.Seg+1, 0
 			}
 		}
 		return b
@@ -531,7 +531,7 @@ func (w *window) dispatch(chunk uint64) {
 	w.tasks.Store(1)
 	for left := w.n; left > 0; {
 		t = task{w: w, start: end}
-		end, t.n, t.pieces = advance(segs, end, min(chunk, left), iovMax)
+		end, t.n, t.pieces = agent.Span(segs, end, min(chunk, left), iovMax)
 		left -= t.n
 		if left == 0 && w.tasks.Load() == 1 {
 			break // a single chunk: copy it here
@@ -618,14 +618,14 @@ func (st *xstate) copyChunk(t task, v *iovecs) error {
 	l, r := v.local[:t.pieces], v.remote[:t.pieces]
 	c, left := t.start, t.n
 	for i := range t.pieces {
-		sg := &segs[c.seg]
-		take := min(sg.Local.Len-c.off, left)
-		l[i] = unix.Iovec{Base: &sg.Local.Mem[c.off]}
+		sg := &segs[c.Seg]
+		take := min(sg.Local.Len-c.Off, left)
+		l[i] = unix.Iovec{Base: &sg.Local.Mem[c.Off]}
 		l[i].SetLen(int(take))
-		r[i] = unix.RemoteIovec{Base: uintptr(sg.Remote.Addr + c.off), Len: int(take)}
+		r[i] = unix.RemoteIovec{Base: uintptr(sg.Remote.Addr + c.Off), Len: int(take)}
 		left -= take
-		if c.off += take; c.off == sg.Local.Len {
-			c.seg, c.off = c.seg+1, 0
+		if c.Off += take; c.Off == sg.Local.Len {
+			c.Seg, c.Off = c.Seg+1, 0
 		}
 	}
 	err := vmCopy(int(st.p.ci.pid), st.write, l, r, t.n)

@@ -101,8 +101,8 @@ func (b *Backend) Post(x *agent.Xfer) error {
 		typ = tWrite
 	}
 	if p.usable() && x.Bytes() <= inlineMax {
-		end, n, pieces := nextFrame(x.Segments, cursor{}, p.chunk, p.pieces)
-		if end.seg == len(x.Segments) {
+		end, n, pieces := agent.Span(x.Segments, cursor{}, p.chunk, p.pieces)
+		if end.Seg == len(x.Segments) {
 			if s := p.tryStream(); s != nil {
 				// Inline only if the stream is free this instant: a small
 				// transfer never waits behind another one's frame here.
@@ -141,11 +141,11 @@ func (b *Backend) drive(st *xstate, typ uint8) {
 		b.driveParallel(st, chunk)
 		return
 	}
-	for c := (cursor{}); c.seg < len(x.Segments); {
+	for c := (cursor{}); c.Seg < len(x.Segments); {
 		if st.Failed() {
 			return
 		}
-		end, n, pieces := nextFrame(x.Segments, c, chunk, p.pieces)
+		end, n, pieces := agent.Span(x.Segments, c, chunk, p.pieces)
 		s, err := p.acquire(x)
 		if err != nil {
 			st.Fail(err)
@@ -168,10 +168,10 @@ func (b *Backend) driveParallel(st *xstate, chunk uint64) {
 	next := func() (f frame, pieces int, ok bool) {
 		mu.Lock()
 		defer mu.Unlock()
-		if c.seg >= len(x.Segments) || st.Failed() {
+		if c.Seg >= len(x.Segments) || st.Failed() {
 			return f, 0, false
 		}
-		end, n, pieces := nextFrame(x.Segments, c, chunk, p.pieces)
+		end, n, pieces := agent.Span(x.Segments, c, chunk, p.pieces)
 		f = frame{st: st, start: c, n: n, typ: tWrite}
 		c = end
 		return f, pieces, true
@@ -484,17 +484,17 @@ func (s *stream) sendLocked(f frame, pieces int) {
 	s.bufs = append(s.bufs[:0], s.head[:hdrSize+len(table)])
 	c, left, i := f.start, f.n, 0
 	for left > 0 {
-		sg := &segs[c.seg]
-		take := min(sg.Local.Len-c.off, left)
-		binary.LittleEndian.PutUint64(table[i:], sg.Remote.Addr+c.off)
+		sg := &segs[c.Seg]
+		take := min(sg.Local.Len-c.Off, left)
+		binary.LittleEndian.PutUint64(table[i:], sg.Remote.Addr+c.Off)
 		binary.LittleEndian.PutUint64(table[i+8:], take)
 		if f.typ == tWrite {
-			s.bufs = append(s.bufs, sg.Local.Mem[c.off:c.off+take])
+			s.bufs = append(s.bufs, sg.Local.Mem[c.Off:c.Off+take])
 		}
 		i += pieceSize
 		left -= take
-		if c.off += take; c.off == sg.Local.Len {
-			c.seg, c.off = c.seg+1, 0
+		if c.Off += take; c.Off == sg.Local.Len {
+			c.Seg, c.Off = c.Seg+1, 0
 		}
 	}
 	h := header{typ: f.typ, count: uint32(pieces), id: f.id, key: f.st.x.Key}
@@ -638,14 +638,14 @@ func (s *stream) land(h *header, f *frame) error {
 	segs := f.st.x.Segments
 	c, left := f.start, f.n
 	for left > 0 {
-		sg := &segs[c.seg]
-		take := min(sg.Local.Len-c.off, left)
-		if _, err := io.ReadFull(s.br, sg.Local.Mem[c.off:c.off+take]); err != nil {
+		sg := &segs[c.Seg]
+		take := min(sg.Local.Len-c.Off, left)
+		if _, err := io.ReadFull(s.br, sg.Local.Mem[c.Off:c.Off+take]); err != nil {
 			return err
 		}
 		left -= take
-		if c.off += take; c.off == sg.Local.Len {
-			c.seg, c.off = c.seg+1, 0
+		if c.Off += take; c.Off == sg.Local.Len {
+			c.Seg, c.Off = c.Seg+1, 0
 		}
 	}
 	return nil

@@ -205,26 +205,5 @@ func isLoopback(addr string) bool {
 	return ip != nil && ip.IsLoopback()
 }
 
-// cursor is a position in a transfer's segments: byte off of segment seg.
-// A frame covers the bytes from one cursor to the next; each contiguous span
-// of one segment in it is a piece.
-type cursor struct {
-	seg int
-	off uint64
-}
-
-// nextFrame returns where the frame starting at c ends, its bytes and its
-// pieces: at most chunk bytes and maxPieces pieces.
-func nextFrame(segs []agent.Segment, c cursor, chunk uint64, maxPieces int) (end cursor, n uint64, pieces int) {
-	for c.seg < len(segs) && n < chunk && pieces < maxPieces {
-		l := segs[c.seg].Local.Len
-		take := min(l-c.off, chunk-n)
-		n += take
-		pieces++
-		c.off += take
-		if c.off == l {
-			c.seg, c.off = c.seg+1, 0
-		}
-	}
-	return c, n, pieces
-}
+// cursor is a position in a transfer's segments (agent.Cursor).
+type cursor = agent.Cursor

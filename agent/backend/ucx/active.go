@@ -173,14 +173,14 @@ func (l *loop) startXfer(xs *xstate) {
 // and finishes the transfer once nothing of it is in flight any more.
 func (l *loop) pump(xs *xstate) {
 	x, p := xs.x, xs.p
-	for xs.err == nil && xs.inflight < leaseDepth && xs.next.seg < len(x.Segments) {
+	for xs.err == nil && xs.inflight < leaseDepth && xs.next.Seg < len(x.Segments) {
 		select {
 		case <-x.Cancelled():
 			xs.fail(x.CancelErr())
 			continue
 		default:
 		}
-		end, n, pieces := advance(x.Segments, xs.next, uint64(l.b.cfg.lease), l.b.cfg.maxRanges)
+		end, n, pieces := agent.Span(x.Segments, xs.next, uint64(l.b.cfg.lease), l.b.cfg.maxRanges)
 		w := &window{id: l.next(), xs: xs, start: xs.next, n: n, pieces: pieces, deadline: time.Now().Add(l.b.cfg.timeout)}
 		xs.next = end
 		p.wins[w.id] = w
@@ -225,7 +225,7 @@ func (l *loop) pump(xs *xstate) {
 			return
 		}
 	}
-	if xs.inflight == 0 && (xs.err != nil || xs.next.seg >= len(x.Segments)) {
+	if xs.inflight == 0 && (xs.err != nil || xs.next.Seg >= len(x.Segments)) {
 		l.finish(xs)
 	}
 }
@@ -312,12 +312,12 @@ func (w *window) each(f func(seg *agent.Segment, off, take uint64)) {
 	segs := w.xs.x.Segments
 	c, left := w.start, w.n
 	for left > 0 {
-		sg := &segs[c.seg]
-		take := min(sg.Local.Len-c.off, left)
-		f(sg, c.off, take)
+		sg := &segs[c.Seg]
+		take := min(sg.Local.Len-c.Off, left)
+		f(sg, c.Off, take)
 		left -= take
-		if c.off += take; c.off == sg.Local.Len {
-			c.seg, c.off = c.seg+1, 0
+		if c.Off += take; c.Off == sg.Local.Len {
+			c.Seg, c.Off = c.Seg+1, 0
 		}
 	}
 }

@@ -308,25 +308,5 @@ func parseConnInfo(b []byte) (connInfo, error) {
 	return c, nil
 }
 
-// cursor is a position in a transfer's segments: byte off of segment seg.
-type cursor struct {
-	seg int
-	off uint64
-}
-
-// advance returns where a span starting at c ends: at most maxBytes bytes
-// and maxPieces pieces (a piece is a contiguous part of one segment), and
-// the span's bytes and pieces.
-func advance(segs []agent.Segment, c cursor, maxBytes uint64, maxPieces int) (end cursor, n uint64, pieces int) {
-	for c.seg < len(segs) && n < maxBytes && pieces < maxPieces {
-		l := segs[c.seg].Local.Len
-		take := min(l-c.off, maxBytes-n)
-		n += take
-		pieces++
-		c.off += take
-		if c.off == l {
-			c.seg, c.off = c.seg+1, 0
-		}
-	}
-	return c, n, pieces
-}
+// cursor is a position in a transfer's segments (agent.Cursor).
+type cursor = agent.Cursor
