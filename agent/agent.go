@@ -319,7 +319,7 @@ func (a *Agent) Notify(peer Info, key Key, msg []byte) error {
 // lookup by key and a non-blocking send to the exposure's small queue, on
 // the caller's goroutine, with no hand-off. Notifications for no known key,
 // or that find the queue full, are counted dropped.
-func (a *Agent) Deliver(from uuid.UUID, key Key, msg []byte) bool {
+func (a *Agent) Deliver(l Link, key Key, msg []byte) bool {
 	if a.isClosed() {
 		return false
 	}
@@ -331,21 +331,37 @@ func (a *Agent) Deliver(from uuid.UUID, key Key, msg []byte) bool {
 		return true
 	}
 	e.mu.Lock()
-	e.bind(from)
+	e.bind(l)
 	e.mu.Unlock()
-	a.send(e, Event{Kind: EventNotify, From: from, Msg: msg})
+	a.send(e, Event{Kind: EventNotify, From: l.Peer, Msg: msg})
 	return true
 }
 
-// PeerLost implements Host: every exposure bound to peer hears of it.
-// Exposures no peer has used yet are bound to nobody and hear nothing.
-func (a *Agent) PeerLost(peer uuid.UUID, cause error) {
-	if peer == uuid.Nil {
+// LinkLost implements Host: every exposure l presented the key of hears
+// that its peer is lost. Exposures l never reached hear nothing, whatever
+// agent l claimed to be: only what a peer really used can report its loss.
+func (a *Agent) LinkLost(l Link, cause error) {
+	if l.Peer == uuid.Nil || l.id == 0 {
 		return
 	}
 	if cause == nil {
 		cause = ErrRemoteLost
 	}
+	a.expMu.RLock()
+	defer a.expMu.RUnlock()
+	for _, e := range a.exps {
+		e.mu.Lock()
+		mine := e.unbind(l)
+		e.mu.Unlock()
+		if mine {
+			a.send(e, Event{Kind: EventPeerLost, From: l.Peer, Err: cause})
+		}
+	}
+}
+
+// peerLost tells every exposure bound to peer, over any link, that it is
+// lost. Only PeerDeparted, on word from outside the backends, uses it.
+func (a *Agent) peerLost(peer uuid.UUID, cause error) {
 	a.expMu.RLock()
 	defer a.expMu.RUnlock()
 	for _, e := range a.exps {
@@ -391,7 +407,7 @@ func (a *Agent) PeerDeparted(peer uuid.UUID, cause error) {
 			d.PeerDeparted(peer, cause)
 		}
 	}
-	a.PeerLost(peer, cause)
+	a.peerLost(peer, cause)
 }
 
 // Refused implements Host.

@@ -199,7 +199,7 @@ func TestRevokeWaitsForLeases(t *testing.T) {
 
 	var leases []Lease
 	for range 3 {
-		l, err := a.Open(peer, e.Key(), AccessWrite)
+		l, err := a.Open(NewLink(peer), e.Key(), AccessWrite)
 		require.NoError(t, err)
 		leases = append(leases, l)
 	}
@@ -212,7 +212,7 @@ func TestRevokeWaitsForLeases(t *testing.T) {
 	}()
 	// Revoke refuses new leases at once...
 	require.Eventually(t, func() bool {
-		l, err := a.Open(peer, e.Key(), AccessWrite)
+		l, err := a.Open(NewLink(peer), e.Key(), AccessWrite)
 		if err == nil {
 			l.Release() // Revoke has not begun yet
 		}
@@ -281,7 +281,7 @@ func TestOpenRefusalsAreCounted(t *testing.T) {
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			before := a.Stats().Refused
-			l, err := a.Open(peer, c.key, c.acc)
+			l, err := a.Open(NewLink(peer), c.key, c.acc)
 			require.ErrorIs(t, err, ErrAccessDenied)
 			require.Zero(t, l, "a refused Open grants no lease")
 			assert.Equal(t, before+1, a.Stats().Refused)
@@ -289,7 +289,7 @@ func TestOpenRefusalsAreCounted(t *testing.T) {
 	}
 	assert.Equal(t, uuid.Nil, e.Peer(), "a refused lease binds nothing")
 
-	l, err := a.Open(peer, e.Key(), AccessRead)
+	l, err := a.Open(NewLink(peer), e.Key(), AccessRead)
 	require.NoError(t, err)
 	defer l.Release()
 	assert.Equal(t, AccessRead, l.Access())
@@ -328,7 +328,7 @@ func TestOpenOnClosingAgentReportsLoss(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, a.Close())
 	before := a.Stats().Refused
-	_, err = a.Open(uuid.New(), e.Key(), AccessRead)
+	_, err = a.Open(NewLink(uuid.New()), e.Key(), AccessRead)
 	require.ErrorIs(t, err, ErrRemoteLost, "a closed agent is lost to its peers, not refusing them")
 	assert.Equal(t, before, a.Stats().Refused, "a closing agent's refusals are no abuse")
 }
@@ -341,12 +341,12 @@ func TestDispatch(t *testing.T) {
 
 	t.Run("unknown key is dropped", func(t *testing.T) {
 		before := a.Stats().DroppedNotifications
-		require.True(t, a.Deliver(peer, NewKey(), []byte("nobody")))
+		require.True(t, a.Deliver(NewLink(peer), NewKey(), []byte("nobody")))
 		assert.Equal(t, before+1, a.Stats().DroppedNotifications)
 	})
 	t.Run("known key", func(t *testing.T) {
 		msg := []byte("done")
-		require.True(t, a.Deliver(peer, e.Key(), msg))
+		require.True(t, a.Deliver(NewLink(peer), e.Key(), msg))
 		select {
 		case ev := <-e.Events():
 			assert.Equal(t, Event{Kind: EventNotify, From: peer, Msg: msg}, ev)
@@ -358,7 +358,7 @@ func TestDispatch(t *testing.T) {
 	t.Run("full queue drops", func(t *testing.T) {
 		before := a.Stats().DroppedNotifications
 		for range eventBuffer + 3 {
-			require.True(t, a.Deliver(peer, e.Key(), []byte("x")))
+			require.True(t, a.Deliver(NewLink(peer), e.Key(), []byte("x")))
 		}
 		assert.Equal(t, before+3, a.Stats().DroppedNotifications)
 		assert.Len(t, e.Events(), eventBuffer)
@@ -371,13 +371,13 @@ func TestDispatch(t *testing.T) {
 		require.NoError(t, err)
 		r.Revoke()
 		before := a.Stats().DroppedNotifications
-		require.True(t, a.Deliver(peer, r.Key(), []byte("late")))
+		require.True(t, a.Deliver(NewLink(peer), r.Key(), []byte("late")))
 		assert.Equal(t, before+1, a.Stats().DroppedNotifications)
 		assert.Empty(t, r.Events())
 	})
 }
 
-func TestPeerLostReachesOnlyThatPeersExposures(t *testing.T) {
+func TestLinkLostReachesOnlyTheExposuresItUsed(t *testing.T) {
 	a := newTestAgent(t)
 	lost, other := uuid.New(), uuid.New()
 	mk := func() *Exposure {
@@ -386,18 +386,19 @@ func TestPeerLostReachesOnlyThatPeersExposures(t *testing.T) {
 		return e
 	}
 	byLease, byNotify, others, unbound := mk(), mk(), mk(), mk()
-	l, err := a.Open(lost, byLease.Key(), AccessRead)
+	link, otherLink := NewLink(lost), NewLink(other)
+	l, err := a.Open(link, byLease.Key(), AccessRead)
 	require.NoError(t, err)
 	l.Release()
-	require.True(t, a.Deliver(lost, byNotify.Key(), nil))
-	l, err = a.Open(other, others.Key(), AccessRead)
+	require.True(t, a.Deliver(link, byNotify.Key(), nil))
+	l, err = a.Open(otherLink, others.Key(), AccessRead)
 	require.NoError(t, err)
 	l.Release()
 	<-byNotify.Events()
 
 	cause := errors.New("connection reset")
-	a.PeerLost(lost, cause)
-	a.PeerLost(other, nil)
+	a.LinkLost(link, cause)
+	a.LinkLost(otherLink, nil)
 	for _, e := range []*Exposure{byLease, byNotify} {
 		require.Len(t, e.Events(), 1)
 		ev := <-e.Events()
@@ -407,18 +408,47 @@ func TestPeerLostReachesOnlyThatPeersExposures(t *testing.T) {
 	}
 	require.Len(t, others.Events(), 1)
 	ev := <-others.Events()
-	assert.ErrorIs(t, ev.Err, ErrRemoteLost, "PeerLost with a nil cause reports ErrRemoteLost")
+	assert.ErrorIs(t, ev.Err, ErrRemoteLost, "LinkLost with a nil cause reports ErrRemoteLost")
 	assert.Empty(t, unbound.Events())
+
+	a.LinkLost(link, cause)
+	assert.Empty(t, byLease.Events(), "a link is lost once")
 }
 
-// An exposure nobody has used yet is bound to no peer, so the loss of "no
-// peer" must not reach it (backends that never learned a peer's identity,
-// or never started, report uuid.Nil).
-func TestPeerLostOfNilPeerReachesNoUnboundExposure(t *testing.T) {
+// Agent IDs are public (tokens, the registry), so a channel that claims a
+// peer's ID but never presented a key must not fail that peer's exposures
+// when it ends: only the channels the peer used with the key report its
+// loss. (A stranger claiming the reader's ID over tcp and hanging up used
+// to fail a READ that succeeded over cma.)
+func TestStrangerClaimingAPeersIDCannotFailItsExposures(t *testing.T) {
+	a := newTestAgent(t)
+	peer := uuid.New()
+	e, err := a.Expose(AccessRead, []Local{DRAM(make([]byte, 8))})
+	require.NoError(t, err)
+	used := NewLink(peer)
+	l, err := a.Open(used, e.Key(), AccessRead)
+	require.NoError(t, err)
+	l.Release()
+
+	stranger := NewLink(peer) // same claimed ID, another channel
+	_, err = a.Open(stranger, NewKey(), AccessRead)
+	require.ErrorIs(t, err, ErrAccessDenied)
+	require.True(t, a.Deliver(stranger, NewKey(), []byte("forged")))
+	a.LinkLost(stranger, errors.New("stranger hung up"))
+	assert.Empty(t, e.Events(), "a link that never presented the key reported the peer lost")
+
+	a.LinkLost(used, nil)
+	require.Len(t, e.Events(), 1, "the link the peer used reports its loss")
+}
+
+// A link with no peer, or the zero Link, binds nothing and is lost to
+// nobody (backends that never learned a peer's identity report such links).
+func TestLinkLostOfNilPeerReachesNoUnboundExposure(t *testing.T) {
 	a := newTestAgent(t)
 	e, err := a.Expose(AccessRead, []Local{DRAM(make([]byte, 8))})
 	require.NoError(t, err)
-	a.PeerLost(uuid.Nil, nil)
+	a.LinkLost(NewLink(uuid.Nil), nil)
+	a.LinkLost(Link{}, nil)
 	assert.Empty(t, e.Events())
 }
 
@@ -429,9 +459,9 @@ func TestDeliverAfterClose(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, a.Close())
 	for range 100 {
-		require.False(t, a.Deliver(uuid.New(), e.Key(), []byte("late")), "Deliver on a closed agent")
+		require.False(t, a.Deliver(NewLink(uuid.New()), e.Key(), []byte("late")), "Deliver on a closed agent")
 	}
-	a.PeerLost(uuid.New(), nil) // must not block
+	a.LinkLost(NewLink(uuid.New()), nil) // must not block
 }
 
 func TestCloseWaitsForLeasesAndRefusesUse(t *testing.T) {
@@ -440,7 +470,7 @@ func TestCloseWaitsForLeasesAndRefusesUse(t *testing.T) {
 	buf := make([]byte, 64)
 	e, err := a.Expose(AccessRead, []Local{DRAM(buf)})
 	require.NoError(t, err)
-	l, err := a.Open(uuid.New(), e.Key(), AccessRead)
+	l, err := a.Open(NewLink(uuid.New()), e.Key(), AccessRead)
 	require.NoError(t, err)
 
 	closed := make(chan error, 1)
@@ -578,7 +608,7 @@ func TestPeerDepartedAbortsItsTransfers(t *testing.T) {
 	e, err := a.Expose(AccessRead, []Local{DRAM(buf)})
 	require.NoError(t, err)
 	defer e.Revoke()
-	a.Deliver(gone.ID, e.Key(), []byte("bind")) // e is now bound to gone
+	a.Deliver(NewLink(gone.ID), e.Key(), []byte("bind")) // e is now bound to gone
 	<-e.Events()
 
 	a.PeerDeparted(gone.ID, errors.New("registry: no heartbeat for 2s"))

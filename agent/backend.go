@@ -92,18 +92,23 @@ type Departer interface {
 type Host interface {
 	// ID is the local agent's identity.
 	ID() uuid.UUID
-	// Open grants peer a lease on the exposure named by key for access acc.
+	// Open grants the peer on link l a lease on the exposure named by key
+	// for access acc.
 	// Every byte the backend touches on a remote agent's behalf must be
 	// reached through Lease.Slice while the lease is held, and the lease
 	// released promptly: revocation waits for outstanding leases. Refused
 	// accesses return an error wrapping ErrAccessDenied and are counted.
-	Open(peer uuid.UUID, key Key, acc Access) (Lease, error)
-	// Deliver hands an incoming notification to the exposure owning key. It
-	// never blocks, and returns false once the agent is closed.
-	Deliver(from uuid.UUID, key Key, msg []byte) bool
-	// PeerLost reports that peer can no longer be reached, or that its
-	// connection broke; exposures it was using hear of it.
-	PeerLost(peer uuid.UUID, cause error)
+	Open(l Link, key Key, acc Access) (Lease, error)
+	// Deliver hands a notification that arrived on link l to the exposure
+	// owning key. It never blocks, and returns false once the agent is
+	// closed.
+	Deliver(l Link, key Key, msg []byte) bool
+	// LinkLost reports that link l broke or ended: the exposures whose key
+	// was presented on l hear that their peer is lost. Report every link
+	// that ends for a reason other than this agent's own choice (a reaped
+	// idle connection is no loss); links that never presented a key are
+	// ignored, so reporting them is harmless.
+	LinkLost(l Link, cause error)
 	// Refused counts an access the backend refused before it could name an
 	// exposure (malformed requests, frames from unidentified peers).
 	Refused()

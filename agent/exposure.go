@@ -2,7 +2,9 @@ package agent
 
 import (
 	"fmt"
+	"slices"
 	"sync"
+	"sync/atomic"
 
 	"github.com/google/uuid"
 )
@@ -61,6 +63,11 @@ type Exposure struct {
 	leases  int
 	revoked bool
 	peer    uuid.UUID // first peer that opened a lease or sent a notification
+	// links are the channels through which peer presented the key: only
+	// their loss is the loss of the peer using this exposure. A channel
+	// that never presented the key, whatever agent ID it claims, is not
+	// among them.
+	links []uint64
 }
 
 // eventBuffer bounds the events queued per exposure; a passive operation
@@ -127,11 +134,56 @@ func (e *Exposure) Revoke() {
 	e.mu.Unlock()
 }
 
-func (e *Exposure) bind(peer uuid.UUID) {
-	if e.peer == uuid.Nil {
-		e.peer = peer
+// bind records that l presented the exposure's key. The first peer to do
+// so becomes the exposure's peer; the links of that peer are remembered so
+// that their loss, and no other, reaches the exposure. Callers hold e.mu.
+func (e *Exposure) bind(l Link) {
+	if l.Peer == uuid.Nil {
+		return
 	}
+	if e.peer == uuid.Nil {
+		e.peer = l.Peer
+	}
+	if l.Peer != e.peer || l.id == 0 {
+		return
+	}
+	for i := len(e.links) - 1; i >= 0; i-- {
+		if e.links[i] == l.id {
+			return
+		}
+	}
+	e.links = append(e.links, l.id)
 }
+
+// unbind forgets l and reports whether l was bound. Callers hold e.mu.
+func (e *Exposure) unbind(l Link) bool {
+	i := slices.Index(e.links, l.id)
+	if i < 0 {
+		return false
+	}
+	e.links = slices.Delete(e.links, i, i+1)
+	return true
+}
+
+// Link names one channel through which a remote agent reaches this one:
+// a backend's connection, session or endpoint. Peer is the agent the
+// channel's handshake named; it is a claim, not a proof, since agent IDs
+// are public. Backends make one Link per channel with NewLink, pass it to
+// Host.Open and Host.Deliver for everything that arrives on the channel,
+// and report the channel's end with Host.LinkLost. An exposure hears of a
+// lost peer only through the links that presented its key, so a stranger
+// claiming a peer's ID cannot fail that peer's operations by hanging up.
+// The zero Link binds nothing. Links are comparable values.
+type Link struct {
+	Peer uuid.UUID
+	id   uint64
+}
+
+var linkIDs atomic.Uint64
+
+// NewLink returns a Link, distinct from every other in the process, for a
+// channel whose handshake named peer.
+func NewLink(peer uuid.UUID) Link { return Link{Peer: peer, id: linkIDs.Add(1)} }
 
 // Lease is a short-lived grant to touch an exposure's memory. Backends hold
 // one around each remote access (a frame, a copy) and release it promptly.
@@ -183,7 +235,7 @@ func (l *Lease) Release() {
 }
 
 // Open implements Host.
-func (a *Agent) Open(peer uuid.UUID, key Key, acc Access) (Lease, error) {
+func (a *Agent) Open(l Link, key Key, acc Access) (Lease, error) {
 	a.expMu.RLock()
 	e := a.exps[key]
 	a.expMu.RUnlock()
@@ -197,7 +249,7 @@ func (a *Agent) Open(peer uuid.UUID, key Key, acc Access) (Lease, error) {
 		e.mu.Lock()
 		if !e.revoked {
 			e.leases++
-			e.bind(peer)
+			e.bind(l)
 			e.mu.Unlock()
 			return Lease{e: e}, nil
 		}

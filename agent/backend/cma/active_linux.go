@@ -175,7 +175,7 @@ func (p *peer) read() {
 		}
 		err = fmt.Errorf("cma: connection to peer %s: %w: %w", p.id, agent.ErrRemoteLost, err)
 	}
-	p.fail(err, true)
+	p.fail(err)
 }
 
 var errBye = errors.New("peer said goodbye")
@@ -242,9 +242,11 @@ func (w *window) answer(err error) {
 }
 
 // fail marks the peer failed once: waiting transfers give up, its
-// connection closes, and a later transfer connects afresh. report tells the
-// agent the peer is lost.
-func (p *peer) fail(err error, report bool) {
+// connection closes, and a later transfer connects afresh.
+// An outgoing channel presents no key to this agent, so its failure is no
+// loss for this agent's exposures: only the channels a peer used to reach
+// them report that (agent.Link).
+func (p *peer) fail(err error) {
 	p.failOnce.Do(func() {
 		p.mu.Lock()
 		p.err = err
@@ -261,9 +263,6 @@ func (p *peer) fail(err error, report bool) {
 		_ = p.c.Close()
 		for _, w := range waiting {
 			w.answer(err)
-		}
-		if report {
-			p.b.host.PeerLost(p.id, err)
 		}
 	})
 }
@@ -455,7 +454,7 @@ func (b *Backend) drive(st *xstate) {
 			return
 		case <-timer.C:
 			err := fmt.Errorf("cma: peer %s left a lease request unanswered for %v: %w", p.id, b.cfg.timeout, agent.ErrRemoteLost)
-			p.fail(err, true)
+			p.fail(err)
 			st.Fail(err)
 			return
 		}
@@ -703,7 +702,7 @@ func (st *xstate) copyError(err error) error {
 		return fmt.Errorf("cma: %v of process %d: %w: %w", st.x.Op, p.ci.pid, agent.ErrRemoteLost, err)
 	case unix.EPERM, unix.EACCES:
 		perr := fmt.Errorf("cma: %v of process %d: %w: permission withdrawn after the probe: %w", st.x.Op, p.ci.pid, agent.ErrAccessDenied, err)
-		p.fail(perr, false)
+		p.fail(perr)
 		return perr
 	}
 	return fmt.Errorf("cma: %v of process %d: %w", st.x.Op, p.ci.pid, err)

@@ -42,7 +42,6 @@ type Backend struct {
 	closed  bool
 	peers   map[uuid.UUID][]*peer // by agent ID; several when tokens disagree on the socket
 	conns   map[*net.UnixConn]struct{}
-	inbound map[uuid.UUID]int        // live connections from each peer that used them
 	byPID   map[int]int              // accepted connections from each process
 	shaking map[*net.UnixConn]uint64 // accepted connections still in the handshake, by arrival
 	arrived uint64
@@ -58,7 +57,7 @@ type Backend struct {
 // New returns a cross-memory-attach backend for one agent. Invalid options
 // are reported by Start, that is by the agent's constructor.
 func New(opts ...Option) *Backend {
-	b := &Backend{cfg: defaults(), peers: map[uuid.UUID][]*peer{}, conns: map[*net.UnixConn]struct{}{}, inbound: map[uuid.UUID]int{},
+	b := &Backend{cfg: defaults(), peers: map[uuid.UUID][]*peer{}, conns: map[*net.UnixConn]struct{}{},
 		byPID: map[int]int{}, shaking: map[*net.UnixConn]uint64{}, stop: make(chan struct{})}
 	var errs []error
 	for _, o := range opts {
@@ -249,7 +248,7 @@ func (b *Backend) Close() error {
 	}
 	for _, p := range peers {
 		<-p.ready
-		p.fail(agent.ErrClosed, false)
+		p.fail(agent.ErrClosed)
 	}
 	b.xwg.Wait()
 	close(b.stop)
@@ -286,6 +285,6 @@ func (b *Backend) PeerDeparted(id uuid.UUID, cause error) {
 	gone := slices.Clone(b.peers[id])
 	b.mu.Unlock()
 	for _, p := range gone {
-		p.fail(fmt.Errorf("cma: peer %s departed: %w", id, cause), false)
+		p.fail(fmt.Errorf("cma: peer %s departed: %w", id, cause))
 	}
 }

@@ -23,13 +23,13 @@ type stuckHost struct {
 }
 
 func (h *stuckHost) ID() uuid.UUID { return h.id }
-func (h *stuckHost) Open(uuid.UUID, agent.Key, agent.Access) (agent.Lease, error) {
+func (h *stuckHost) Open(agent.Link, agent.Key, agent.Access) (agent.Lease, error) {
 	<-h.release
 	return agent.Lease{}, agent.ErrRemoteLost
 }
-func (h *stuckHost) Deliver(uuid.UUID, agent.Key, []byte) bool { return true }
-func (h *stuckHost) PeerLost(uuid.UUID, error)                 {}
-func (h *stuckHost) Refused()                                  {}
+func (h *stuckHost) Deliver(agent.Link, agent.Key, []byte) bool { return true }
+func (h *stuckHost) LinkLost(agent.Link, error)                 {}
+func (h *stuckHost) Refused()                                   {}
 
 // A peer declared departed from outside (a presence registry) fails the
 // transfers waiting for its leases at once, not at the timeout.

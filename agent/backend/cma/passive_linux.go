@@ -158,9 +158,9 @@ type server struct {
 	b       *Backend
 	c       *net.UnixConn
 	peer    uuid.UUID
+	link    agent.Link // this connection, as the agent sees it
 	pid     int
 	ptracer bool // pid is named in the Yama ptracer exception
-	used    bool // the peer asked for a lease or notified: it counts in inbound
 	leases  map[uint64]agent.Lease
 	out     []byte
 }
@@ -189,11 +189,11 @@ func (b *Backend) serve(c *net.UnixConn, pid int) {
 	if b.stats.dropped(err, false) && errors.Is(err, errProtocol) {
 		b.host.Refused()
 	}
-	// A peer that only probed, and then chose another backend, is not lost.
-	// Only the peer's last connection reports it, and only after every
-	// notification it carried was delivered.
-	if s.used && b.left(s.peer) {
-		b.host.PeerLost(s.peer, fmt.Errorf("cma: connection from peer %s: %w: %w", s.peer, agent.ErrRemoteLost, err))
+	// The connection's loss reaches only the exposures whose keys it
+	// presented, after every notification it carried was delivered: a
+	// probe, or a stranger claiming a peer's ID, reports nothing.
+	if s.link != (agent.Link{}) {
+		b.host.LinkLost(s.link, fmt.Errorf("cma: connection from peer %s: %w: %w", s.peer, agent.ErrRemoteLost, err))
 	}
 }
 
@@ -206,22 +206,6 @@ func (b *Backend) stopping() bool {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.closed
-}
-
-func (b *Backend) joined(peer uuid.UUID) {
-	b.mu.Lock()
-	b.inbound[peer]++
-	b.mu.Unlock()
-}
-
-func (b *Backend) left(peer uuid.UUID) bool {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.inbound[peer]--; b.inbound[peer] > 0 {
-		return false
-	}
-	delete(b.inbound, peer)
-	return true
 }
 
 // handshake checks the dialler's claims against the kernel's: the process
@@ -278,7 +262,7 @@ func (s *server) handshake() error {
 		}
 		return err
 	}
-	s.peer = in.self
+	s.peer, s.link = in.self, agent.NewLink(in.self)
 	_ = s.c.SetDeadline(time.Time{})
 	return nil
 }
@@ -299,7 +283,6 @@ func (s *server) loop() error {
 		var err error
 		switch f.typ {
 		case tBegin:
-			s.use()
 			err = s.begin(&f)
 		case tEnd:
 			if l, ok := s.leases[f.id]; ok {
@@ -307,10 +290,9 @@ func (s *server) loop() error {
 				l.Release()
 			}
 		case tNotify:
-			s.use()
 			msg := make([]byte, len(f.payload))
 			copy(msg, f.payload)
-			if !s.b.host.Deliver(s.peer, f.key, msg) {
+			if !s.b.host.Deliver(s.link, f.key, msg) {
 				return agent.ErrClosed
 			}
 		case tBye:
@@ -324,17 +306,6 @@ func (s *server) loop() error {
 	}
 }
 
-// use counts the connection as the peer's the first time it is used:
-// counted before the peer can rely on it, so that its other connections
-// closing never reports it lost while this one may carry its last
-// notification.
-func (s *server) use() {
-	if !s.used {
-		s.used = true
-		s.b.joined(s.peer)
-	}
-}
-
 // begin grants or refuses one lease: the key, the access kind and every
 // range are checked; a lease is granted for all of them or none.
 func (s *server) begin(f *frame) error {
@@ -344,7 +315,7 @@ func (s *server) begin(f *frame) error {
 	if len(s.leases) >= maxLeases {
 		return fmt.Errorf("%w: more than %d leases held at once", errLimit, maxLeases)
 	}
-	lease, err := s.b.host.Open(s.peer, f.key, agent.Access(f.status))
+	lease, err := s.b.host.Open(s.link, f.key, agent.Access(f.status))
 	if errors.Is(err, agent.ErrRemoteLost) {
 		return s.answer(f.id, stLost, err) // this agent is closing
 	}

@@ -43,6 +43,7 @@ var (
 type Backend struct {
 	host agent.Host
 	id   uuid.UUID
+	link agent.Link // how this agent reaches every other: one in-process channel
 
 	mu     sync.Mutex
 	closed bool
@@ -62,6 +63,7 @@ func (b *Backend) Supports(k agent.MemKind) bool { return k == agent.KindDRAM }
 // Start implements agent.Backend.
 func (b *Backend) Start(h agent.Host) ([]byte, error) {
 	b.host, b.id = h, h.ID()
+	b.link = agent.NewLink(b.id)
 	regMu.Lock()
 	defer regMu.Unlock()
 	if _, dup := registry[b.id]; dup {
@@ -133,7 +135,7 @@ func (b *Backend) copy(x *agent.Xfer) error {
 					return x.CancelErr()
 				default:
 				}
-				l, err := remote.host.Open(b.id, x.Key, x.Op.Access())
+				l, err := remote.host.Open(b.link, x.Key, x.Op.Access())
 				if err != nil {
 					return fmt.Errorf("mem: segment %d: %w", i, err)
 				}
@@ -183,7 +185,7 @@ func (b *Backend) Notify(peer agent.Info, key agent.Key, msg []byte) error {
 }
 
 func (b *Backend) notify(remote *Backend, key agent.Key, msg []byte) error {
-	if !remote.host.Deliver(b.id, key, bytes.Clone(msg)) {
+	if !remote.host.Deliver(b.link, key, bytes.Clone(msg)) {
 		return fmt.Errorf("mem: peer %s is closing: %w", remote.id, agent.ErrRemoteLost)
 	}
 	return nil
@@ -222,7 +224,7 @@ func (b *Backend) Close() error {
 	b.mu.Unlock()
 	for _, p := range peers {
 		if lookup(p.id) == p {
-			p.host.PeerLost(b.id, fmt.Errorf("mem: agent %s closed: %w", b.id, agent.ErrRemoteLost))
+			p.host.LinkLost(b.link, fmt.Errorf("mem: agent %s closed: %w", b.id, agent.ErrRemoteLost))
 		}
 	}
 	return nil

@@ -298,7 +298,7 @@ func (p *peer) dial() {
 	cancel()
 	<-stopped
 	if err != nil {
-		p.fail(err, false)
+		p.fail(err)
 	}
 	close(p.ready)
 }
@@ -389,8 +389,11 @@ func (p *peer) handshake(c *net.TCPConn, idx uint8) (*stream, handshake, error) 
 
 // fail marks the peer failed once: transfers waiting for it give up, its
 // connections close (their readers fail the frames in flight), and a later
-// transfer dials afresh. report tells the agent the peer is lost.
-func (p *peer) fail(err error, report bool) {
+// transfer dials afresh.
+// An outgoing channel presents no key to this agent, so its failure is no
+// loss for this agent's exposures: only the channels a peer used to reach
+// them report that (agent.Link).
+func (p *peer) fail(err error) {
 	p.failOnce.Do(func() {
 		p.mu.Lock()
 		p.err = err
@@ -408,9 +411,6 @@ func (p *peer) fail(err error, report bool) {
 		}
 		if ctrl != nil {
 			_ = ctrl.w.c.Close()
-		}
-		if report {
-			b.host.PeerLost(p.id, err)
 		}
 	})
 }
@@ -551,7 +551,7 @@ func (s *stream) read() {
 		}
 		break
 	}
-	s.p.fail(err, !errors.Is(err, agent.ErrClosed))
+	s.p.fail(err)
 }
 
 func (s *stream) loop() error {
@@ -666,6 +666,6 @@ func (b *Backend) PeerDeparted(id uuid.UUID, cause error) {
 	}
 	b.mu.Unlock()
 	for _, p := range gone {
-		p.fail(fmt.Errorf("tcp: peer %s departed: %w", id, cause), false)
+		p.fail(fmt.Errorf("tcp: peer %s departed: %w", id, cause))
 	}
 }

@@ -48,11 +48,11 @@ type Backend struct {
 	closed  bool
 	peers   map[peerKey]*peer
 	conns   map[*wconn]struct{}
-	inbound map[uuid.UUID]int  // live connections from each peer
-	byIP    map[netip.Addr]int // accepted connections from each address
-	byPeer  map[peerAddr]int   // handshaken connections from each identity at each address
-	shaking map[*wconn]uint64  // accepted connections still in the handshake, by arrival
-	arrived uint64             // accepted connections so far, to order shaking
+	inbound map[uuid.UUID]*inbound // live connections from each peer
+	byIP    map[netip.Addr]int     // accepted connections from each address
+	byPeer  map[peerAddr]int       // handshaken connections from each identity at each address
+	shaking map[*wconn]uint64      // accepted connections still in the handshake, by arrival
+	arrived uint64                 // accepted connections so far, to order shaking
 
 	stats stats
 
@@ -64,7 +64,7 @@ type Backend struct {
 // New returns a TCP backend for one agent. Invalid options are reported by
 // Start, that is by the agent's constructor.
 func New(opts ...Option) *Backend {
-	b := &Backend{cfg: defaults(), peers: map[peerKey]*peer{}, conns: map[*wconn]struct{}{}, inbound: map[uuid.UUID]int{},
+	b := &Backend{cfg: defaults(), peers: map[peerKey]*peer{}, conns: map[*wconn]struct{}{}, inbound: map[uuid.UUID]*inbound{},
 		byIP: map[netip.Addr]int{}, byPeer: map[peerAddr]int{}, shaking: map[*wconn]uint64{},
 		stop: make(chan struct{}), nudge: make(chan struct{}, 1)}
 	var errs []error
@@ -299,7 +299,7 @@ func (b *Backend) Close() error {
 		_ = w.c.Close()
 	}
 	for _, p := range peers {
-		p.fail(agent.ErrClosed, false)
+		p.fail(agent.ErrClosed)
 	}
 	b.wg.Wait()
 	return err

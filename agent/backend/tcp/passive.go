@@ -124,6 +124,7 @@ type server struct {
 	pc    *patientConn // under br
 	br    *bufio.Reader
 	peer  uuid.UUID
+	link  agent.Link
 	hdr   [hdrSize]byte
 	table []byte
 	iov   [][]byte
@@ -156,8 +157,8 @@ func (b *Backend) serve(w *wconn) {
 	// carried has then been dispatched, so the loss never overtakes a
 	// completion, and a stranger who claims a live peer's identity and
 	// hangs up reports nothing.
-	if b.left(s.peer) {
-		b.host.PeerLost(s.peer, fmt.Errorf("tcp: connection from peer %s: %w: %w", s.peer, agent.ErrRemoteLost, err))
+	if link, last := b.left(s.peer); last {
+		b.host.LinkLost(link, fmt.Errorf("tcp: connection from peer %s: %w: %w", s.peer, agent.ErrRemoteLost, err))
 	}
 }
 
@@ -170,30 +171,44 @@ func (b *Backend) stopping() bool {
 	}
 }
 
-// joined counts w as a live connection from peer, or reports that peer
-// already holds WithMaxConnsPerPeer connections from w's address.
-func (b *Backend) joined(w *wconn, peer uuid.UUID) bool {
+// inbound is the live connections from one peer, which share one link.
+type inbound struct {
+	link  agent.Link
+	conns int
+}
+
+// joined counts w as a live connection from peer and returns the link it
+// belongs to, or reports that peer already holds WithMaxConnsPerPeer
+// connections from w's address.
+func (b *Backend) joined(w *wconn, peer uuid.UUID) (agent.Link, bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	k := peerAddr{peer, w.ip}
 	if b.byPeer[k] >= b.cfg.maxConnsPerPeer {
-		return false
+		return agent.Link{}, false
 	}
 	b.byPeer[k]++
 	w.peer = k
-	b.inbound[peer]++
-	return true
+	in := b.inbound[peer]
+	if in == nil {
+		in = &inbound{link: agent.NewLink(peer)}
+		b.inbound[peer] = in
+	}
+	in.conns++
+	return in.link, true
 }
 
-// left uncounts a connection from peer and reports whether it was the last.
-func (b *Backend) left(peer uuid.UUID) bool {
+// left uncounts a connection from peer and reports whether it was the
+// last of its link.
+func (b *Backend) left(peer uuid.UUID) (agent.Link, bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if b.inbound[peer]--; b.inbound[peer] > 0 {
-		return false
+	in := b.inbound[peer]
+	if in.conns--; in.conns > 0 {
+		return in.link, false
 	}
 	delete(b.inbound, peer)
-	return true
+	return in.link, true
 }
 
 var (
@@ -225,7 +240,7 @@ func (s *server) handshake() error {
 	case peer == uuid.Nil:
 		status = stDenied
 		err = fmt.Errorf("%w: handshake from the nil agent", errProtocol)
-	case !b.joined(s.w, peer):
+	case !s.join(peer):
 		// Counted before the peer can use the connection: otherwise its
 		// other connections could all close, and report it lost, before
 		// this one, which may carry its last notification, is counted.
@@ -248,13 +263,19 @@ func (s *server) handshake() error {
 		return err
 	}
 	if werr != nil {
-		if b.left(peer) {
-			b.host.PeerLost(peer, fmt.Errorf("tcp: handshake with peer %s: %w: %w", peer, agent.ErrRemoteLost, werr))
+		if link, last := b.left(peer); last {
+			b.host.LinkLost(link, fmt.Errorf("tcp: handshake with peer %s: %w: %w", peer, agent.ErrRemoteLost, werr))
 		}
 		return werr
 	}
 	_ = s.w.c.SetDeadline(time.Time{})
 	return nil
+}
+
+func (s *server) join(peer uuid.UUID) bool {
+	link, ok := s.b.joined(s.w, peer)
+	s.link = link
+	return ok
 }
 
 func (s *server) loop() error {
@@ -294,7 +315,7 @@ func (s *server) notify(h *header) error {
 	if _, err := io.ReadFull(s.br, msg); err != nil {
 		return err
 	}
-	if !s.b.host.Deliver(s.peer, h.key, msg) {
+	if !s.b.host.Deliver(s.link, h.key, msg) {
 		return agent.ErrClosed
 	}
 	return nil
@@ -338,7 +359,7 @@ func (s *server) access(h *header) error {
 	}
 	iov, denied := s.iov[:0], error(nil)
 	defer func() { clear(s.iov[:cap(s.iov)]) }() // hold no reference to exposed memory between frames
-	lease, err := s.b.host.Open(s.peer, h.key, acc)
+	lease, err := s.b.host.Open(s.link, h.key, acc)
 	if errors.Is(err, agent.ErrRemoteLost) {
 		return err // this agent is closing: drop the connection, the peer sees it lost
 	}

@@ -120,7 +120,7 @@ func (l *loop) outFor(info agent.Info) (*outPeer, error) {
 	b = append(b, p.cid[:]...)
 	b = append(b, l.b.self.addr...)
 	if err := l.send(p.ep, b); err != nil {
-		l.failOut(p, fmt.Errorf("ucx: hello to peer %s: %w: %w", p.id, agent.ErrRemoteLost, err), false)
+		l.failOut(p, fmt.Errorf("ucx: hello to peer %s: %w: %w", p.id, agent.ErrRemoteLost, err))
 		return nil, p.failure(err)
 	}
 	return p, nil
@@ -139,7 +139,7 @@ func (l *loop) onWelcome(p *outPeer, m *msg) {
 	if m.from != p.id {
 		l.b.stats.drop(&l.b.stats.handshake)
 		l.b.host.Refused()
-		l.failOut(p, fmt.Errorf("ucx: the worker of peer %s answers as agent %s: %w", p.id, m.from, agent.ErrRemoteLost), false)
+		l.failOut(p, fmt.Errorf("ucx: the worker of peer %s answers as agent %s: %w", p.id, m.from, agent.ErrRemoteLost))
 		return
 	}
 	now := time.Now()
@@ -221,7 +221,7 @@ func (l *loop) pump(xs *xstate) {
 			b = append(b, keys...)
 		}
 		if err := l.send(p.ep, b); err != nil {
-			l.failOut(p, p.failure(err), true) // fails this transfer and pumps it
+			l.failOut(p, p.failure(err)) // fails this transfer and pumps it
 			return
 		}
 	}
@@ -531,10 +531,13 @@ func (l *loop) doneWith(w *window) {
 }
 
 // failOut fails p once: transfers waiting for it fail, its endpoint is
-// force-closed, and the next transfer connects afresh. report tells the
-// agent the peer is lost. Windows whose operations are in flight finish
+// force-closed, and the next transfer connects afresh. Windows whose operations are in flight finish
 // when their flush fails or, at the latest, when the endpoint is closed.
-func (l *loop) failOut(p *outPeer, err error, report bool) {
+//
+// An outgoing channel presents no key to this agent, so its failure is no
+// loss for this agent's exposures: only the channels a peer used to reach
+// them report that (agent.Link).
+func (l *loop) failOut(p *outPeer, err error) {
 	if p.failed {
 		return
 	}
@@ -567,9 +570,6 @@ func (l *loop) failOut(p *outPeer, err error, report bool) {
 	l.closeEP(p.ep, p.epID, true)
 	for _, xs := range touched {
 		l.pump(xs)
-	}
-	if report {
-		l.b.host.PeerLost(p.id, err)
 	}
 }
 

@@ -187,7 +187,7 @@ func (l *loop) step() bool {
 	if lost > 0 {
 		// Events were dropped for want of memory: nothing can be trusted.
 		for _, p := range l.allOuts() {
-			l.failOut(p, fmt.Errorf("ucx: %d native events lost (out of memory): %w", lost, agent.ErrRemoteLost), true)
+			l.failOut(p, fmt.Errorf("ucx: %d native events lost (out of memory): %w", lost, agent.ErrRemoteLost))
 		}
 	}
 	for i := range l.evs {
@@ -214,7 +214,7 @@ func (l *loop) command(c command) {
 	case c.depart != nil:
 		for _, p := range slices.Clone(l.outs[c.depart.id]) {
 			// Not reported: the agent tells its exposures itself.
-			l.failOut(p, fmt.Errorf("ucx: peer %s departed: %w", p.id, c.depart.cause), false)
+			l.failOut(p, fmt.Errorf("ucx: peer %s departed: %w", p.id, c.depart.cause))
 		}
 	case c.notify != nil:
 		p, err := l.outFor(c.notify.peer)
@@ -265,7 +265,7 @@ func (l *loop) event(e *event) {
 	case evEPErr:
 		switch p := l.epErr[e.id].(type) {
 		case *outPeer:
-			l.failOut(p, fmt.Errorf("ucx: endpoint to peer %s failed: %w: %w", p.id, agent.ErrRemoteLost, status(e.status)), true)
+			l.failOut(p, fmt.Errorf("ucx: endpoint to peer %s failed: %w: %w", p.id, agent.ErrRemoteLost, status(e.status)))
 		case *inPeer:
 			l.failIn(p, fmt.Errorf("ucx: endpoint to peer %s failed: %w: %w", p.peer, agent.ErrRemoteLost, status(e.status)), true)
 		}
@@ -279,7 +279,7 @@ func (l *loop) message(m *msg) {
 		return
 	case tBye:
 		if p := l.outCID[m.dst]; p != nil {
-			l.failOut(p, fmt.Errorf("ucx: peer %s is closing: %w", p.id, agent.ErrRemoteLost), true)
+			l.failOut(p, fmt.Errorf("ucx: peer %s is closing: %w", p.id, agent.ErrRemoteLost))
 		} else if p := l.ins[m.dst]; p != nil {
 			l.failIn(p, fmt.Errorf("ucx: peer %s closed: %w", p.peer, agent.ErrRemoteLost), true)
 		}
@@ -309,7 +309,7 @@ func (l *loop) message(m *msg) {
 		case tNotify:
 			p.used = true
 			msg := append([]byte(nil), m.body...)
-			l.b.host.Deliver(p.peer, m.key, msg)
+			l.b.host.Deliver(p.link, m.key, msg)
 		case tPing:
 			l.send(p.ep, l.frame(tPong, 0, 0, p.remote))
 		default:
@@ -330,17 +330,17 @@ func (l *loop) tick(now time.Time) {
 		switch {
 		case !p.ready && now.After(p.deadline):
 			l.b.stats.drop(&l.b.stats.timeouts)
-			l.failOut(p, fmt.Errorf("ucx: peer %s did not answer the connection request within %v: %w", p.id, to, agent.ErrRemoteLost), true)
+			l.failOut(p, fmt.Errorf("ucx: peer %s did not answer the connection request within %v: %w", p.id, to, agent.ErrRemoteLost))
 		case p.ready && now.Sub(p.lastRecv) > to:
 			l.b.stats.drop(&l.b.stats.timeouts)
-			l.failOut(p, fmt.Errorf("ucx: no word from peer %s for %v: %w", p.id, to, agent.ErrRemoteLost), true)
+			l.failOut(p, fmt.Errorf("ucx: no word from peer %s for %v: %w", p.id, to, agent.ErrRemoteLost))
 		case p.ready:
 			for _, w := range p.wins {
 				// A READ the peer writes is granted when written: its
 				// heartbeats say it is alive meanwhile.
 				if !w.granted && !w.remotePut && now.After(w.deadline) {
 					l.b.stats.drop(&l.b.stats.timeouts)
-					l.failOut(p, fmt.Errorf("ucx: peer %s left a lease request unanswered for %v: %w", p.id, to, agent.ErrRemoteLost), true)
+					l.failOut(p, fmt.Errorf("ucx: peer %s left a lease request unanswered for %v: %w", p.id, to, agent.ErrRemoteLost))
 					break
 				}
 			}
@@ -435,7 +435,7 @@ func (l *loop) shutdown() {
 	}
 	err := fmt.Errorf("ucx: backend closing: %w", agent.ErrClosed)
 	for _, p := range l.allOuts() {
-		l.failOut(p, err, false)
+		l.failOut(p, err)
 	}
 	for _, p := range l.ins {
 		l.failIn(p, err, false)

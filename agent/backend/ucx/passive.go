@@ -20,9 +20,10 @@ const maxInPeers = 4096
 // inPeer is the exposing side of one connection: an endpoint back to the
 // transferring agent, for answers, and the leases it holds.
 type inPeer struct {
-	cid      cid       // this side's connection ID
-	remote   cid       // the transferring side's
-	peer     uuid.UUID // the agent, as its hello named itself
+	cid      cid        // this side's connection ID
+	remote   cid        // the transferring side's
+	peer     uuid.UUID  // the agent, as its hello named itself
+	link     agent.Link // this endpoint, as the agent sees it
 	ep       endpoint
 	epID     uint64
 	leases   map[uint64]*held
@@ -56,7 +57,7 @@ func (l *loop) onHello(m *msg) {
 		l.b.host.Refused()
 		return
 	}
-	p := &inPeer{cid: newCID(), remote: m.src, peer: m.from, epID: l.next(), leases: map[uint64]*held{}, rkeys: map[uint64]*rkeyEntry{}, lastRecv: time.Now()}
+	p := &inPeer{cid: newCID(), remote: m.src, peer: m.from, link: agent.NewLink(m.from), epID: l.next(), leases: map[uint64]*held{}, rkeys: map[uint64]*rkeyEntry{}, lastRecv: time.Now()}
 	var err error
 	if p.ep, err = l.n.connect(m.addr, p.epID); err != nil {
 		l.b.stats.drop(&l.b.stats.handshake)
@@ -87,7 +88,7 @@ func (l *loop) onOpen(p *inPeer, m *msg) {
 		l.failIn(p, fmt.Errorf("%w: lease %d requested twice, or more than %d leases held", errProtocol, m.lease, maxLeases), true)
 		return
 	}
-	lease, err := l.b.host.Open(p.peer, m.key, agent.Access(m.status))
+	lease, err := l.b.host.Open(p.link, m.key, agent.Access(m.status))
 	if errors.Is(err, agent.ErrRemoteLost) {
 		l.refuse(p, m.lease, stLost, err) // this agent is closing
 		return
@@ -340,7 +341,7 @@ func (l *loop) failIn(p *inPeer, err error, report bool) {
 	l.dyingIn = append(l.dyingIn, p)
 	l.closeEP(p.ep, p.epID, true)
 	if report && p.used {
-		l.b.host.PeerLost(p.peer, err)
+		l.b.host.LinkLost(p.link, err)
 	}
 }
 
