@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -188,13 +189,16 @@ func (a *Agent) isClosed() bool { return a.closed.Load() }
 
 // choose picks the backend for a transfer to peer moving memory of the
 // given kinds: forced by name, or the first reachable one supporting them.
-func (a *Agent) choose(peer Info, force string, kinds []MemKind) (Backend, error) {
+func (a *Agent) choose(ctx context.Context, peer Info, force string, kinds []MemKind) (Backend, error) {
 	var why []error
 	for _, b := range a.backends {
 		if force != "" && b.Name() != force {
 			continue
 		}
-		if err := b.Reachable(peer); err != nil {
+		if err := ctx.Err(); err != nil {
+			return nil, fmt.Errorf("choose a backend for peer %s: %w", peer.ID, context.Cause(ctx))
+		}
+		if err := b.Reachable(ctx, peer); err != nil {
 			why = append(why, fmt.Errorf("%s: %w", b.Name(), err))
 			continue
 		}
@@ -230,9 +234,12 @@ func (a *Agent) noteFallback(peer uuid.UUID, chosen string, why []error) {
 }
 
 // Post validates r, picks a backend and starts the transfer without waiting
-// for it. The segments' local memory must stay alive and untouched until the
-// returned transfer is Done. Safe for concurrent use.
-func (a *Agent) Post(r Request) (*Xfer, error) {
+// for it. ctx bounds only the start: choosing a backend may connect to the
+// peer (cma probes whether it may read the peer's memory); once Post
+// returns, cancel the transfer with Xfer.Cancel. The segments' local memory
+// must stay alive and untouched until the returned transfer is Done. Safe
+// for concurrent use.
+func (a *Agent) Post(ctx context.Context, r Request) (*Xfer, error) {
 	if a.isClosed() {
 		return nil, ErrClosed
 	}
@@ -265,7 +272,7 @@ func (a *Agent) Post(r Request) (*Xfer, error) {
 			ks = append(ks, MemKind(k))
 		}
 	}
-	b, err := a.choose(peer, r.Backend, ks)
+	b, err := a.choose(ctx, peer, r.Backend, ks)
 	if err != nil {
 		return nil, err
 	}
@@ -308,7 +315,7 @@ func (a *Agent) Notify(peer Info, key Key, msg []byte) error {
 	if peer.ID == uuid.Nil {
 		return fmt.Errorf("%w: notification names no peer", ErrInvalid)
 	}
-	b, err := a.choose(peer, "", nil)
+	b, err := a.choose(context.Background(), peer, "", nil)
 	if err != nil {
 		return err
 	}

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"context"
 	"errors"
 	"math"
 	"math/bits"
@@ -29,13 +30,13 @@ type stubBackend struct {
 	deregisters int
 }
 
-func (b *stubBackend) Name() string                   { return b.name }
-func (b *stubBackend) Start(Host) ([]byte, error)     { return []byte(b.name), nil }
-func (b *stubBackend) Supports(k MemKind) bool        { return k == KindDRAM }
-func (b *stubBackend) Reachable(Info) error           { return nil }
-func (b *stubBackend) Post(x *Xfer) error             { x.Finish(nil); return nil }
-func (b *stubBackend) Notify(Info, Key, []byte) error { return nil }
-func (b *stubBackend) Close() error                   { return nil }
+func (b *stubBackend) Name() string                          { return b.name }
+func (b *stubBackend) Start(Host) ([]byte, error)            { return []byte(b.name), nil }
+func (b *stubBackend) Supports(k MemKind) bool               { return k == KindDRAM }
+func (b *stubBackend) Reachable(context.Context, Info) error { return nil }
+func (b *stubBackend) Post(x *Xfer) error                    { x.Finish(nil); return nil }
+func (b *stubBackend) Notify(Info, Key, []byte) error        { return nil }
+func (b *stubBackend) Close() error                          { return nil }
 
 // registrarBackend is a stubBackend that needs memory registered.
 type registrarBackend struct{ stubBackend }
@@ -513,17 +514,17 @@ func TestPostValidates(t *testing.T) {
 		{"DRAM bytes do not match the region", Request{Op: OpWrite, Peer: peer, Segments: []Segment{{Local: Local{Region: Region{Addr: 0x1000, Len: 64}, Mem: buf}, Remote: Region{Addr: 0x1000, Len: 64}}}}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			x, err := a.Post(c.req)
+			x, err := a.Post(context.Background(), c.req)
 			require.ErrorIs(t, err, ErrInvalid)
 			require.Nil(t, x)
 		})
 	}
 	t.Run("forced backend not configured", func(t *testing.T) {
-		_, err := a.Post(Request{Op: OpRead, Peer: peer, Segments: []Segment{seg}, Backend: "nope"})
+		_, err := a.Post(context.Background(), Request{Op: OpRead, Peer: peer, Segments: []Segment{seg}, Backend: "nope"})
 		require.ErrorIs(t, err, ErrNoBackend)
 	})
 	t.Run("valid", func(t *testing.T) {
-		x, err := a.Post(Request{Op: OpRead, Peer: peer, Segments: []Segment{seg, seg}})
+		x, err := a.Post(context.Background(), Request{Op: OpRead, Peer: peer, Segments: []Segment{seg, seg}})
 		require.NoError(t, err)
 		<-x.Done()
 		require.NoError(t, x.Err())
@@ -600,7 +601,7 @@ func TestPeerDepartedAbortsItsTransfers(t *testing.T) {
 	stays := Info{ID: uuid.New(), Conns: []ConnInfo{{Backend: "held"}}}
 	buf := make([]byte, 64)
 	post := func(peer Info) *Xfer {
-		x, err := a.Post(Request{Op: OpRead, Peer: peer, Segments: []Segment{{Local: DRAM(buf), Remote: Region{Addr: 0x1000, Len: 64}}}})
+		x, err := a.Post(context.Background(), Request{Op: OpRead, Peer: peer, Segments: []Segment{{Local: DRAM(buf), Remote: Region{Addr: 0x1000, Len: 64}}}})
 		require.NoError(t, err)
 		return x
 	}

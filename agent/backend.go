@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"context"
 	"github.com/google/uuid"
 )
 
@@ -21,9 +22,11 @@ type Backend interface {
 	// Supports reports whether the backend can move memory of kind k.
 	Supports(k MemKind) bool
 	// Reachable reports whether the backend can reach the remote agent
-	// described by info, judging from info alone (no I/O). A nil error
-	// means yes; otherwise the error says why not.
-	Reachable(info Info) error
+	// described by info. A nil error means yes; otherwise the error says
+	// why not, and the agent tries the next backend. Most backends judge
+	// from info alone; one that must do I/O to know (cma's trial read)
+	// returns when ctx is done, with an error wrapping context.Cause(ctx).
+	Reachable(ctx context.Context, info Info) error
 	// Post starts x and returns without waiting for it. The backend must call
 	// x.Finish exactly once, after which it no longer touches x's local
 	// memory. If x.Notify is non-nil the backend delivers it to the remote

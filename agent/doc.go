@@ -26,7 +26,7 @@
 //
 // and on the active side:
 //
-//	x, _ := b.Post(agent.Request{Op: agent.OpRead, Peer: info, Key: key, Segments: segs, Notify: []byte("done")})
+//	x, _ := b.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: info, Key: key, Segments: segs, Notify: []byte("done")})
 //	<-x.Done()
 //	err := x.Err()
 package agent

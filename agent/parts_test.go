@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"context"
 	"errors"
 	"sync"
 	"testing"
@@ -24,7 +25,7 @@ func TestParts(t *testing.T) {
 	peer := Info{ID: uuid.New(), Conns: []ConnInfo{{Backend: "parts"}}}
 	buf := make([]byte, 64)
 	post := func(notify []byte) *Xfer {
-		_, err := a.Post(Request{Op: OpWrite, Peer: peer, Notify: notify,
+		_, err := a.Post(context.Background(), Request{Op: OpWrite, Peer: peer, Notify: notify,
 			Segments: []Segment{{Local: DRAM(buf), Remote: Region{Addr: 0x1000, Len: 64}}}})
 		require.NoError(t, err)
 		return <-b.posted

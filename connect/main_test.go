@@ -75,7 +75,7 @@ func (s *stall) Name() string                     { return "stall" }
 func (s *stall) Start(agent.Host) ([]byte, error) { return []byte{1}, nil }
 func (s *stall) Supports(agent.MemKind) bool      { return true }
 
-func (s *stall) Reachable(info agent.Info) error {
+func (s *stall) Reachable(_ context.Context, info agent.Info) error {
 	if _, ok := info.Conn(s.Name()); !ok {
 		return errors.New("peer has no stall backend")
 	}

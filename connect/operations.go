@@ -369,7 +369,7 @@ func (c *Connector) begin(ctx context.Context, o *activeOp, op agent.Op, md Meta
 	c.active[o] = struct{}{}
 	c.watchers.Add(1)
 	c.mu.Unlock()
-	x, err := c.a.Post(agent.Request{
+	x, err := c.a.Post(ctx, agent.Request{
 		Op: op, Peer: peer, Key: md.key, Segments: segs,
 		Notify: doneNotice, Backend: c.force,
 		OnDone: o.finish,

@@ -1,6 +1,7 @@
 package backendtest
 
 import (
+	"context"
 	"fmt"
 	"math"
 	"testing"
@@ -68,7 +69,7 @@ func testAbuse(t *testing.T, cfg Config) {
 			}}}
 			c.tamper(&r, e, region)
 			before := p.Stats().Refused
-			x, err := a.Post(r)
+			x, err := a.Post(context.Background(), r)
 			if err == nil {
 				err = waitXfer(t, x)
 			}

@@ -1,6 +1,7 @@
 package backendtest
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -250,7 +251,7 @@ func (c *childAgent) post(req request) response {
 		release(regs)
 		return fail(fmt.Errorf("post to peer %s, never added", req.Peer))
 	}
-	x, err := c.a.Post(agent.Request{Op: req.Op, Peer: peer, Key: agent.Key(req.Key), Segments: segments(b, req.Regions, req.Seed), Notify: req.Notify})
+	x, err := c.a.Post(context.Background(), agent.Request{Op: req.Op, Peer: peer, Key: agent.Key(req.Key), Segments: segments(b, req.Regions, req.Seed), Notify: req.Notify})
 	if err != nil {
 		release(regs)
 		return fail(err)

@@ -1,6 +1,7 @@
 package backendtest
 
 import (
+	"context"
 	"fmt"
 	"slices"
 	"testing"
@@ -59,7 +60,7 @@ func parentActive(t *testing.T, a *agent.Agent, c *child, op agent.Op, sizes []i
 	defer c.must(request{Cmd: "revoke", ID: r.ID})
 	ab, aSeed := side(t, a, sizes)
 	notify := []byte(fmt.Sprintf("parent %v done", op))
-	x, err := a.Post(agent.Request{Op: op, Peer: c.info, Key: agent.Key(r.Key), Segments: segments(ab, r.Regions, pSeed), Notify: notify})
+	x, err := a.Post(context.Background(), agent.Request{Op: op, Peer: c.info, Key: agent.Key(r.Key), Segments: segments(ab, r.Regions, pSeed), Notify: notify})
 	require.NoError(t, err)
 	require.NoError(t, waitXfer(t, x), "%v over %s", op, x.Backend())
 	want := pSeed
@@ -111,7 +112,7 @@ func parentAbuse(t *testing.T, a *agent.Agent, c *child, op agent.Op) {
 			}}}
 			ab.tamper(&req, nil, region)
 			before := c.must(request{Cmd: "stats"}).Stats.Refused
-			x, err := a.Post(req)
+			x, err := a.Post(context.Background(), req)
 			if err == nil {
 				err = waitXfer(t, x)
 			}
@@ -126,7 +127,7 @@ func parentAbuse(t *testing.T, a *agent.Agent, c *child, op agent.Op) {
 		r := c.must(request{Cmd: "expose", Access: op.Access(), Sizes: []int{abuseRegionLen}, Seed: pSeed})
 		c.must(request{Cmd: "revoke", ID: r.ID})
 		lb, aSeed := side(t, a, []int{abuseRegionLen})
-		x, err := a.Post(agent.Request{Op: op, Peer: c.info, Key: agent.Key(r.Key), Segments: segments(lb, r.Regions, 0)})
+		x, err := a.Post(context.Background(), agent.Request{Op: op, Peer: c.info, Key: agent.Key(r.Key), Segments: segments(lb, r.Regions, 0)})
 		if err == nil {
 			err = waitXfer(t, x)
 		}
@@ -176,7 +177,7 @@ func noBackend(t *testing.T, a *agent.Agent, c *child) {
 	r := c.must(request{Cmd: "expose", Access: agent.AccessRead, Sizes: []int{4 << 10}, Seed: pSeed})
 	lb, aSeed := side(t, a, []int{4 << 10})
 	for _, op := range ops {
-		x, err := a.Post(agent.Request{Op: op, Peer: c.info, Key: agent.Key(r.Key), Segments: segments(lb, r.Regions, 0)})
+		x, err := a.Post(context.Background(), agent.Request{Op: op, Peer: c.info, Key: agent.Key(r.Key), Segments: segments(lb, r.Regions, 0)})
 		require.ErrorIs(t, err, agent.ErrNoBackend, "%v from the parent to the child", op)
 		require.Nil(t, x)
 	}

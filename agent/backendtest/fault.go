@@ -78,7 +78,7 @@ func largeTransfer(t *testing.T, a, p *agent.Agent, op agent.Op, size int) infli
 	f.pb, f.pSeed = side(t, p, []int{size})
 	f.ab, f.aSeed = side(t, a, []int{size})
 	f.e = expose(t, p, op.Access(), f.pb)
-	x, err := a.Post(agent.Request{Op: op, Peer: p.Info(), Key: f.e.Key(), Segments: segments(f.ab, f.pb.regions(), 0)})
+	x, err := a.Post(context.Background(), agent.Request{Op: op, Peer: p.Info(), Key: f.e.Key(), Segments: segments(f.ab, f.pb.regions(), 0)})
 	require.NoError(t, err)
 	t.Cleanup(func() { waitXfer(t, x) }) // the buffers stay in use until then
 	f.x = x
@@ -252,7 +252,7 @@ func closeInFlight(t *testing.T, cfg Config) bool {
 			e = expose(t, p, agent.AccessWrite, remote)
 		}
 		local, _ := side(t, a, []int{size})
-		x, err := a.Post(agent.Request{Op: op, Peer: p.Info(), Key: e.Key(), Segments: segments(local, remote.regions(), 0)})
+		x, err := a.Post(context.Background(), agent.Request{Op: op, Peer: p.Info(), Key: e.Key(), Segments: segments(local, remote.regions(), 0)})
 		require.NoError(t, err)
 		xs = append(xs, x)
 	}
@@ -269,7 +269,7 @@ func closeInFlight(t *testing.T, cfg Config) bool {
 	t.Logf("%d of %d transfers failed with ErrClosed", closed, n)
 
 	require.NoError(t, a.Close(), "Close is idempotent")
-	_, err := a.Post(agent.Request{Op: agent.OpRead, Peer: p.Info(), Key: re.Key(), Segments: segments(rb, rb.regions(), 0)})
+	_, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: p.Info(), Key: re.Key(), Segments: segments(rb, rb.regions(), 0)})
 	require.ErrorIs(t, err, agent.ErrClosed, "Post after Close")
 	require.ErrorIs(t, a.Notify(p.Info(), re.Key(), []byte("x")), agent.ErrClosed, "Notify after Close")
 	_, err = a.Expose(agent.AccessRead, rb.locals)
@@ -290,7 +290,7 @@ func passiveKilled(t *testing.T, cfg Config, op agent.Op) bool {
 	c := startChild(t)
 	r := c.must(request{Cmd: "expose", Access: op.Access(), Sizes: []int{largeCrossProcess}, Seed: pattern.NextSeed()})
 	ab, _ := side(t, a, []int{largeCrossProcess})
-	x, err := a.Post(agent.Request{Op: op, Peer: c.info, Key: agent.Key(r.Key), Segments: segments(ab, r.Regions, 0)})
+	x, err := a.Post(context.Background(), agent.Request{Op: op, Peer: c.info, Key: agent.Key(r.Key), Segments: segments(ab, r.Regions, 0)})
 	require.NoError(t, err)
 	t.Cleanup(func() { waitXfer(t, x) })
 	c.must(request{Cmd: "wait-access", ID: r.ID})

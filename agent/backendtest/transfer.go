@@ -2,6 +2,7 @@ package backendtest
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"sync"
@@ -72,7 +73,7 @@ func transfer(t *testing.T, a, p *agent.Agent, op agent.Op, sizes []int, notify 
 	pb, pSeed := side(t, p, sizes)
 	ab, aSeed := side(t, a, sizes)
 	e := expose(t, p, op.Access(), pb)
-	x, err := a.Post(agent.Request{Op: op, Peer: p.Info(), Key: e.Key(), Segments: segments(ab, pb.regions(), pSeed), Notify: notify})
+	x, err := a.Post(context.Background(), agent.Request{Op: op, Peer: p.Info(), Key: e.Key(), Segments: segments(ab, pb.regions(), pSeed), Notify: notify})
 	require.NoError(t, err, "Post")
 	want := pSeed
 	if op == agent.OpWrite {
@@ -228,7 +229,7 @@ func worker(a, p *agent.Agent, e *agent.Exposure, op agent.Op, region agent.Regi
 		if op == agent.OpRead {
 			clear(buf)
 		}
-		x, err := a.Post(agent.Request{Op: op, Peer: p.Info(), Key: e.Key(), Segments: segs})
+		x, err := a.Post(context.Background(), agent.Request{Op: op, Peer: p.Info(), Key: e.Key(), Segments: segs})
 		if err != nil {
 			return fmt.Errorf("round %d: Post: %w", r, err)
 		}
@@ -260,7 +261,7 @@ func testUnsupported(t *testing.T, cfg Config) {
 		}
 	}
 	for _, op := range ops {
-		x, err := a.Post(agent.Request{
+		x, err := a.Post(context.Background(), agent.Request{
 			Op: op, Peer: p.Info(), Key: agent.NewKey(),
 			Segments: []agent.Segment{{
 				Local:  agent.Device(0x10000, 4096, agent.KindVRAM, 0),
@@ -299,7 +300,7 @@ func testRegistration(t *testing.T, cfg Config) {
 	require.NoError(t, err)
 	defer e.Revoke()
 	lb, _ := side(t, a, []int{len(buf)})
-	x, err := a.Post(agent.Request{Op: agent.OpRead, Peer: p.Info(), Key: e.Key(), Segments: []agent.Segment{{Local: lb.locals[0], Remote: l.Region}}})
+	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: p.Info(), Key: e.Key(), Segments: []agent.Segment{{Local: lb.locals[0], Remote: l.Region}}})
 	require.NoError(t, err)
 	require.NoError(t, waitXfer(t, x))
 	require.NoError(t, lb.Check(seed), "memory still registered serves a READ")

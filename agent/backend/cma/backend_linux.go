@@ -4,6 +4,7 @@ package cma
 
 import (
 	"bytes"
+	"context"
 	"crypto/rand"
 	"errors"
 	"fmt"
@@ -135,7 +136,7 @@ func (b *Backend) probeAddr() uint64 { return uint64(uintptr(unsafe.Pointer(b.pr
 // verdict is cached, so later calls cost a map lookup. That first call does
 // local I/O, bounded by WithTimeout: permission cannot be judged from the
 // metadata alone, and judging it later would be too late to fall back.
-func (b *Backend) Reachable(info agent.Info) error {
+func (b *Backend) Reachable(_ context.Context, info agent.Info) error {
 	raw, ok := info.Conn(Name)
 	if !ok {
 		return errors.New("peer has no cma backend")

@@ -3,6 +3,7 @@
 package cma_test
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -118,7 +119,7 @@ func BenchmarkCMA(b *testing.B) {
 					b.SetBytes(int64(sh.descs * sh.len))
 					b.ReportAllocs()
 					for b.Loop() {
-						x, err := a.Post(agent.Request{Op: op, Peer: ch.Info, Key: key, Segments: segs, Backend: backend})
+						x, err := a.Post(context.Background(), agent.Request{Op: op, Peer: ch.Info, Key: key, Segments: segs, Backend: backend})
 						if err != nil {
 							b.Fatal(err)
 						}

@@ -5,6 +5,7 @@ package cma_test
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -87,7 +88,7 @@ func fallbackChild() {
 	res.DataOK = true
 	for range 2 {
 		dst := make([]byte, peer.Size)
-		x, err := a.Post(agent.Request{Op: agent.OpRead, Peer: peer.Info, Key: peer.Key, Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: peer.Addr, Len: uint64(peer.Size)}}}})
+		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer.Info, Key: peer.Key, Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: peer.Addr, Len: uint64(peer.Size)}}}})
 		if err == nil {
 			<-x.Done()
 			err = x.Err()

@@ -3,6 +3,7 @@
 package cma
 
 import (
+	"context"
 	"errors"
 	"testing"
 	"time"
@@ -46,7 +47,7 @@ func TestDepartedPeerFailsAtOnce(t *testing.T) {
 
 	a, _ := newAgent(t, WithTimeout(time.Minute))
 	dst := make([]byte, 1<<20)
-	x, err := a.Post(agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
+	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
 		Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: 1 << 20}}}})
 	require.NoError(t, err)
 	time.Sleep(100 * time.Millisecond)

@@ -4,6 +4,7 @@ package cma_test
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"io"
 	"log/slog"
@@ -56,7 +57,7 @@ func TestFallbackWhenNotPermitted(t *testing.T) {
 
 	// This process (root) reads the unprivileged child: cma.
 	dst := make([]byte, hello.Size)
-	x, err := a.Post(agent.Request{Op: agent.OpRead, Peer: hello.Info, Key: hello.Key, Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: hello.Addr, Len: uint64(hello.Size)}}}})
+	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: hello.Info, Key: hello.Key, Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: hello.Addr, Len: uint64(hello.Size)}}}})
 	require.NoError(t, err)
 	<-x.Done()
 	require.NoError(t, x.Err())

@@ -4,6 +4,7 @@ package cma
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"io"
 	"net"
@@ -42,7 +43,7 @@ func waitStats(t testing.TB, b *Backend, before, want Stats) {
 func legitRead(t testing.TB, active, passive *agent.Agent, exp *agent.Exposure, src []byte) {
 	t.Helper()
 	dst := make([]byte, len(src))
-	x, err := active.Post(agent.Request{Op: agent.OpRead, Peer: passive.Info(), Key: exp.Key(),
+	x, err := active.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: passive.Info(), Key: exp.Key(),
 		Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.DRAM(src).Region}}})
 	require.NoError(t, err)
 	select {

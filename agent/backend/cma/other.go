@@ -3,6 +3,7 @@
 package cma
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"runtime"
@@ -40,7 +41,7 @@ func (b *Backend) Supports(k agent.MemKind) bool { return k == agent.KindDRAM }
 func (b *Backend) Start(agent.Host) ([]byte, error) { return nil, b.optErr }
 
 // Reachable implements agent.Backend: never, on this system.
-func (b *Backend) Reachable(agent.Info) error { return errUnsupported }
+func (b *Backend) Reachable(context.Context, agent.Info) error { return errUnsupported }
 
 // Post implements agent.Backend.
 func (b *Backend) Post(*agent.Xfer) error { return errUnsupported }

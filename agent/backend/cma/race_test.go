@@ -4,6 +4,7 @@ package cma_test
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"math/rand/v2"
 	"runtime"
@@ -55,7 +56,7 @@ func raceOnce(t *testing.T, opts []cma.Option, race string, op agent.Op, size, d
 	exposed := bytes.Clone(old)
 	e, err := p.Expose(op.Access(), []agent.Local{agent.DRAM(exposed)})
 	require.NoError(t, err)
-	x, err := a.Post(agent.Request{Op: op, Peer: p.Info(), Key: e.Key(), Segments: []agent.Segment{{Local: agent.DRAM(local), Remote: agent.DRAM(exposed).Region}}})
+	x, err := a.Post(context.Background(), agent.Request{Op: op, Peer: p.Info(), Key: e.Key(), Segments: []agent.Segment{{Local: agent.DRAM(local), Remote: agent.DRAM(exposed).Region}}})
 	require.NoError(t, err)
 	switch delay { // vary the moment the race starts
 	case 1:

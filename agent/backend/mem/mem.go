@@ -5,6 +5,7 @@ package mem
 
 import (
 	"bytes"
+	"context"
 	"crypto/rand"
 	"errors"
 	"fmt"
@@ -74,7 +75,7 @@ func (b *Backend) Start(h agent.Host) ([]byte, error) {
 }
 
 // Reachable implements agent.Backend: the peer must live in this process.
-func (b *Backend) Reachable(info agent.Info) error {
+func (b *Backend) Reachable(_ context.Context, info agent.Info) error {
 	ci, ok := info.Conn(Name)
 	if !ok {
 		return errors.New("peer has no mem backend")

@@ -1,6 +1,7 @@
 package mem_test
 
 import (
+	"context"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -37,7 +38,7 @@ func TestPostToClosedPeer(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, p.Close())
 
-	x, err := a.Post(agent.Request{Op: agent.OpRead, Peer: p.Info(), Key: e.Key(), Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 64)), Remote: agent.DRAM(buf).Region}}})
+	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: p.Info(), Key: e.Key(), Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 64)), Remote: agent.DRAM(buf).Region}}})
 	require.ErrorIs(t, err, agent.ErrNoBackend)
 	require.ErrorIs(t, err, agent.ErrRemoteLost)
 	require.Nil(t, x)
@@ -53,7 +54,7 @@ func TestFailedStartDoesNotReportLiveAgentLost(t *testing.T) {
 	e, err := p.Expose(agent.AccessRead, []agent.Local{agent.DRAM(buf)})
 	require.NoError(t, err)
 	defer e.Revoke()
-	x, err := a.Post(agent.Request{Op: agent.OpRead, Peer: p.Info(), Key: e.Key(), Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 64)), Remote: agent.DRAM(buf).Region}}})
+	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: p.Info(), Key: e.Key(), Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 64)), Remote: agent.DRAM(buf).Region}}})
 	require.NoError(t, err)
 	<-x.Done()
 	require.NoError(t, x.Err())
@@ -81,7 +82,7 @@ func TestDeviceMemoryRefused(t *testing.T) {
 	vram := agent.Device(0x7f0000000000, 4096, agent.KindVRAM, 0)
 	exp, err := pa.Expose(agent.AccessWrite, []agent.Local{vram})
 	require.NoError(t, err)
-	x, err := aa.Post(agent.Request{Op: agent.OpWrite, Peer: pa.Info(), Key: exp.Key(), Notify: []byte("done"),
+	x, err := aa.Post(context.Background(), agent.Request{Op: agent.OpWrite, Peer: pa.Info(), Key: exp.Key(), Notify: []byte("done"),
 		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 4096)), Remote: agent.Region{Addr: vram.Addr, Len: 4096}}}})
 	require.NoError(t, err)
 	<-x.Done()

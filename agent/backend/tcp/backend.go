@@ -17,6 +17,7 @@
 package tcp
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net"
@@ -140,7 +141,7 @@ func advertiseFor(a *net.TCPAddr) string {
 // Reachable implements agent.Backend. A peer that publishes a loopback
 // address but runs on another host (or in another network namespace) is
 // unreachable, and the error says which option the peer must set.
-func (b *Backend) Reachable(info agent.Info) error {
+func (b *Backend) Reachable(_ context.Context, info agent.Info) error {
 	raw, ok := info.Conn(Name)
 	if !ok {
 		return errors.New("peer has no tcp backend")

@@ -2,6 +2,7 @@ package tcp_test
 
 import (
 	"bufio"
+	"context"
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
@@ -200,7 +201,7 @@ func BenchmarkTCP(b *testing.B) {
 				b.SetBytes(int64(sh.descs * sh.len))
 				b.ReportAllocs()
 				for b.Loop() {
-					x, err := a.Post(agent.Request{Op: op, Peer: ch.hello.Info, Key: key, Segments: segs})
+					x, err := a.Post(context.Background(), agent.Request{Op: op, Peer: ch.hello.Info, Key: key, Segments: segs})
 					if err != nil {
 						b.Fatal(err)
 					}
@@ -283,7 +284,7 @@ func BenchmarkLatency4KiB(b *testing.B) {
 		b.ReportAllocs()
 		for b.Loop() {
 			t0 := time.Now()
-			x, err := aa.Post(req)
+			x, err := aa.Post(context.Background(), req)
 			if err != nil {
 				b.Fatal(err)
 			}

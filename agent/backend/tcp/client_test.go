@@ -2,6 +2,7 @@ package tcp
 
 import (
 	"bytes"
+	"context"
 	crand "crypto/rand"
 	"encoding/binary"
 	"io"
@@ -181,7 +182,7 @@ func waitStats(t testing.TB, b *Backend, before, want Stats) {
 func legitRead(t testing.TB, active, passive *agent.Agent, exp *agent.Exposure, r []byte) {
 	t.Helper()
 	dst := make([]byte, len(r))
-	x, err := active.Post(agent.Request{Op: agent.OpRead, Peer: passive.Info(), Key: exp.Key(),
+	x, err := active.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: passive.Info(), Key: exp.Key(),
 		Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.DRAM(r).Region}}})
 	require.NoError(t, err)
 	select {

@@ -2,6 +2,7 @@ package tcp
 
 import (
 	"bytes"
+	"context"
 	"encoding/binary"
 	"errors"
 	"io"
@@ -98,14 +99,14 @@ func TestInvalidOptions(t *testing.T) {
 func TestLoopbackToAnotherHost(t *testing.T) {
 	_, b := newAgent(t)
 	other := connInfo{host: [8]byte{1, 2, 3}, addr: "127.0.0.1:4000"}
-	err := b.Reachable(agent.Info{ID: uuid.New(), Conns: []agent.ConnInfo{{Backend: Name, Data: other.marshal()}}})
+	err := b.Reachable(context.Background(), agent.Info{ID: uuid.New(), Conns: []agent.ConnInfo{{Backend: Name, Data: other.marshal()}}})
 	require.Error(t, err)
 	assert.Contains(t, err.Error(), "WithAdvertiseAddr")
 
 	same := connInfo{host: hostIdentity(), addr: "127.0.0.1:4000"}
-	require.NoError(t, b.Reachable(agent.Info{ID: uuid.New(), Conns: []agent.ConnInfo{{Backend: Name, Data: same.marshal()}}}))
+	require.NoError(t, b.Reachable(context.Background(), agent.Info{ID: uuid.New(), Conns: []agent.ConnInfo{{Backend: Name, Data: same.marshal()}}}))
 	routable := connInfo{host: [8]byte{9}, addr: "10.1.2.3:4000"}
-	require.NoError(t, b.Reachable(agent.Info{ID: uuid.New(), Conns: []agent.ConnInfo{{Backend: Name, Data: routable.marshal()}}}))
+	require.NoError(t, b.Reachable(context.Background(), agent.Info{ID: uuid.New(), Conns: []agent.ConnInfo{{Backend: Name, Data: routable.marshal()}}}))
 }
 
 func TestHandshakeWithStaleIdentity(t *testing.T) {
@@ -333,7 +334,7 @@ func TestSilentPassivePeer(t *testing.T) {
 	ci := connInfo{host: hostIdentity(), addr: ln.Addr().String()}
 	dst := make([]byte, 1<<20)
 	start := time.Now()
-	x, err := a.Post(agent.Request{Op: agent.OpRead, Peer: agent.Info{ID: fake, Conns: []agent.ConnInfo{{Backend: Name, Data: ci.marshal()}}}, Key: agent.NewKey(),
+	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: agent.Info{ID: fake, Conns: []agent.ConnInfo{{Backend: Name, Data: ci.marshal()}}}, Key: agent.NewKey(),
 		Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: 1 << 20}}}})
 	require.NoError(t, err)
 	select {
@@ -566,14 +567,14 @@ func TestForgedIdentityDoesNotRedirect(t *testing.T) {
 	forgedInfo := agent.Info{ID: victim.ID(), Conns: []agent.ConnInfo{{Backend: Name, Data: forged.marshal()}}}
 	dst := make([]byte, 4096)
 	seg := []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.DRAM(src).Region}}
-	decoy, err := active.Post(agent.Request{Op: agent.OpRead, Peer: forgedInfo, Key: agent.NewKey(), Segments: seg})
+	decoy, err := active.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: forgedInfo, Key: agent.NewKey(), Segments: seg})
 	require.NoError(t, err)
 	<-decoy.Done()
 	require.ErrorIs(t, decoy.Err(), agent.ErrRemoteLost)
 	require.Len(t, keys, 1, "the impostor got the forged token's transfer")
 
 	for range 3 {
-		x, err := active.Post(agent.Request{Op: agent.OpRead, Peer: victim.Info(), Key: exp.Key(), Segments: seg})
+		x, err := active.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: victim.Info(), Key: exp.Key(), Segments: seg})
 		require.NoError(t, err)
 		<-x.Done()
 		require.NoError(t, x.Err())

@@ -2,6 +2,7 @@ package tcp
 
 import (
 	"bytes"
+	"context"
 	"testing"
 	"time"
 
@@ -26,7 +27,7 @@ func TestMismatchedKeepalives(t *testing.T) {
 			defer exp.Revoke()
 			dst := make([]byte, 4096)
 			read := func() {
-				x, err := dir.active.Post(agent.Request{Op: agent.OpRead, Peer: dir.passive.Info(), Key: exp.Key(),
+				x, err := dir.active.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: dir.passive.Info(), Key: exp.Key(),
 					Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.DRAM(src).Region}}})
 				require.NoError(t, err)
 				<-x.Done()

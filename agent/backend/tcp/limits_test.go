@@ -2,6 +2,7 @@ package tcp
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"io"
 	"net"
@@ -353,7 +354,7 @@ func TestOverPeerLimitSaysWhy(t *testing.T) {
 	src := make([]byte, 64)
 	exp, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
 	require.NoError(t, err)
-	x, err := active.Post(agent.Request{Op: agent.OpRead, Peer: a.Info(), Key: exp.Key(),
+	x, err := active.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: a.Info(), Key: exp.Key(),
 		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 64)), Remote: agent.DRAM(src).Region}}})
 	require.NoError(t, err)
 	<-x.Done()

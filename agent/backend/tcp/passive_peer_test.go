@@ -2,6 +2,7 @@ package tcp
 
 import (
 	"bytes"
+	"context"
 	"encoding/binary"
 	"errors"
 	"io"
@@ -119,7 +120,7 @@ func TestHostilePassivePeer(t *testing.T) {
 			dst := all[page : 2*page]
 			clear(dst)
 			start := time.Now()
-			x, err := a.Post(agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
+			x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
 				Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 1 << 20, Len: page}}}})
 			require.NoError(t, err)
 			select {
@@ -203,7 +204,7 @@ func TestPeerAnnouncedLimits(t *testing.T) {
 	dsts = append(dsts, big)
 	segs = append(segs, agent.Segment{Local: agent.DRAM(big), Remote: agent.Region{Addr: 1 << 30, Len: 100 << 10}})
 	for _, op := range []agent.Op{agent.OpRead, agent.OpWrite} {
-		x, err := a.Post(agent.Request{Op: op, Peer: peer, Key: agent.NewKey(), Segments: segs})
+		x, err := a.Post(context.Background(), agent.Request{Op: op, Peer: peer, Key: agent.NewKey(), Segments: segs})
 		require.NoError(t, err)
 		<-x.Done()
 		require.NoError(t, x.Err(), "%v", op)

@@ -2,6 +2,7 @@ package tcp
 
 import (
 	"bytes"
+	"context"
 	"encoding/binary"
 	"errors"
 	"io"
@@ -112,7 +113,7 @@ func TestDyingStreamsNeverFakeSuccess(t *testing.T) {
 			dst := make([]byte, 4096)
 			for time.Now().Before(deadline) {
 				clear(dst)
-				x, err := a.Post(agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
+				x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
 					Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: 4096}}}})
 				if !assert.NoError(t, err) {
 					return
@@ -156,7 +157,7 @@ func TestStalledPeerIsBounded(t *testing.T) {
 	})
 	a, _ := newAgent(t, WithKeepalive(100*time.Millisecond, 500*time.Millisecond))
 	dst := make([]byte, 1<<20)
-	x, err := a.Post(agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
+	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
 		Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: 1 << 20}}}})
 	require.NoError(t, err)
 	time.Sleep(100 * time.Millisecond)
@@ -186,7 +187,7 @@ func TestStrangerCannotReportPeerLost(t *testing.T) {
 	src := make([]byte, 64)
 	exp, err := pa.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
 	require.NoError(t, err)
-	x, err := aa.Post(agent.Request{Op: agent.OpRead, Peer: pa.Info(), Key: exp.Key(),
+	x, err := aa.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: pa.Info(), Key: exp.Key(),
 		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 64)), Remote: agent.DRAM(src).Region}}})
 	require.NoError(t, err)
 	<-x.Done()
@@ -218,7 +219,7 @@ func TestDepartedPeerFailsAtOnce(t *testing.T) {
 	})
 	a, _ := newAgent(t, WithKeepalive(5*time.Second, 20*time.Second))
 	dst := make([]byte, 1<<20)
-	x, err := a.Post(agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
+	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
 		Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: 1 << 20}}}})
 	require.NoError(t, err)
 	time.Sleep(100 * time.Millisecond)

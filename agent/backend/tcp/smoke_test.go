@@ -2,6 +2,7 @@ package tcp_test
 
 import (
 	"bytes"
+	"context"
 	"testing"
 	"time"
 
@@ -31,7 +32,7 @@ func TestSmokeReadWrite(t *testing.T) {
 		exp, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
 		require.NoError(t, err)
 		dst := make([]byte, size)
-		x, err := b.Post(agent.Request{Op: agent.OpRead, Peer: a.Info(), Key: exp.Key(),
+		x, err := b.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: a.Info(), Key: exp.Key(),
 			Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.DRAM(src).Region}}, Notify: []byte("ok")})
 		require.NoError(t, err)
 		<-x.Done()
@@ -48,7 +49,7 @@ func TestSmokeReadWrite(t *testing.T) {
 		wexp, err := a.Expose(agent.AccessWrite, []agent.Local{agent.DRAM(dst)})
 		require.NoError(t, err)
 		clear(dst)
-		x, err = b.Post(agent.Request{Op: agent.OpWrite, Peer: a.Info(), Key: wexp.Key(),
+		x, err = b.Post(context.Background(), agent.Request{Op: agent.OpWrite, Peer: a.Info(), Key: wexp.Key(),
 			Segments: []agent.Segment{{Local: agent.DRAM(src), Remote: agent.DRAM(dst).Region}}})
 		require.NoError(t, err)
 		<-x.Done()

@@ -4,6 +4,7 @@ package ucx_test
 
 import (
 	"bytes"
+	"context"
 	"testing"
 	"time"
 
@@ -84,7 +85,7 @@ func TestAllocTransfers(t *testing.T) {
 			require.NoError(t, err)
 			regB, err := b.Register(agent.DRAM(dst))
 			require.NoError(t, err)
-			x, err := b.Post(agent.Request{Op: agent.OpRead, Peer: a.Info(), Key: exp.Key(),
+			x, err := b.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: a.Info(), Key: exp.Key(),
 				Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.DRAM(src).Region}}})
 			require.NoError(t, err)
 			select {
@@ -102,7 +103,7 @@ func TestAllocTransfers(t *testing.T) {
 			for i := range dst {
 				dst[i] = byte(i * 7)
 			}
-			x, err = b.Post(agent.Request{Op: agent.OpWrite, Peer: a.Info(), Key: wexp.Key(),
+			x, err = b.Post(context.Background(), agent.Request{Op: agent.OpWrite, Peer: a.Info(), Key: wexp.Key(),
 				Segments: []agent.Segment{{Local: agent.DRAM(dst[:size/2]), Remote: agent.DRAM(src[:size/2]).Region}}})
 			require.NoError(t, err)
 			select {
@@ -135,7 +136,7 @@ func TestInlineChecks(t *testing.T) {
 	defer exp.Revoke()
 	src := bytes.Repeat([]byte{7}, 8192)
 	// Out of range: refused, and nothing written.
-	x, err := b.Post(agent.Request{Op: agent.OpWrite, Peer: a.Info(), Key: exp.Key(),
+	x, err := b.Post(context.Background(), agent.Request{Op: agent.OpWrite, Peer: a.Info(), Key: exp.Key(),
 		Segments: []agent.Segment{{Local: agent.DRAM(src[:4096]), Remote: agent.DRAM(mem[:4096]).Region},
 			{Local: agent.DRAM(src[4096:4100]), Remote: agent.DRAM(mem[4096:4100]).Region}}})
 	require.NoError(t, err)
@@ -143,7 +144,7 @@ func TestInlineChecks(t *testing.T) {
 	require.ErrorIs(t, x.Err(), agent.ErrAccessDenied)
 	require.Equal(t, make([]byte, 8192), mem, "a refused inline WRITE wrote nothing")
 	// A READ of a WRITE exposure is refused too.
-	x, err = b.Post(agent.Request{Op: agent.OpRead, Peer: a.Info(), Key: exp.Key(),
+	x, err = b.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: a.Info(), Key: exp.Key(),
 		Segments: []agent.Segment{{Local: agent.DRAM(src[:64]), Remote: agent.DRAM(mem[:64]).Region}}})
 	require.NoError(t, err)
 	<-x.Done()

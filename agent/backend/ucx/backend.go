@@ -3,6 +3,7 @@
 package ucx
 
 import (
+	"context"
 	"crypto/rand"
 	"errors"
 	"fmt"
@@ -185,7 +186,7 @@ func (b *Backend) Start(h agent.Host) ([]byte, error) {
 // Reachable implements agent.Backend. The peer must publish ucx connection
 // information; a peer on another host (or network namespace) is reachable
 // only if both sides' transports include a network one.
-func (b *Backend) Reachable(info agent.Info) error {
+func (b *Backend) Reachable(_ context.Context, info agent.Info) error {
 	raw, ok := info.Conn(Name)
 	if !ok {
 		return errors.New("peer has no ucx backend")

@@ -3,6 +3,7 @@
 package ucx_test
 
 import (
+	"context"
 	"fmt"
 	"testing"
 
@@ -35,7 +36,7 @@ func BenchmarkTransfer(b *testing.B) {
 				b.SetBytes(int64(size))
 				b.ResetTimer()
 				for range b.N {
-					x, err := a.Post(req)
+					x, err := a.Post(context.Background(), req)
 					require.NoError(b, err)
 					<-x.Done()
 					require.NoError(b, x.Err())

@@ -3,6 +3,7 @@
 package ucx
 
 import (
+	"context"
 	"errors"
 	"testing"
 	"time"
@@ -57,7 +58,7 @@ func TestDepartedPeerFailsAtOnce(t *testing.T) {
 	t.Cleanup(func() { _ = a.Close() })
 
 	dst := make([]byte, 1<<20) // over the inline size: a lease, a push by the exposing side
-	x, err := a.Post(agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
+	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
 		Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: 1 << 20}}}})
 	require.NoError(t, err)
 	time.Sleep(200 * time.Millisecond)
@@ -79,7 +80,7 @@ func TestDepartedPeerFailsAtOnce(t *testing.T) {
 
 	// The endpoint is gone: the next transfer connects afresh (and waits
 	// again, the peer being stuck), and departs as quickly.
-	x, err = a.Post(agent.Request{Op: agent.OpWrite, Peer: peer, Key: agent.NewKey(),
+	x, err = a.Post(context.Background(), agent.Request{Op: agent.OpWrite, Peer: peer, Key: agent.NewKey(),
 		Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: 1 << 20}}}})
 	require.NoError(t, err)
 	time.Sleep(200 * time.Millisecond)
@@ -116,7 +117,7 @@ func TestDepartedPeerReconnects(t *testing.T) {
 	defer exp.Revoke()
 	for i := range 3 {
 		dst := make([]byte, len(src))
-		x, err := a.Post(agent.Request{Op: agent.OpRead, Peer: b.Info(), Key: exp.Key(),
+		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: b.Info(), Key: exp.Key(),
 			Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.DRAM(src).Region}}})
 		require.NoError(t, err)
 		<-x.Done()

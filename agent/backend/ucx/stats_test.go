@@ -3,6 +3,7 @@
 package ucx
 
 import (
+	"context"
 	"encoding/binary"
 	"testing"
 	"time"
@@ -61,7 +62,7 @@ func TestStatsDenied(t *testing.T) {
 	require.NoError(t, err)
 	defer exp.Revoke()
 	post := func(key agent.Key, op agent.Op, n uint64) error {
-		x, err := b.Post(agent.Request{Op: op, Peer: a.Info(), Key: key,
+		x, err := b.Post(context.Background(), agent.Request{Op: op, Peer: a.Info(), Key: key,
 			Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, n)), Remote: agent.Region{Addr: agent.DRAM(mem).Addr, Len: n}}}})
 		require.NoError(t, err)
 		<-x.Done()
@@ -90,7 +91,7 @@ func TestStatsMalformed(t *testing.T) {
 	exp, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(mem)})
 	require.NoError(t, err)
 	defer exp.Revoke()
-	x, err := b.Post(agent.Request{Op: agent.OpRead, Peer: a.Info(), Key: exp.Key(),
+	x, err := b.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: a.Info(), Key: exp.Key(),
 		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 4096)), Remote: agent.Region{Addr: agent.DRAM(mem).Addr, Len: 4096}}}})
 	require.NoError(t, err)
 	<-x.Done()
@@ -134,7 +135,7 @@ func TestStatsHandshakeAndTimeout(t *testing.T) {
 	beforeA, beforeB := ua.Stats(), ub.Stats()
 	wrong := a.Info()
 	wrong.ID = uuid.New()
-	x, err := b.Post(agent.Request{Op: agent.OpRead, Peer: wrong, Key: agent.NewKey(),
+	x, err := b.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: wrong, Key: agent.NewKey(),
 		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 4096)), Remote: agent.Region{Addr: 4096, Len: 4096}}}})
 	require.NoError(t, err)
 	<-x.Done()
@@ -147,7 +148,7 @@ func TestStatsHandshakeAndTimeout(t *testing.T) {
 func TestStatsLeaseTimeout(t *testing.T) {
 	peer := startStuck(t, WithTimeout(time.Minute))
 	a, u := newUCXAgent(t, WithTimeout(300*time.Millisecond))
-	x, err := a.Post(agent.Request{Op: agent.OpWrite, Peer: peer, Key: agent.NewKey(),
+	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpWrite, Peer: peer, Key: agent.NewKey(),
 		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 1<<20)), Remote: agent.Region{Addr: 4096, Len: 1 << 20}}}})
 	require.NoError(t, err)
 	<-x.Done()

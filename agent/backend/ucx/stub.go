@@ -3,6 +3,7 @@
 package ucx
 
 import (
+	"context"
 	"fmt"
 
 	"github.com/google/uuid"
@@ -37,7 +38,7 @@ func (b *Backend) Start(agent.Host) ([]byte, error) {
 }
 
 // Reachable implements agent.Backend: never.
-func (b *Backend) Reachable(agent.Info) error { return ErrNotBuiltIn }
+func (b *Backend) Reachable(context.Context, agent.Info) error { return ErrNotBuiltIn }
 
 // Post implements agent.Backend.
 func (b *Backend) Post(*agent.Xfer) error { return ErrNotBuiltIn }
