@@ -148,6 +148,16 @@ type passiveOp struct {
 	closeOnce sync.Once
 	closeErr  error
 
+	// The outcome is decided by the first terminal event, whoever takes it
+	// off the exposure's queue: Wait, Status or Close. Only the holder of
+	// the turn takes events, and it records each before giving the turn
+	// back, so that an event is always either still queued or already
+	// recorded. Without it, Close could find the queue empty while a Wait
+	// held a completion it had not yet recorded, and record ErrClosed over
+	// it.
+	turn  chan struct{} // capacity 1: full while the turn is held
+	yield chan struct{} // a Wait blocked on the queue hands its turn over here
+
 	mu     sync.Mutex
 	status Status
 	err    error
@@ -182,7 +192,11 @@ func (c *Connector) create(ctx context.Context, o *passiveOp, kind OperationKind
 		_ = regs.Release()
 		return err
 	}
-	*o = passiveOp{c: c, name: name, md: md, exp: exp, regs: regs, done: make(chan struct{})}
+	*o = passiveOp{
+		c: c, name: name, md: md, exp: exp, regs: regs,
+		turn: make(chan struct{}, 1), yield: make(chan struct{}),
+		done: make(chan struct{}),
+	}
 	c.mu.Lock()
 	c.passive[o] = struct{}{}
 	c.mu.Unlock()
@@ -198,27 +212,61 @@ func (o *passiveOp) Metadata() Metadata { return o.md }
 // peer cancelled), is lost (ErrRemoteLost), until the operation or its
 // Connector is closed (ErrClosed), or until ctx is done (ctx's error). A
 // context that ends leaves the operation open and its status unchanged:
-// Wait may be called again. Once the operation has an outcome, every Wait
-// returns it. Safe to call concurrently.
+// Wait may be called again. The operation's outcome is the first the peer
+// reported, or ErrClosed if it reported none before Close; once it has
+// one, every Wait returns it. Safe to call concurrently.
 func (o *passiveOp) Wait(ctx context.Context) error {
 	for {
 		if s, err := o.outcome(); s.terminal() {
 			return err
 		}
+		if err := ctx.Err(); err != nil {
+			return err
+		}
 		select {
 		case <-o.done:
-		case ev := <-o.exp.Events():
-			o.handle(ev)
 		case <-ctx.Done():
-			return ctx.Err()
+		case o.turn <- struct{}{}:
+			o.await(ctx)
 		}
 	}
 }
 
+// await, holding the turn, waits for the next event and records it, then
+// gives the turn back; or hands the turn to acquire, without taking an
+// event.
+func (o *passiveOp) await(ctx context.Context) {
+	select {
+	case ev := <-o.exp.Events():
+		o.handle(ev)
+	case <-o.yield:
+		return // the turn is acquire's now
+	case <-o.done: // decided while this Wait was taking the turn
+	case <-ctx.Done():
+	}
+	<-o.turn
+}
+
+// acquire takes the turn: at once from a Wait blocked on the queue, or once
+// its holder has recorded the event it took. Give it back with release.
+func (o *passiveOp) acquire() {
+	select {
+	case o.turn <- struct{}{}:
+	case o.yield <- struct{}{}:
+	}
+}
+
+func (o *passiveOp) release() { <-o.turn }
+
 // Status returns where the operation stands. It notices a completion the
-// peer reported even if nobody is waiting for it.
+// peer reported even if nobody is waiting for it, and every event queued
+// before the call, even one a concurrent Wait is taking.
 func (o *passiveOp) Status() Status {
-	o.drain()
+	if s, _ := o.outcome(); !s.terminal() {
+		o.acquire()
+		o.drain()
+		o.release()
+	}
 	s, _ := o.outcome()
 	if s == StatusInitialized && o.exp.Peer() != uuid.Nil {
 		return StatusInProgress
@@ -229,14 +277,20 @@ func (o *passiveOp) Status() Status {
 // Close revokes the peer's access and releases the memory: when it returns,
 // no peer can touch the memory any more, and the caller may reuse or free it.
 // A Wait in progress returns ErrClosed, unless the peer had already reported
-// completion. Close is idempotent and safe to call concurrently; every call
+// an outcome (completion or failure), which it then returns, as every later
+// Wait does. Close is idempotent and safe to call concurrently; every call
 // returns the first call's result.
 func (o *passiveOp) Close() error {
 	o.closeOnce.Do(func() {
 		o.exp.Revoke()
 		o.closeErr = o.regs.Release()
-		o.drain() // a completion that arrived before Close still counts
+		// An outcome reported before Close still counts, even one a Wait is
+		// taking off the queue at this moment: with the turn, every event
+		// that came before is either queued, for drain, or recorded.
+		o.acquire()
+		o.drain()
 		o.finish(StatusCancelled, ErrClosed)
+		o.release()
 		o.c.mu.Lock()
 		delete(o.c.passive, o)
 		o.c.mu.Unlock()
@@ -244,7 +298,8 @@ func (o *passiveOp) Close() error {
 	return o.closeErr
 }
 
-// drain handles the events queued so far, without waiting for more.
+// drain handles the events queued so far, without waiting for more. The
+// caller holds the turn.
 func (o *passiveOp) drain() {
 	for {
 		select {
@@ -274,7 +329,8 @@ func (o *passiveOp) finish(s Status, err error) {
 }
 
 // handle turns an exposure event into the operation's outcome. Events after
-// the outcome, and events that decide nothing, are dropped.
+// the outcome, and events that decide nothing, are dropped. The caller holds
+// the turn.
 func (o *passiveOp) handle(ev agent.Event) {
 	fail := func(err error) *TransferError {
 		return &TransferError{Op: o.name, Remote: ev.From.String(), Err: err}
