@@ -337,10 +337,12 @@ func (a *Agent) Deliver(l Link, key Key, msg []byte) bool {
 		a.dropped.Add(1)
 		return true
 	}
+	// Queued under the exposure's lock, as losses are: a loss reported
+	// after this notification began to be delivered is queued after it.
 	e.mu.Lock()
 	e.bind(l)
-	e.mu.Unlock()
 	a.send(e, Event{Kind: EventNotify, From: l.Peer, Msg: msg})
+	e.mu.Unlock()
 	return true
 }
 
@@ -358,11 +360,10 @@ func (a *Agent) LinkLost(l Link, cause error) {
 	defer a.expMu.RUnlock()
 	for _, e := range a.exps {
 		e.mu.Lock()
-		mine := e.unbind(l)
-		e.mu.Unlock()
-		if mine {
+		if e.unbind(l) {
 			a.send(e, Event{Kind: EventPeerLost, From: l.Peer, Err: cause})
 		}
+		e.mu.Unlock()
 	}
 }
 
@@ -373,11 +374,10 @@ func (a *Agent) peerLost(peer uuid.UUID, cause error) {
 	defer a.expMu.RUnlock()
 	for _, e := range a.exps {
 		e.mu.Lock()
-		mine := e.peer == peer
-		e.mu.Unlock()
-		if mine {
+		if e.peer == peer {
 			a.send(e, Event{Kind: EventPeerLost, From: peer, Err: cause})
 		}
+		e.mu.Unlock()
 	}
 }
 
