@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/google/uuid"
@@ -47,12 +48,18 @@ var createWithin = 5 * time.Second
 // Close.
 type Registry struct {
 	nc     *nats.Conn
+	js     jetstream.JetStream
 	kv     jetstream.KeyValue
+	o      options // to re-create the bucket should it vanish
 	bucket string
 	hb     time.Duration
 	ttl    time.Duration // the bucket's MaxAge; 0: none
 	log    *slog.Logger
 	grace  time.Duration // extra silence allowed after reconnecting
+
+	// recheck asks the watcher to check that the bucket still exists (a
+	// heartbeat found no stream to take it).
+	recheck chan struct{}
 
 	ctx    context.Context // cancelled by Close: ends watch creation and forwarders
 	cancel context.CancelFunc
@@ -64,6 +71,7 @@ type Registry struct {
 	departed map[uuid.UUID]time.Time
 	members  map[*Member]struct{}
 	watches  map[*presenceQueue]struct{}
+	deafErr  error // why the watcher cannot hear the bucket now; nil: it can
 
 	closeOnce sync.Once
 	closeErr  error
@@ -113,8 +121,9 @@ func OpenRegistry(ctx context.Context, nc *nats.Conn, opts ...Option) (*Registry
 		ttl = st.TTL()
 	}
 	r := &Registry{
-		nc: nc, kv: kv, bucket: o.bucket, hb: o.heartbeat, ttl: ttl, log: o.logger,
+		nc: nc, js: js, kv: kv, o: o, bucket: o.bucket, hb: o.heartbeat, ttl: ttl, log: o.logger,
 		grace:    nc.Opts.ReconnectWait + nc.Opts.ReconnectJitter,
+		recheck:  make(chan struct{}, 1),
 		live:     make(map[uuid.UUID]*peer),
 		departed: make(map[uuid.UUID]time.Time),
 		members:  make(map[*Member]struct{}),
@@ -169,11 +178,17 @@ func bindBucket(ctx context.Context, nc *nats.Conn, js jetstream.JetStream, o op
 	if !o.createBucket {
 		return nil, fmt.Errorf("%w: bucket %q does not exist, and WithCreateBucket(false) forbids creating it", ErrRegistry, o.bucket)
 	}
+	return createBucket(ctx, nc, js, o)
+}
+
+// createBucket creates the missing bucket, or binds it if a racing peer
+// created it first.
+func createBucket(ctx context.Context, nc *nats.Conn, js jetstream.JetStream, o options) (jetstream.KeyValue, error) {
 	// A server that refuses the request for lack of permission does not
 	// answer it; do not wait for the caller's whole ctx.
 	cctx, cancel := context.WithTimeout(ctx, createWithin)
 	defer cancel()
-	kv, err = js.CreateKeyValue(cctx, jetstream.KeyValueConfig{
+	kv, err := js.CreateKeyValue(cctx, jetstream.KeyValueConfig{
 		Bucket:      o.bucket,
 		Description: "goxfer agent presence registry",
 		History:     1,
@@ -199,6 +214,13 @@ func (r *Registry) Bucket() string { return r.bucket }
 // run is the watcher goroutine: it applies the bucket's updates to the
 // table, times silences with one timer, and re-creates the watch when the
 // connection comes back or the watch ends.
+//
+// Silence counts only while this process listens. The check timer is due
+// at least every half of the shortest heartbeat among the live agents, so a
+// wakeup later than it was due means the process did not run (SIGSTOP, a
+// VM pause, CPU starvation): that time is nobody's silence, and the
+// updates queued meanwhile in the socket must be applied before anyone is
+// judged. The time lost is credited to every agent instead.
 func (r *Registry) run(w jetstream.KeyWatcher, status chan nats.Status) {
 	defer r.wg.Done()
 	defer r.nc.RemoveStatusListener(status)
@@ -208,15 +230,25 @@ func (r *Registry) run(w jetstream.KeyWatcher, status chan nats.Status) {
 		}
 	}()
 
-	expire := time.NewTimer(time.Hour)
-	expire.Stop()
+	check := time.NewTimer(time.Hour)
+	check.Stop()
 	rewatch := time.NewTimer(time.Hour)
 	rewatch.Stop()
-	defer expire.Stop()
+	defer check.Stop()
 	defer rewatch.Stop()
 	backoff := 50 * time.Millisecond
+	var due time.Time // when check is due; zero: not armed
+	// listened credits the time since a missed check to every agent.
+	listened := func(now time.Time) {
+		if !due.IsZero() && now.After(due) {
+			r.credit(now.Sub(due), now)
+		}
+		due = time.Time{}
+	}
 
-	deaf := false // the connection is down or the watch is being re-created
+	deaf := false    // the connection is down or the watch is being re-created
+	failing := 0     // consecutive failed re-watches
+	shouted := false // that presence is down, at Error level
 	resume := func() {
 		if w != nil {
 			_ = w.Stop()
@@ -247,6 +279,7 @@ func (r *Registry) run(w jetstream.KeyWatcher, status chan nats.Status) {
 				}
 				r.log.Log(r.ctx, level, "goxfer/nats: registry watch ended; re-creating it", "bucket", r.bucket)
 				w = nil
+				r.setDeaf(errors.New("the watch ended; re-creating it"))
 				resume()
 			case e != nil:
 				r.apply(e)
@@ -262,34 +295,117 @@ func (r *Registry) run(w jetstream.KeyWatcher, status chan nats.Status) {
 					w = nil
 				}
 				deaf = true
+				r.setDeaf(nats.ErrConnectionClosed)
 			default:
 				deaf = true
+				r.setDeaf(fmt.Errorf("the connection is %v", st))
+			}
+		case <-r.recheck:
+			// A heartbeat found no stream: the server may have lost its
+			// store while the watch, on a consumer that went with it,
+			// stays quiet.
+			if !deaf && r.bucketGone() {
+				r.setDeaf(errors.New("the bucket vanished"))
+				resume()
 			}
 		case <-rewatch.C:
 			if r.nc.Status() != nats.CONNECTED {
 				continue // CONNECTED will come
 			}
 			nw, err := r.kv.WatchAll(r.ctx)
+			gone := false
+			if err != nil && r.ctx.Err() == nil && r.bucketGone() {
+				gone = true
+				if err = r.recreateBucket(); err == nil {
+					nw, err = r.kv.WatchAll(r.ctx)
+				}
+			}
 			if err != nil {
 				if r.ctx.Err() != nil {
 					return
 				}
-				r.log.Debug("goxfer/nats: registry re-watch failed; retrying", "bucket", r.bucket, "err", err, "retry_in", backoff)
+				failing++
+				r.setDeaf(fmt.Errorf("re-watch attempt %d failed: %w", failing, err))
+				// Reconnecting, a watch may fail once or twice; more, or a
+				// bucket that is gone for good, and presence is not
+				// working: say so, once.
+				level := slog.LevelDebug
+				if !shouted && (failing >= 3 || gone) {
+					level, shouted = slog.LevelError, true
+				}
+				r.log.Log(r.ctx, level, "goxfer/nats: registry cannot watch its bucket; it hears no arrivals or departures until it can; retrying",
+					"bucket", r.bucket, "err", err, "attempts", failing, "retry_in", backoff)
 				rewatch.Reset(backoff)
 				backoff = min(2*backoff, 2*time.Second)
 				continue
 			}
-			w, deaf, backoff = nw, false, 50*time.Millisecond
+			if shouted {
+				r.log.Warn("goxfer/nats: registry watches its bucket again", "bucket", r.bucket, "attempts", failing)
+			}
+			w, deaf, backoff, failing, shouted = nw, false, 50*time.Millisecond, 0, false
+			r.setDeaf(nil)
 			r.restartSilence(time.Now().Add(r.grace))
-		case <-expire.C:
+			r.pokeMembers()
+		case <-check.C:
+			now := time.Now()
+			listened(now)
 			if !deaf && r.nc.Status() == nats.CONNECTED {
-				r.expire(time.Now())
+				r.expire(now)
 			}
 		}
-		if next, ok := r.nextExpiry(); ok && !deaf {
-			expire.Reset(time.Until(next))
+		now := time.Now()
+		listened(now)
+		if next, every, ok := r.nextExpiry(); ok && !deaf {
+			due = now.Add(every / 2)
+			if next.Before(due) {
+				due = next
+			}
+			check.Reset(due.Sub(now))
 		} else {
-			expire.Stop()
+			check.Stop()
+		}
+	}
+}
+
+// bucketGone says whether the bucket is missing from the server.
+func (r *Registry) bucketGone() bool {
+	ctx, cancel := context.WithTimeout(r.ctx, createWithin)
+	defer cancel()
+	_, err := r.js.KeyValue(ctx, r.bucket)
+	return errors.Is(err, jetstream.ErrBucketNotFound)
+}
+
+// recreateBucket creates the bucket again after it vanished (the server
+// lost its store), if the registry may create it.
+func (r *Registry) recreateBucket() error {
+	if !r.o.createBucket {
+		return errors.New("the bucket vanished, and WithCreateBucket(false) forbids re-creating it; create it again")
+	}
+	if _, err := createBucket(r.ctx, r.nc, r.js, r.o); err != nil {
+		return err
+	}
+	r.log.Warn("goxfer/nats: registry bucket vanished (did the server lose its JetStream store?); re-created it and re-joined the members",
+		"bucket", r.bucket)
+	return nil
+}
+
+// setDeaf records why the watcher cannot hear the bucket (nil: it can).
+func (r *Registry) setDeaf(err error) {
+	r.mu.Lock()
+	r.deafErr = err
+	r.mu.Unlock()
+}
+
+// pokeMembers makes every joined Member put its entry now: after a
+// re-watch, the bucket may be a fresh one, and peers count silence from
+// their own re-watch.
+func (r *Registry) pokeMembers() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for m := range r.members {
+		select {
+		case m.poke <- struct{}{}:
+		default:
 		}
 	}
 }
@@ -341,6 +457,12 @@ func (r *Registry) heard(id uuid.UUID, info connect.AgentInfo, hb time.Duration)
 func (r *Registry) depart(id uuid.UUID, why string) {
 	r.mu.Lock()
 	p, known := r.live[id]
+	if _, already := r.departed[id]; already && !known {
+		// Its delete marker again (a re-watch delivers it anew): it was
+		// declared departed once, and has not come back since.
+		r.mu.Unlock()
+		return
+	}
 	delete(r.live, id)
 	if len(r.departed) >= maxDeparted {
 		var oldest uuid.UUID
@@ -403,16 +525,43 @@ func (r *Registry) restartSilence(at time.Time) {
 	}
 }
 
-func (r *Registry) nextExpiry() (time.Time, bool) {
+// credit adds lost, a time in which the registry did not run, to every
+// live agent's allowance of silence, up to now.
+func (r *Registry) credit(lost time.Duration, now time.Time) {
+	r.mu.Lock()
+	var shortest time.Duration
+	for _, p := range r.live {
+		if p.heard.Before(now) {
+			p.heard = p.heard.Add(lost)
+			if p.heard.After(now) {
+				p.heard = now
+			}
+		}
+		if shortest == 0 || p.hb < shortest {
+			shortest = p.hb
+		}
+	}
+	r.mu.Unlock()
+	if shortest > 0 && lost >= shortest {
+		r.log.Warn("goxfer/nats: registry did not run for a while (process paused or starved); that time counts as nobody's silence",
+			"bucket", r.bucket, "lost", lost)
+	}
+}
+
+// nextExpiry returns when the first live agent's silence would make it
+// departed, and the shortest heartbeat among the live agents.
+func (r *Registry) nextExpiry() (next time.Time, shortest time.Duration, ok bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	var next time.Time
 	for _, p := range r.live {
 		if t := p.heard.Add(2 * p.hb); next.IsZero() || t.Before(next) {
 			next = t
 		}
+		if shortest == 0 || p.hb < shortest {
+			shortest = p.hb
+		}
 	}
-	return next, !next.IsZero()
+	return next, shortest, !next.IsZero()
 }
 
 // Resolve returns the AgentInfo agent id published, from the local table
@@ -567,10 +716,38 @@ func (q *presenceQueue) pop() (Presence, bool) {
 	return p, true
 }
 
-// Close leaves every Member still joined (each with a short timeout),
-// stops the watcher and every Watch (their channels close) and waits for
-// all the Registry's goroutines. The connection stays open: it is the
-// caller's. Close is idempotent; every call returns the first call's
+// Err says whether presence works now: nil while the Registry hears its
+// bucket and every Member's last heartbeat succeeded, and otherwise an
+// error matching ErrRegistry that says what fails: the Registry cannot
+// watch its bucket (it then hears no arrivals and declares nobody
+// departed), or a Member's heartbeat failed (peers may soon declare that
+// agent departed). It is not nil for a moment around every reconnection;
+// a failure that stays (the bucket vanished and WithCreateBucket(false)
+// forbids re-creating it, permissions, JetStream down) is also logged at
+// Error level (a heartbeat failing on a live connection, at Warn level).
+// After Close it matches ErrClosed. Safe for concurrent use.
+func (r *Registry) Err() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return fmt.Errorf("%w: registry on bucket %q", ErrClosed, r.bucket)
+	}
+	var errs []error
+	if r.deafErr != nil {
+		errs = append(errs, fmt.Errorf("%w: bucket %q: cannot watch it: %w", ErrRegistry, r.bucket, r.deafErr))
+	}
+	for m := range r.members {
+		if m.err != nil {
+			errs = append(errs, fmt.Errorf("%w: bucket %q: heartbeat of agent %s: %w", ErrRegistry, r.bucket, m.id, m.err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Close leaves every Member still joined (each with a short timeout, all
+// at once), stops the watcher and every Watch (their channels close) and
+// waits for all the Registry's goroutines. The connection stays open: it is
+// the caller's. Close is idempotent; every call returns the first call's
 // result.
 func (r *Registry) Close() error {
 	r.closeOnce.Do(func() {
@@ -581,10 +758,12 @@ func (r *Registry) Close() error {
 			members = append(members, m)
 		}
 		r.mu.Unlock()
-		var errs []error
-		for _, m := range members {
-			errs = append(errs, m.Close())
+		errs := make([]error, len(members))
+		var left sync.WaitGroup
+		for i, m := range members {
+			left.Go(func() { errs[i] = m.Close() })
 		}
+		left.Wait()
 		r.cancel()
 		r.wg.Wait()
 		r.closeErr = errors.Join(errs...)
@@ -603,7 +782,10 @@ type Member struct {
 
 	ctx    context.Context // cancelled by Leave: stops the heartbeats
 	cancel context.CancelFunc
-	done   chan struct{}
+	poke   chan struct{} // put now
+	done   chan struct{} // closed when the heartbeats stopped, or never started
+	joined atomic.Bool   // the first put succeeded; final once done is closed
+	err    error         // the last heartbeat's failure; under r.mu
 
 	leaveOnce sync.Once
 	leaveErr  error
@@ -611,13 +793,16 @@ type Member struct {
 
 // Join publishes c's AgentInfo in the registry under its agent ID, then
 // re-puts it every heartbeat (WithHeartbeat; default: the Registry's) from
-// one goroutine, until Leave. A heartbeat that fails (while the connection
-// is down, say) is retried at the next tick. Until then, every departure
-// the Registry sees is forwarded to c.PeerDeparted, so c's operations in
-// flight with a departed peer fail with connect.ErrRemoteLost within about
-// two heartbeats. The Member must Leave before c closes (Registry.Close
-// leaves it otherwise). Join fails if the first put does. Options honoured:
-// WithHeartbeat.
+// one goroutine, until Leave, and at once whenever the Registry re-creates
+// its watch (after a reconnection, or after re-creating a bucket that
+// vanished). A heartbeat that fails (while the connection is down, say) is
+// retried at the next tick; one that fails on a live connection is logged
+// at Warn level and reported by Registry.Err until one succeeds. Until
+// Leave, every departure the Registry sees is forwarded to c.PeerDeparted,
+// so c's operations in flight with a departed peer fail with
+// connect.ErrRemoteLost within about two heartbeats. The Member must Leave
+// before c closes (Registry.Close leaves it otherwise). Join fails if the
+// first put does. Options honoured: WithHeartbeat.
 func (r *Registry) Join(ctx context.Context, c *connect.Connector, opts ...Option) (*Member, error) {
 	o, err := newOptions(append([]Option{WithHeartbeat(r.hb)}, opts...))
 	if err != nil {
@@ -634,13 +819,16 @@ func (r *Registry) Join(ctx context.Context, c *connect.Connector, opts ...Optio
 	if r.ttl > 0 && 2*o.heartbeat >= r.ttl {
 		r.log.Warn("goxfer/nats: heartbeat too long for the bucket's TTL; the entry may expire between heartbeats", "bucket", r.bucket, "heartbeat", o.heartbeat, "ttl", r.ttl)
 	}
-	m := &Member{r: r, c: c, id: info.ID(), value: value, hb: o.heartbeat, done: make(chan struct{})}
+	m := &Member{r: r, c: c, id: info.ID(), value: value, hb: o.heartbeat, poke: make(chan struct{}, 1), done: make(chan struct{})}
 	m.ctx, m.cancel = context.WithCancel(context.Background())
 	r.mu.Lock()
 	if r.closed {
 		r.mu.Unlock()
+		m.cancel()
 		return nil, fmt.Errorf("%w: registry on bucket %q", ErrClosed, r.bucket)
 	}
+	// Registered before the put, so that a departure seen meanwhile
+	// reaches c, and Close leaves it.
 	r.members[m] = struct{}{}
 	r.wg.Add(1)
 	r.mu.Unlock()
@@ -648,10 +836,12 @@ func (r *Registry) Join(ctx context.Context, c *connect.Connector, opts ...Optio
 		r.mu.Lock()
 		delete(r.members, m)
 		r.mu.Unlock()
-		r.wg.Done()
 		m.cancel()
+		close(m.done) // a Leave racing this (Close) must not wait for heartbeats that never start
+		r.wg.Done()
 		return nil, fmt.Errorf("goxfer/nats: join registry %q as agent %s: %w", r.bucket, m.id, err)
 	}
+	m.joined.Store(true)
 	// Present here at once, without waiting for the watch to echo it.
 	r.heard(m.id, info, m.hb)
 	go m.heartbeat()
@@ -670,6 +860,7 @@ func (m *Member) heartbeat() {
 	defer m.r.nc.RemoveStatusListener(back)
 	t := time.NewTicker(m.hb)
 	defer t.Stop()
+	failing := 0
 	for {
 		select {
 		case <-m.ctx.Done():
@@ -677,25 +868,67 @@ func (m *Member) heartbeat() {
 		case <-t.C:
 		case <-back:
 			t.Reset(m.hb)
+		case <-m.poke:
+			t.Reset(m.hb)
 		}
 		ctx, cancel := context.WithTimeout(m.ctx, m.hb)
-		if _, err := m.r.kv.Put(ctx, m.id.String(), m.value); err != nil {
-			m.r.log.Debug("goxfer/nats: heartbeat failed; retrying at the next one", "bucket", m.r.bucket, "agent", m.id, "err", err)
-		}
+		_, err := m.r.kv.Put(ctx, m.id.String(), m.value)
 		cancel()
+		if m.ctx.Err() != nil {
+			return
+		}
+		m.r.mu.Lock()
+		m.err = err
+		m.r.mu.Unlock()
+		if err == nil {
+			if failing > 0 && m.r.nc.Status() == nats.CONNECTED {
+				m.r.log.Info("goxfer/nats: heartbeat works again", "bucket", m.r.bucket, "agent", m.id, "failed", failing)
+			}
+			failing = 0
+			continue
+		}
+		failing++
+		if errors.Is(err, jetstream.ErrNoStreamResponse) || errors.Is(err, nats.ErrNoResponders) {
+			// Nobody stores the bucket's subjects: the bucket vanished
+			// under a watch that cannot tell.
+			select {
+			case m.r.recheck <- struct{}{}:
+			default:
+			}
+		}
+		// Failures while the connection is down are expected; on a live
+		// connection, peers will soon declare this agent departed.
+		level := slog.LevelDebug
+		if failing == 1 && m.r.nc.Status() == nats.CONNECTED {
+			level = slog.LevelWarn
+		}
+		m.r.log.Log(m.ctx, level, "goxfer/nats: heartbeat failed; peers declare this agent departed after two; retrying at the next one",
+			"bucket", m.r.bucket, "agent", m.id, "err", err)
 	}
 }
 
 // Leave stops the heartbeats and deletes the entry, so that every Registry
-// sees the departure at once. It is idempotent; every call returns the
-// first call's result.
+// sees the departure at once. It honours ctx: if ctx ends first, the entry
+// is left to expire (peers then declare this agent departed after two
+// heartbeats) and the error matches ctx.Err(). It is idempotent; every
+// call returns the first call's result.
 func (m *Member) Leave(ctx context.Context) error {
 	m.leaveOnce.Do(func() {
 		m.cancel()
-		<-m.done
 		m.r.mu.Lock()
 		delete(m.r.members, m)
 		m.r.mu.Unlock()
+		// The heartbeat goroutine stops at once: its put's context is
+		// cancelled. It may not have started: a Join whose put failed.
+		select {
+		case <-m.done:
+		case <-ctx.Done():
+			m.leaveErr = fmt.Errorf("goxfer/nats: leave registry %q as agent %s: %w", m.r.bucket, m.id, ctx.Err())
+			return
+		}
+		if !m.joined.Load() {
+			return // never joined: nothing to delete
+		}
 		if err := m.r.kv.Delete(ctx, m.id.String()); err != nil {
 			m.leaveErr = fmt.Errorf("goxfer/nats: leave registry %q as agent %s: %w", m.r.bucket, m.id, err)
 		}
