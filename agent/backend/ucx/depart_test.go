@@ -5,6 +5,7 @@ package ucx
 import (
 	"context"
 	"errors"
+	"sync"
 	"testing"
 	"time"
 
@@ -37,22 +38,33 @@ func (h *stuckHost) Refused()                                   {}
 // information that reaches it.
 func startStuck(t *testing.T, opts ...Option) agent.Info {
 	t.Helper()
+	info, _ := newStuck(t, opts...)
+	return info
+}
+
+// newStuck is startStuck that also returns thaw, which lets the host
+// answer (refusing every lease) from then on. The backend is closed, thawed
+// first, when the test ends.
+func newStuck(t *testing.T, opts ...Option) (agent.Info, func()) {
+	t.Helper()
 	host := &stuckHost{id: uuid.New(), release: make(chan struct{})}
 	stuck := New(opts...)
 	ci, err := stuck.Start(host)
 	require.NoError(t, err)
+	var once sync.Once
+	thaw := func() { once.Do(func() { close(host.release) }) }
 	t.Cleanup(func() {
-		close(host.release)
+		thaw()
 		assert.NoError(t, stuck.Close())
 	})
-	return agent.Info{ID: host.id, Conns: []agent.ConnInfo{{Backend: Name, Data: ci}}}
+	return agent.Info{ID: host.id, Conns: []agent.ConnInfo{{Backend: Name, Data: ci}}}, thaw
 }
 
 // A peer declared departed from outside (a presence registry) fails the
 // transfers waiting for its leases at once, not at the timeout: here a
 // READ the exposing side was to write into this agent's memory.
 func TestDepartedPeerFailsAtOnce(t *testing.T) {
-	peer := startStuck(t, WithTimeout(time.Minute))
+	peer, thaw := newStuck(t, WithTimeout(time.Minute))
 	a, err := agent.New(agent.WithBackends(New(WithTimeout(time.Minute))))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = a.Close() })
@@ -97,6 +109,17 @@ func TestDepartedPeerFailsAtOnce(t *testing.T) {
 	}
 	require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
 	assert.Contains(t, x.Err().Error(), "gone again")
+
+	// Thaw the peer and wait for its answer to a third transfer: it has then
+	// handled the second connection's UCX wireup request, still queued, before
+	// this agent's worker goes. UCX 1.21+ over posix crashes the peer on that
+	// request once the worker is gone: TestPeerThawsAfterConnectorClosed.
+	thaw()
+	x, err = a.Post(context.Background(), agent.Request{Op: agent.OpWrite, Peer: peer, Key: agent.NewKey(),
+		Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: 1 << 20}}}})
+	require.NoError(t, err)
+	<-x.Done()
+	require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
 }
 
 // A departure of a peer that is in fact alive costs nothing but the

@@ -260,6 +260,7 @@ func (l *loop) event(e *event) {
 		}
 		if ep, ok := l.closes[e.id]; ok {
 			delete(l.closes, e.id)
+			freeEP(ep) // the close completed: no callback names ep any more
 			l.closed(ep)
 		}
 	case evEPErr:
@@ -381,9 +382,8 @@ func (l *loop) closeEP(ep endpoint, id uint64, force bool) {
 	}
 }
 
-// closed runs once an endpoint is gone: no callback names it any more.
+// closed runs once an endpoint is gone: no operation of it is in flight.
 func (l *loop) closed(ep endpoint) {
-	freeEP(ep)
 	for _, p := range l.dying {
 		if p.ep == ep {
 			l.buried(p)
@@ -458,6 +458,10 @@ func (l *loop) shutdown() {
 	}
 	l.b.unmapAll()
 	l.n.close()
+	for id, ep := range l.closes { // closes the worker's destruction ended
+		delete(l.closes, id)
+		freeEP(ep)
+	}
 }
 
 func (l *loop) pending(ids []uint64) bool {

@@ -29,18 +29,24 @@ typedef struct {
 	uint8_t  rndv;   // GX_EV_AM: the peer sent a rendezvous message (refused)
 } gx_event;
 
+typedef struct gx_cb gx_cb;
+
 typedef struct {
 	ucp_context_h ctx;
 	ucp_worker_h  worker;
 	gx_event     *ev;
 	size_t        nev, cap;
 	int           lost;  // events dropped for want of memory
+	gx_cb        *kept;  // error callback arguments freed with the worker (see gx_ep_close)
 } gx_t;
 
-typedef struct {
+// gx_cb is a callback's argument: an operation's, or an endpoint error
+// handler's, which must outlive every call UCX may still make with it.
+struct gx_cb {
 	gx_t    *g;
 	uint64_t id;
-} gx_cb;
+	gx_cb   *next; // in g->kept
+};
 
 static void gx_push(gx_t *g, gx_event e) {
 	if (g->nev == g->cap) {
@@ -151,8 +157,13 @@ static ucs_status_t gx_init(gx_t **out, char **keys, char **vals, int n, int *ef
 }
 
 static void gx_fini(gx_t *g) {
-	ucp_worker_destroy(g->worker);
+	ucp_worker_destroy(g->worker); // no callback comes after this
 	ucp_cleanup(g->ctx);
+	while (g->kept != NULL) {
+		gx_cb *cb = g->kept;
+		g->kept = cb->next;
+		free(cb);
+	}
 	for (size_t i = 0; i < g->nev; i++) free(g->ev[i].buf);
 	free(g->ev);
 	free(g);
@@ -191,6 +202,7 @@ static ucs_status_t gx_ep_create(gx_t *g, const void *addr, uint64_t id, ucp_ep_
 	if (cb == NULL) return UCS_ERR_NO_MEMORY;
 	cb->g = g;
 	cb->id = id;
+	cb->next = NULL;
 	ucp_ep_params_t p;
 	memset(&p, 0, sizeof(p));
 	p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
@@ -205,9 +217,14 @@ static ucs_status_t gx_ep_create(gx_t *g, const void *addr, uint64_t id, ucp_ep_
 	return UCS_OK;
 }
 
-// gx_ep_close closes ep; force drops what is queued. It returns 1 when the
-// close completes later, with a GX_EV_DONE event naming id.
-static int gx_ep_close(gx_t *g, ucp_ep_h ep, int force, uint64_t id) {
+// gx_ep_close closes ep, whose error handler's argument is epcb; force
+// drops what is queued. It returns 1 when the close completes later, with a
+// GX_EV_DONE event naming id: epcb is the caller's to free after that event.
+// Otherwise gx_ep_close disposes of epcb. UCX calls no error handler of an
+// endpoint marked closed, and ucp_ep_close_nbx marks it before it returns
+// NULL or a request; when it returns an error instead (the endpoint was not
+// closed), the handler may still run, and epcb lives as long as the worker.
+static int gx_ep_close(gx_t *g, ucp_ep_h ep, gx_cb *epcb, int force, uint64_t id) {
 	gx_cb *cb = malloc(sizeof(*cb));
 	if (cb == NULL) force = 1;
 	ucp_request_param_t p;
@@ -222,13 +239,21 @@ static int gx_ep_close(gx_t *g, ucp_ep_h ep, int force, uint64_t id) {
 		p.user_data = cb;
 	}
 	ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
-	if (r == NULL || UCS_PTR_IS_ERR(r)) {
+	if (UCS_PTR_IS_ERR(r)) {
 		free(cb);
+		epcb->next = g->kept;
+		g->kept = epcb;
+		return 0;
+	}
+	if (r == NULL) {
+		free(cb);
+		free(epcb);
 		return 0;
 	}
 	if (cb == NULL) { // no memory for the callback: wait here
 		while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(g->worker);
 		ucp_request_free(r);
+		free(epcb);
 		return 0;
 	}
 	return 1;
@@ -502,14 +527,15 @@ func (n *native) connect(addr []byte, id uint64) (endpoint, error) {
 }
 
 // closeEP starts closing e and reports whether a done event naming id
-// will follow. The error callback's argument is freed by freeEP once no
-// callback can come any more.
+// will follow; then e's error callback argument is the caller's to free
+// with freeEP once the event came (or the worker is destroyed), when no
+// callback can come any more. Otherwise closeEP disposed of it.
 func (n *native) closeEP(e endpoint, force bool, id uint64) bool {
 	f := C.int(0)
 	if force {
 		f = 1
 	}
-	return C.gx_ep_close(n.g, e.ep, f, C.uint64_t(id)) != 0
+	return C.gx_ep_close(n.g, e.ep, e.cb, f, C.uint64_t(id)) != 0
 }
 
 func freeEP(e endpoint) { C.free(unsafe.Pointer(e.cb)) }
@@ -635,3 +661,10 @@ const (
 )
 
 func memhPtr(m memh) uintptr { return uintptr(unsafe.Pointer(m)) }
+
+// ucxVersion returns the version of the UCX library loaded.
+func ucxVersion() (major, minor, release int) {
+	var a, b, c C.uint
+	C.ucp_get_version(&a, &b, &c)
+	return int(a), int(b), int(c)
+}
