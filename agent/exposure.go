@@ -138,13 +138,13 @@ func (e *Exposure) Revoke() {
 // so becomes the exposure's peer; the links of that peer are remembered so
 // that their loss, and no other, reaches the exposure. Callers hold e.mu.
 func (e *Exposure) bind(l Link) {
-	if l.Peer == uuid.Nil {
-		return
+	if l.Peer == uuid.Nil || l.id == 0 {
+		return // not made by NewLink: binds nothing
 	}
 	if e.peer == uuid.Nil {
 		e.peer = l.Peer
 	}
-	if l.Peer != e.peer || l.id == 0 {
+	if l.Peer != e.peer {
 		return
 	}
 	for i := len(e.links) - 1; i >= 0; i-- {

@@ -1,0 +1,135 @@
+package agent
+
+import (
+	"errors"
+	"sync"
+	"testing"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// Adversarial tests of how exposures bind to links and hear of losses.
+
+// drainKinds empties e's queue and returns the kinds it held.
+func drainKinds(e *Exposure) []EventKind {
+	var ks []EventKind
+	for {
+		select {
+		case ev := <-e.Events():
+			ks = append(ks, ev.Kind)
+		default:
+			return ks
+		}
+	}
+}
+
+// An exposure is bound to one peer, the first to present its key. A second
+// key holder, another agent, is not bound: neither its link's loss nor the
+// registry's word that it departed reaches the exposure, nor does any loss
+// once the exposure is revoked.
+func TestAttackExposureBindsOnePeer(t *testing.T) {
+	a := newTestAgent(t)
+	e, err := a.Expose(AccessWrite, []Local{DRAM(make([]byte, 8))})
+	require.NoError(t, err)
+	p, q := NewLink(uuid.New()), NewLink(uuid.New())
+
+	l, err := a.Open(p, e.Key(), AccessWrite)
+	require.NoError(t, err)
+	l.Release()
+	l, err = a.Open(q, e.Key(), AccessWrite)
+	require.NoError(t, err)
+	l.Release()
+	require.True(t, a.Deliver(q, e.Key(), []byte("from q")))
+	require.Equal(t, p.Peer, e.Peer())
+	require.Equal(t, []EventKind{EventNotify}, drainKinds(e))
+
+	a.LinkLost(q, nil)
+	a.PeerDeparted(q.Peer, nil)
+	require.Empty(t, drainKinds(e), "the loss of a second key holder reached an exposure bound to another peer")
+	e.mu.Lock()
+	require.Equal(t, []uint64{p.id}, e.links, "only the bound peer's links are remembered")
+	e.mu.Unlock()
+
+	e.Revoke()
+	a.LinkLost(p, nil)
+	a.PeerDeparted(p.Peer, nil)
+	assert.False(t, a.Deliver(p, e.Key(), []byte("late")) && len(e.Events()) > 0, "a revoked exposure got a notification")
+	assert.Empty(t, drainKinds(e), "a revoked exposure heard a loss")
+}
+
+// Strangers claiming the peer's ID storm the agent from many channels at
+// once: refused Opens (unknown key, the right key with the wrong access),
+// notifications to keys they invented, hang-ups, while the peer uses its
+// own link and other exposures come and go. No stranger's link is bound,
+// none of their hang-ups reaches the exposure, its links do not grow, and
+// the peer's own loss is heard exactly once.
+func TestAttackStrangerStormNeverReachesExposure(t *testing.T) {
+	a := newTestAgent(t)
+	e, err := a.Expose(AccessRead, []Local{DRAM(make([]byte, 64))})
+	require.NoError(t, err)
+	peer := uuid.New()
+	used := NewLink(peer)
+	l, err := a.Open(used, e.Key(), AccessRead)
+	require.NoError(t, err)
+	l.Release()
+	require.Equal(t, peer, e.Peer())
+
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Go(func() { // strangers
+			for range 500 {
+				s := NewLink(peer)
+				if _, err := a.Open(s, NewKey(), AccessRead); !errors.Is(err, ErrAccessDenied) {
+					t.Errorf("a stranger's Open: %v", err)
+				}
+				if _, err := a.Open(s, e.Key(), AccessWrite); !errors.Is(err, ErrAccessDenied) {
+					t.Errorf("a wrong-access Open: %v", err)
+				}
+				a.Deliver(s, NewKey(), []byte("forged"))
+				a.LinkLost(s, errors.New("stranger hung up"))
+			}
+		})
+	}
+	wg.Go(func() { // the peer keeps using its link
+		for range 500 {
+			l, err := a.Open(used, e.Key(), AccessRead)
+			if err != nil {
+				t.Errorf("the peer's Open: %v", err)
+				return
+			}
+			if _, err := l.Slice(0, 0); err == nil {
+				t.Error("an out-of-bounds slice was served")
+			}
+			l.Release()
+		}
+	})
+	wg.Go(func() { // other exposures come and go
+		for range 200 {
+			o, err := a.Expose(AccessRead, []Local{DRAM(make([]byte, 8))})
+			if err != nil {
+				t.Errorf("Expose: %v", err)
+				return
+			}
+			l, err := a.Open(NewLink(peer), o.Key(), AccessRead)
+			if err == nil {
+				l.Release()
+			}
+			o.Revoke()
+		}
+	})
+	wg.Wait()
+
+	require.Empty(t, drainKinds(e), "a stranger reached the exposure")
+	e.mu.Lock()
+	require.Equal(t, []uint64{used.id}, e.links, "the exposure's links grew")
+	e.mu.Unlock()
+
+	a.LinkLost(used, nil)
+	a.LinkLost(used, nil)
+	require.Equal(t, []EventKind{EventPeerLost}, drainKinds(e), "the peer's own loss is heard, once")
+	e.mu.Lock()
+	require.Empty(t, e.links, "a lost link stays bound")
+	e.mu.Unlock()
+}
