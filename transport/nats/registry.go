@@ -60,6 +60,9 @@ type Registry struct {
 	// recheck asks the watcher to check that the bucket still exists (a
 	// heartbeat found no stream to take it).
 	recheck chan struct{}
+	// echoed tells the watcher that a Member's heartbeat came back through
+	// the watch: suspects may be judged now.
+	echoed chan struct{}
 
 	ctx    context.Context // cancelled by Close: ends watch creation and forwarders
 	cancel context.CancelFunc
@@ -72,6 +75,10 @@ type Registry struct {
 	members  map[*Member]struct{}
 	watches  map[*presenceQueue]struct{}
 	deafErr  error // why the watcher cannot hear the bucket now; nil: it can
+	// echoAt is when the latest of this process's heartbeats that came back
+	// through the watch was sent: everybody's puts stored before it have
+	// been heard.
+	echoAt time.Time
 
 	closeOnce sync.Once
 	closeErr  error
@@ -79,9 +86,10 @@ type Registry struct {
 
 // peer is what a Registry knows of a live agent.
 type peer struct {
-	info  connect.AgentInfo
-	hb    time.Duration
-	heard time.Time // last heard, or the time silence is counted from
+	info    connect.AgentInfo
+	hb      time.Duration
+	heard   time.Time // last heard, or the time silence is counted from
+	suspect bool      // silent long enough; judged when an echo comes back
 }
 
 // Presence is an arrival (Departed false) or departure of an agent, as
@@ -124,6 +132,7 @@ func OpenRegistry(ctx context.Context, nc *nats.Conn, opts ...Option) (*Registry
 		nc: nc, js: js, kv: kv, o: o, bucket: o.bucket, hb: o.heartbeat, ttl: ttl, log: o.logger,
 		grace:    nc.Opts.ReconnectWait + nc.Opts.ReconnectJitter,
 		recheck:  make(chan struct{}, 1),
+		echoed:   make(chan struct{}, 1),
 		live:     make(map[uuid.UUID]*peer),
 		departed: make(map[uuid.UUID]time.Time),
 		members:  make(map[*Member]struct{}),
@@ -346,18 +355,34 @@ func (r *Registry) run(w jetstream.KeyWatcher, status chan nats.Status) {
 			r.setDeaf(nil)
 			r.restartSilence(time.Now().Add(r.grace))
 			r.pokeMembers()
-		case <-check.C:
+		case <-r.echoed:
 			now := time.Now()
 			listened(now)
 			if !deaf && r.nc.Status() == nats.CONNECTED {
 				r.expire(now)
 			}
+		case <-check.C:
+			now := time.Now()
+			listened(now)
+			if deaf || r.nc.Status() != nats.CONNECTED {
+				break
+			}
+			if late := r.unechoed(now); late > 0 {
+				// Stored, acknowledged, and still not delivered: the watch
+				// is broken without saying so, and would judge nobody.
+				r.log.Warn("goxfer/nats: registry's own heartbeat has not come back through its watch; re-creating the watch",
+					"bucket", r.bucket, "late", late)
+				r.setDeaf(fmt.Errorf("a heartbeat of this process acknowledged %v ago has not come back through the watch", late.Round(time.Millisecond)))
+				resume()
+				break
+			}
+			r.expire(now)
 		}
 		now := time.Now()
 		listened(now)
 		if next, every, ok := r.nextExpiry(); ok && !deaf {
 			due = now.Add(every / 2)
-			if next.Before(due) {
+			if !next.IsZero() && next.Before(due) {
 				due = next
 			}
 			check.Reset(due.Sub(now))
@@ -430,6 +455,7 @@ func (r *Registry) apply(e jetstream.KeyValueEntry) {
 		return
 	}
 	r.heard(id, info, hb)
+	r.echo(id, e.Revision())
 }
 
 // heard records that agent id is present now.
@@ -442,7 +468,7 @@ func (r *Registry) heard(id uuid.UUID, info connect.AgentInfo, hb time.Duration)
 		r.live[id] = p
 		delete(r.departed, id)
 	}
-	p.info, p.hb = info, hb
+	p.info, p.hb, p.suspect = info, hb, false
 	if now.After(p.heard) {
 		p.heard = now
 	}
@@ -499,17 +525,138 @@ func (r *Registry) depart(id uuid.UUID, why string) {
 }
 
 // expire declares departed every agent silent for two of its heartbeats.
+//
+// Silence by this machine's clock is not enough when the path from the
+// server to this process lags (the server or this process starved, a
+// congested link): the heartbeats are late, not missing. A Registry with
+// joined Members therefore also asks for one of its own heartbeats, sent
+// two heartbeats after the agent was last heard, to have come back through
+// the watch: the agent's puts due before it would have been stored, and
+// heard, first. Until then the agent is a suspect, and the Members put at
+// once so that the answer comes within a round trip.
 func (r *Registry) expire(now time.Time) {
 	r.mu.Lock()
+	echoing := false
+	for m := range r.members {
+		echoing = echoing || m.joined.Load()
+	}
 	var gone []uuid.UUID
+	probe := false
 	for id, p := range r.live {
-		if !now.Before(p.heard.Add(2 * p.hb)) {
+		deadline := p.heard.Add(2 * p.hb)
+		switch {
+		case now.Before(deadline):
+		case echoing && r.echoAt.Before(deadline):
+			p.suspect, probe = true, true
+		default:
 			gone = append(gone, id)
 		}
 	}
 	r.mu.Unlock()
+	if probe {
+		r.pokeMembers()
+	}
 	for _, id := range gone {
 		r.depart(id, "silent")
+	}
+}
+
+// unechoed returns how long ago the oldest put of a Member that the
+// server acknowledged, but the watch has not delivered in eight of its
+// heartbeats, was sent; 0 if there is none.
+func (r *Registry) unechoed(now time.Time) time.Duration {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var late time.Duration
+	for m := range r.members {
+		for _, sp := range m.sends {
+			if d := now.Sub(sp.at); sp.rev != 0 && d > 8*m.hb {
+				late = max(late, d)
+			}
+		}
+	}
+	return late
+}
+
+// sentPut is one of a Member's puts whose echo has not come back yet.
+type sentPut struct {
+	at  time.Time
+	rev uint64 // 0 until acknowledged (and for ever if the ack was lost)
+}
+
+// sending records that Member m puts its entry now.
+func (r *Registry) sending(m *Member) *sentPut {
+	sp := &sentPut{at: time.Now()}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	// Puts that never came back in ten heartbeats were lost.
+	for len(m.sends) > 0 && sp.at.Sub(m.sends[0].at) > 10*m.hb {
+		m.sends = m.sends[1:]
+	}
+	m.sends = append(m.sends, sp)
+	return sp
+}
+
+// acked records that sp was stored at revision rev.
+func (r *Registry) acked(m *Member, sp *sentPut, rev uint64) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	sp.rev = rev
+	if rev <= m.echoedRev {
+		// Its echo came first, and was taken for an older put's.
+		r.echoedLocked(m, slices.Index(m.sends, sp))
+	}
+}
+
+// echo records that the watch delivered revision rev of agent id's entry:
+// if id is one of this process's Members, one of its puts came back. The
+// put is the one acknowledged at rev or, when the ack is still to come or
+// was lost, the oldest not acknowledged (puts on one connection are stored
+// in order). A put that was lost can make the echo look older than it is,
+// never younger: a departure may be judged later, never early.
+func (r *Registry) echo(id uuid.UUID, rev uint64) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for m := range r.members {
+		switch {
+		case m.id != id || rev == m.echoedRev:
+			continue // not ours, or delivered again by a re-watch
+		case rev < m.echoedRev:
+			// A new bucket: the acknowledged revisions were the old one's.
+			for _, sp := range m.sends {
+				sp.rev = 0
+			}
+		}
+		m.echoedRev = rev
+		i := -1
+		for k, sp := range m.sends {
+			if sp.rev != 0 && sp.rev <= rev {
+				i = k
+			}
+		}
+		if i < 0 && len(m.sends) > 0 && m.sends[0].rev == 0 {
+			i = 0
+		}
+		r.echoedLocked(m, i)
+	}
+}
+
+// echoedLocked takes m's put i, and the older ones, as echoed.
+func (r *Registry) echoedLocked(m *Member, i int) {
+	if i < 0 {
+		return
+	}
+	if at := m.sends[i].at; at.After(r.echoAt) {
+		r.echoAt = at
+		r.wakeEchoedLocked()
+	}
+	m.sends = m.sends[i+1:]
+}
+
+func (r *Registry) wakeEchoedLocked() {
+	select {
+	case r.echoed <- struct{}{}:
+	default:
 	}
 }
 
@@ -518,6 +665,8 @@ func (r *Registry) expire(now time.Time) {
 func (r *Registry) restartSilence(at time.Time) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	// Judge nobody before a heartbeat sent now comes back.
+	r.echoAt = time.Time{}
 	for _, p := range r.live {
 		if at.After(p.heard) {
 			p.heard = at
@@ -549,19 +698,21 @@ func (r *Registry) credit(lost time.Duration, now time.Time) {
 }
 
 // nextExpiry returns when the first live agent's silence would make it
-// departed, and the shortest heartbeat among the live agents.
+// departed (zero if all are suspects), and the shortest heartbeat among
+// the live agents; ok is false when there are none.
 func (r *Registry) nextExpiry() (next time.Time, shortest time.Duration, ok bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	for _, p := range r.live {
-		if t := p.heard.Add(2 * p.hb); next.IsZero() || t.Before(next) {
+		// A suspect is judged when an echo comes, or at the next check.
+		if t := p.heard.Add(2 * p.hb); !p.suspect && (next.IsZero() || t.Before(next)) {
 			next = t
 		}
 		if shortest == 0 || p.hb < shortest {
 			shortest = p.hb
 		}
 	}
-	return next, shortest, !next.IsZero()
+	return next, shortest, shortest > 0
 }
 
 // Resolve returns the AgentInfo agent id published, from the local table
@@ -719,8 +870,9 @@ func (q *presenceQueue) pop() (Presence, bool) {
 // Err says whether presence works now: nil while the Registry hears its
 // bucket and every Member's last heartbeat succeeded, and otherwise an
 // error matching ErrRegistry that says what fails: the Registry cannot
-// watch its bucket (it then hears no arrivals and declares nobody
-// departed), or a Member's heartbeat failed (peers may soon declare that
+// watch its bucket, or its Members' heartbeats do not come back through the
+// watch (it then hears no arrivals and declares nobody departed), or a
+// Member's heartbeat failed (peers may soon declare that
 // agent departed). It is not nil for a moment around every reconnection;
 // a failure that stays (the bucket vanished and WithCreateBucket(false)
 // forbids re-creating it, permissions, JetStream down) is also logged at
@@ -786,6 +938,10 @@ type Member struct {
 	done   chan struct{} // closed when the heartbeats stopped, or never started
 	joined atomic.Bool   // the first put succeeded; final once done is closed
 	err    error         // the last heartbeat's failure; under r.mu
+	// Under r.mu: the puts not yet echoed, oldest first, and the last
+	// revision of the entry the watch delivered.
+	sends     []*sentPut
+	echoedRev uint64
 
 	leaveOnce sync.Once
 	leaveErr  error
@@ -832,7 +988,9 @@ func (r *Registry) Join(ctx context.Context, c *connect.Connector, opts ...Optio
 	r.members[m] = struct{}{}
 	r.wg.Add(1)
 	r.mu.Unlock()
-	if _, err := r.kv.Put(ctx, m.id.String(), value); err != nil {
+	sp := r.sending(m)
+	rev, err := r.kv.Put(ctx, m.id.String(), value)
+	if err != nil {
 		r.mu.Lock()
 		delete(r.members, m)
 		r.mu.Unlock()
@@ -842,6 +1000,7 @@ func (r *Registry) Join(ctx context.Context, c *connect.Connector, opts ...Optio
 		return nil, fmt.Errorf("goxfer/nats: join registry %q as agent %s: %w", r.bucket, m.id, err)
 	}
 	m.joined.Store(true)
+	r.acked(m, sp, rev)
 	// Present here at once, without waiting for the watch to echo it.
 	r.heard(m.id, info, m.hb)
 	go m.heartbeat()
@@ -872,8 +1031,12 @@ func (m *Member) heartbeat() {
 			t.Reset(m.hb)
 		}
 		ctx, cancel := context.WithTimeout(m.ctx, m.hb)
-		_, err := m.r.kv.Put(ctx, m.id.String(), m.value)
+		sp := m.r.sending(m)
+		rev, err := m.r.kv.Put(ctx, m.id.String(), m.value)
 		cancel()
+		if err == nil {
+			m.r.acked(m, sp, rev)
+		}
 		if m.ctx.Err() != nil {
 			return
 		}

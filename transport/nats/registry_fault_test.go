@@ -22,6 +22,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/connect"
+	"github.com/goxfer/goxfer/internal/faultproxy"
 	"github.com/goxfer/goxfer/transport/nats/natsserver"
 )
 
@@ -315,4 +316,57 @@ func TestRegistryReportsADepartureOnce(t *testing.T) {
 	}
 	_, err := r.Resolve(guarded(t), c.AgentInfo().ID())
 	require.ErrorIs(t, err, connect.ErrRemoteLost)
+}
+
+// A registry whose link from the server starts lagging (a congested
+// network, a starved server) hears every heartbeat late, not missing: it
+// must not declare departed the peers whose heartbeats wait in the lag with
+// its own. It still declares departed a peer that dies, once a heartbeat of
+// its own, sent two of the peer's heartbeats later, has come back.
+func TestRegistryOnALaggingLinkDeclaresNobodyDeparted(t *testing.T) {
+	const lag = 4 * testHeartbeat
+	srv := startServer(t)
+	p, err := faultproxy.New(strings.TrimPrefix(srv.URL(), "nats://"))
+	require.NoError(t, err)
+	t.Cleanup(func() { assert.NoError(t, p.Close()) })
+	nc, err := nats.Connect("nats://"+p.Addr(), resilient...)
+	require.NoError(t, err)
+	t.Cleanup(nc.Close)
+	r := openRegistry(t, nc)
+	self := newConnector(t)
+	join(t, r, self)
+	w := r.Watch(guarded(t))
+	peerNC := dial(t, srv)
+	peerReg, err := OpenRegistry(guarded(t), peerNC, WithHeartbeat(testHeartbeat), WithLogger(quietLog))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = peerReg.Close() })
+	peer := newConnector(t)
+	_, err = peerReg.Join(guarded(t), peer)
+	require.NoError(t, err)
+	for range 2 {
+		require.False(t, next(t, w).Departed)
+	}
+
+	for i := range 3 {
+		p.Latency(faultproxy.Downstream, lag, 0)
+		select {
+		case ev := <-w:
+			t.Fatalf("lag %d: %+v of a peer that never stopped heartbeating", i+1, ev)
+		case <-time.After(2 * lag):
+		}
+		p.Latency(faultproxy.Downstream, 0, 0)
+		select {
+		case ev := <-w:
+			t.Fatalf("lag %d lifted: %+v", i+1, ev)
+		case <-time.After(4 * testHeartbeat):
+		}
+	}
+
+	p.Latency(faultproxy.Downstream, lag, 0)
+	start := time.Now()
+	peerNC.Close() // no goodbye
+	require.Equal(t, Presence{ID: peer.AgentInfo().ID(), Info: peer.AgentInfo(), Departed: true}, next(t, w))
+	t.Logf("a peer dying behind a lag of %v was declared departed %v later (heartbeat %v)",
+		lag, time.Since(start).Round(time.Millisecond), testHeartbeat)
+	assert.Equal(t, []uuid.UUID{self.AgentInfo().ID()}, r.Agents())
 }
