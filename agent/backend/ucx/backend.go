@@ -90,10 +90,44 @@ func (c *config) ucxSettings() [][2]string {
 	if !set && usesSharedMemory(c.effectiveTLS()) {
 		s = append(s, [2]string{"MM_ERROR_HANDLING", "y"})
 	}
-	if c.tls != "" {
-		s = append(s, [2]string{"TLS", c.tls})
+	if tls := c.ucxTLS(); tls != "" {
+		s = append(s, [2]string{"TLS", tls})
 	}
 	return append(s, c.settings...)
+}
+
+// ucxTLS returns the UCX_TLS to set for the context, "" for the
+// environment's: WithTransports's, with sysv added beside posix unless
+// WithSysvBesidePosix(false).
+func (c *config) ucxTLS() string {
+	if !c.noSysv {
+		if tls, ok := sysvBesidePosix(c.effectiveTLS()); ok {
+			return tls
+		}
+	}
+	return c.tls
+}
+
+// sysvBesidePosix returns tls with sysv appended, and true, when it is a
+// list naming posix and no transport or alias that includes sysv.
+func sysvBesidePosix(tls string) (string, bool) {
+	tls = strings.TrimSpace(tls)
+	if tls == "" || tls == "all" || strings.HasPrefix(tls, "^") {
+		return tls, false
+	}
+	posix := false
+	for _, t := range strings.Split(tls, ",") {
+		switch strings.TrimSpace(strings.TrimPrefix(t, "\\")) {
+		case "posix":
+			posix = true
+		case "sysv", "sm", "shm", "mm", "all":
+			return tls, false
+		}
+	}
+	if !posix {
+		return tls, false
+	}
+	return tls + ",sysv", true
 }
 
 // effectiveTLS returns the UCX_TLS the context is created with.

@@ -23,6 +23,7 @@ type config struct {
 	maxRanges int
 	getReads  bool
 	inline    int
+	noSysv    bool // WithSysvBesidePosix(false)
 }
 
 func defaults() config {
@@ -131,6 +132,23 @@ func WithInlineSize(n int) Option {
 			return fmt.Errorf("%w: inline size must be in [0, %d], got %d", ErrInvalidOption, maxInline, n)
 		}
 		c.inline = n
+		return nil
+	})
+}
+
+// WithSysvBesidePosix adds UCX's sysv transport to a transport list that
+// names posix but not sysv ("posix,self" becomes "posix,self,sysv", from
+// WithTransports or UCX_TLS alike). Both are UCX's shared-memory (mm)
+// transports, with the same FIFOs and copies; with both loaded UCX prefers
+// sysv, as it does for "sm" or by default. posix alone lets UCX 1.21 and
+// later crash a process whose progress was held up while a peer that had
+// just asked to connect closed or exited (docs/ucx.md, Limitations):
+// posix can then reach no one, while sysv's reachability depends on the
+// host only, so UCX fails that request's endpoint instead of crashing.
+// Lists starting with "^" are left as they are. Default: true.
+func WithSysvBesidePosix(on bool) Option {
+	return optionFunc(func(c *config) error {
+		c.noSysv = !on
 		return nil
 	})
 }

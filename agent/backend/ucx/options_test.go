@@ -30,6 +30,7 @@ func TestOptions(t *testing.T) {
 		{"Inline", ucx.WithInlineSize(4096), true},
 		{"InlineBig", ucx.WithInlineSize(1 << 20), false},
 		{"GetReads", ucx.WithGetReads(true), true},
+		{"SysvOff", ucx.WithSysvBesidePosix(false), true},
 		{"Nil", nil, false},
 	} {
 		t.Run(c.name, func(t *testing.T) {

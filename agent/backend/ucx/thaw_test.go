@@ -20,13 +20,14 @@ const thawChild = "GOXFER_UCX_THAW_CHILD"
 
 // A frozen peer that thaws after a connecting agent closed finds that
 // agent's UCX wireup request still queued, from a worker that no longer
-// exists; it must survive it. UCX 1.21 and later over posix do not: the
-// request's transport selection fails (posix probes the sender's segment,
-// which is gone) and UCX's failure path reads the configuration of an
-// endpoint that has none (SIGSEGV in ucp_ep_set_lanes_failed, from
-// ucp_worker_progress). goxfer cannot intercept that, so the test runs the
-// scenario in a child process and, where it crashes on such a UCX, skips
-// saying so; elsewhere a crash fails it. The scenario is
+// exists; it must survive it. UCX 1.21 and later over posix alone do not:
+// the request's transport selection fails (posix probes the sender's
+// segment, which is gone) and UCX's failure path reads the configuration
+// of an endpoint that has none (SIGSEGV in ucp_ep_set_lanes_failed, from
+// ucp_worker_progress). The backend adds sysv beside posix
+// (WithSysvBesidePosix), which makes selection succeed and the endpoint
+// fail cleanly. The test runs the scenario in a child process; a crash
+// fails it. The scenario is
 // TestDepartedPeerFailsAtOnce's without its thaw before Close.
 func TestPeerThawsAfterConnectorClosed(t *testing.T) {
 	if os.Getenv(thawChild) == "1" {
@@ -43,11 +44,10 @@ func TestPeerThawsAfterConnectorClosed(t *testing.T) {
 	if err == nil {
 		return
 	}
-	major, minor, release := ucxVersion()
-	crashed := strings.Contains(string(out), "SIGSEGV") && strings.Contains(string(out), "_Cfunc_gx_progress")
-	if crashed && (major > 1 || minor >= 21) && strings.Contains(os.Getenv("UCX_TLS"), "posix") {
-		t.Skipf("UCX %d.%d.%d crashed the thawed peer in ucp_worker_progress (a UCX bug, see docs/ucx.md): %v",
-			major, minor, release, err)
+	c := defaults()
+	if strings.Contains(string(out), "SIGSEGV") && strings.Contains(string(out), "_Cfunc_gx_progress") {
+		t.Fatalf("child crashed in ucp_worker_progress (UCX_TLS %q, sysv beside posix: %q): %v\n%s",
+			os.Getenv("UCX_TLS"), c.ucxTLS(), err, out)
 	}
 	t.Fatalf("child: %v\n%s", err, out)
 }
