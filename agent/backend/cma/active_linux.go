@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -30,41 +31,68 @@ type peer struct {
 	raw []byte
 	ci  connInfo
 
-	ready   chan struct{} // closed once connect has set verdict
+	ready   chan struct{} // closed once connect has set verdict and failed
 	verdict error         // nil: connected and permitted
+	failed  time.Time     // when a failed verdict was reached
 	dead    chan struct{} // closed when the connection failed
 	c       *net.UnixConn
 
-	wmu  sync.Mutex // serialises frames written to c
-	wbuf []byte
+	// Frames go out through a queue and a writer goroutine, so that no
+	// goroutine that must go on reading (the reader, a Post) ever waits for
+	// the socket to drain: the exposing side may be blocked writing grants.
+	qmu   sync.Mutex
+	q     []byte        // frames queued for the writer
+	qwake chan struct{} // one token: q may hold frames
 
-	seq      atomic.Uint64
-	mu       sync.Mutex
-	waiting  map[uint64]*window // lease requests awaiting their answer
+	seq     atomic.Uint64
+	mu      sync.Mutex
+	waiting map[uint64]*window // lease requests awaiting their answer; nil: abandoned, answer still due
+	// holding counts granted windows whose copies may still run. Once the
+	// peer failed, the connection is closed only when it drops to zero:
+	// the exposing side releases a connection's leases when it closes, so
+	// closing it earlier would let a copy touch revoked memory.
+	holding  int
 	err      error
+	broken   atomic.Bool // set with err: frames are no longer sent
 	failOnce sync.Once
+	shutOnce sync.Once
 }
 
 // connect dials the peer, checks that the process behind the socket is the
 // one its metadata names, and probes permission with a trial
-// process_vm_readv of bytes the peer published in its handshake answer.
+// process_vm_readv of bytes the peer published in its handshake answer. It
+// runs on a goroutine of its own, which becomes the connection's reader. A
+// failed verdict stands until it expires (peerFor), whatever the failure:
+// a peer that is gone or silent would cost every transfer a timeout.
 func (p *peer) connect() {
-	defer close(p.ready)
 	err := p.dial()
 	if err == nil {
+		close(p.ready)
+		p.read()
 		return
 	}
-	p.verdict = err
-	p.b.wg.Done() // no reader
+	select {
+	case <-p.b.quit:
+		err = agent.ErrClosed
+	default:
+	}
+	p.verdict, p.failed = err, time.Now()
 	if p.c != nil {
 		_ = p.c.Close()
 	}
-	close(p.dead)
-	// A denied probe is cached: the peer is same-host but not permitted, and
-	// stays so. Any other failure (the peer is gone, or busy) is retried by
-	// the next transfer.
-	if !errors.Is(err, errNotPermitted) {
-		p.b.forget(p)
+	p.failOnce.Do(func() { close(p.dead) }) // fail has nothing to do
+	close(p.ready)
+	p.b.wg.Done() // no reader
+}
+
+// expired reports whether p holds a failed verdict older than retry. The
+// caller holds p.b.mu.
+func (p *peer) expired(retry time.Duration) bool {
+	select {
+	case <-p.ready:
+		return p.verdict != nil && time.Since(p.failed) >= retry
+	default:
+		return false // probing
 	}
 }
 
@@ -77,9 +105,9 @@ func (p *peer) dial() error {
 	defer cancel()
 	stopped := make(chan struct{})
 	defer close(stopped)
-	go func() { // Close must not wait a whole timeout for a dial
+	go func() { // Close must not wait a whole timeout for a probe
 		select {
-		case <-b.stop:
+		case <-b.quit:
 			cancel()
 		case <-stopped:
 		}
@@ -90,6 +118,8 @@ func (p *peer) dial() error {
 		return fmt.Errorf("connect to peer %s (pid %d): %w: %w", p.id, p.ci.pid, agent.ErrRemoteLost, err)
 	}
 	p.c = c.(*net.UnixConn)
+	// The handshake's I/O ends with ctx too: at the timeout, or at Close.
+	unbound := context.AfterFunc(ctx, func() { _ = p.c.SetDeadline(time.Unix(1, 0)) })
 	pid, err := peerCred(p.c)
 	if err != nil {
 		return fmt.Errorf("credentials of peer %s: %w", p.id, err)
@@ -117,11 +147,13 @@ func (p *peer) dial() error {
 	if err := b.probePeer(int(p.ci.pid), in); err != nil {
 		return fmt.Errorf("peer %s: %w", p.id, err)
 	}
+	if !unbound() {
+		return fmt.Errorf("peer %s: %w: %w", p.id, agent.ErrRemoteLost, context.Cause(ctx))
+	}
 	_ = p.c.SetDeadline(time.Time{})
 	if !b.track(p.c) {
 		return agent.ErrClosed
 	}
-	go p.read()
 	return nil
 }
 
@@ -161,15 +193,40 @@ func scopeHint(scope uint8) string {
 
 // read is the connection's reader goroutine: it hands lease answers to the
 // transfers waiting for them. When the connection ends it fails the peer.
+// It starts the connection's writer.
 func (p *peer) read() {
 	b := p.b
 	defer b.wg.Done()
-	defer b.untrack(p.c)
+	// Close does not close this connection under copies in flight: it
+	// fails the peer, which closes it once they returned (shut).
+	b.mu.Lock()
+	delete(b.conns, p.c)
+	closed := b.closed
+	if !closed {
+		if b.live == nil {
+			b.live = map[*peer]struct{}{}
+		}
+		b.live[p] = struct{}{}
+	}
+	b.mu.Unlock()
+	defer func() {
+		b.mu.Lock()
+		delete(b.live, p)
+		b.mu.Unlock()
+	}()
+	if closed {
+		p.fail(agent.ErrClosed)
+	}
+	b.wg.Add(1)
+	go p.writer()
 	err := p.loop()
 	select {
 	case <-b.stop:
 		err = agent.ErrClosed
 	default:
+		if p.broken.Load() {
+			break // failed already; the socket closed after its copies
+		}
 		if b.stats.dropped(err, false) && errors.Is(err, errProtocol) {
 			b.host.Refused()
 		}
@@ -205,8 +262,20 @@ func (p *peer) loop() error {
 			err = fmt.Errorf("cma: peer %s refused: %w (%s)", p.id, agent.ErrAccessDenied, f.payload)
 		}
 		p.mu.Lock()
-		w := p.waiting[f.id]
+		w, ok := p.waiting[f.id]
+		if !ok {
+			failed := p.waiting == nil
+			p.mu.Unlock()
+			if failed {
+				continue // answers to requests the failure gave up on; the socket closes after the copies
+			}
+			return fmt.Errorf("%w: an answer to lease %d, which awaits none", errProtocol, f.id)
+		}
 		delete(p.waiting, f.id)
+		if w != nil && err == nil {
+			w.held = true
+			p.holding++
+		}
 		p.watch()
 		p.mu.Unlock()
 		if w != nil {
@@ -241,8 +310,11 @@ func (w *window) answer(err error) {
 	w.dispatch(uint64(w.st.b.cfg.chunk))
 }
 
-// fail marks the peer failed once: waiting transfers give up, its
-// connection closes, and a later transfer connects afresh.
+// fail marks the peer failed once: waiting transfers give up, copies not
+// yet begun are skipped, nothing more is sent, and a later transfer
+// connects afresh. It never waits: the connection closes once the copies
+// in flight under its leases returned (shut), not before, since closing it
+// is what lets the exposing side release those leases.
 // An outgoing channel presents no key to this agent, so its failure is no
 // loss for this agent's exposures: only the channels a peer used to reach
 // them report that (agent.Link).
@@ -250,8 +322,10 @@ func (p *peer) fail(err error) {
 	p.failOnce.Do(func() {
 		p.mu.Lock()
 		p.err = err
+		p.broken.Store(true)
 		waiting := p.waiting
 		p.waiting = nil
+		idle := p.holding == 0
 		p.mu.Unlock()
 		select {
 		case <-p.dead: // never connected
@@ -260,12 +334,21 @@ func (p *peer) fail(err error) {
 		}
 		close(p.dead)
 		p.b.forget(p)
-		_ = p.c.Close()
+		_ = p.c.SetWriteDeadline(time.Unix(1, 0)) // a write in progress gives up
 		for _, w := range waiting {
-			w.answer(err)
+			if w != nil {
+				w.answer(err)
+			}
+		}
+		if idle {
+			p.shut()
 		}
 	})
 }
+
+// shut closes the connection of a failed peer once no copy under its
+// leases can run; the exposing side then releases them.
+func (p *peer) shut() { p.shutOnce.Do(func() { _ = p.c.Close() }) }
 
 func (p *peer) failure() error {
 	p.mu.Lock()
@@ -276,27 +359,70 @@ func (p *peer) failure() error {
 	return fmt.Errorf("cma: peer %s: %w", p.id, agent.ErrRemoteLost)
 }
 
-// write sends one frame: header, table, payload.
-func (p *peer) write(h *header, table func(b []byte) []byte, payload []byte) error {
-	p.wmu.Lock()
-	defer p.wmu.Unlock()
-	b := p.wbuf[:0]
-	if cap(b) < hdrSize {
-		b = make([]byte, hdrSize, 4<<10)
+// send queues one frame for the writer: header, table, payload. It never
+// waits for the socket. Frames of a failed peer are dropped: the end of
+// the connection says what they would have.
+func (p *peer) send(h *header, table func(b []byte) []byte, payload []byte) {
+	p.qmu.Lock()
+	defer p.qmu.Unlock()
+	if p.broken.Load() {
+		return
 	}
-	b = b[:hdrSize]
-	h.put(b)
+	n := len(p.q)
+	p.q = slices.Grow(p.q, hdrSize+len(payload))[:n+hdrSize]
+	h.put(p.q[n:])
 	if table != nil {
-		b = table(b)
+		p.q = table(p.q)
 	}
-	b = append(b, payload...)
-	p.wbuf = b[:0]
-	_ = p.c.SetWriteDeadline(time.Now().Add(p.b.cfg.timeout))
-	if _, err := p.c.Write(b); err != nil {
-		_ = p.c.Close() // the reader fails the peer
-		return fmt.Errorf("cma: write to peer %s: %w: %w", p.id, agent.ErrRemoteLost, err)
+	p.q = append(p.q, payload...)
+	if p.qwake == nil {
+		p.qwake = make(chan struct{}, 1)
 	}
-	return nil
+	select {
+	case p.qwake <- struct{}{}:
+	default:
+	}
+}
+
+// writer sends the queued frames, in order, until the peer fails. The
+// queue holds at most a request and an end per window in flight and the
+// notifications of finished transfers.
+func (p *peer) writer() {
+	defer p.b.wg.Done()
+	p.qmu.Lock()
+	if p.qwake == nil {
+		p.qwake = make(chan struct{}, 1)
+	}
+	wake := p.qwake
+	p.qmu.Unlock()
+	var out []byte
+	for {
+		select {
+		case <-wake:
+		case <-p.dead:
+			return
+		}
+		p.qmu.Lock()
+		out, p.q = p.q, out[:0]
+		p.qmu.Unlock()
+		if len(out) == 0 {
+			continue
+		}
+		_ = p.c.SetWriteDeadline(time.Now().Add(p.b.cfg.timeout))
+		if p.broken.Load() { // after the deadline: fail's wins
+			return
+		}
+		if _, err := p.c.Write(out); err != nil {
+			if !p.broken.Load() {
+				p.b.stats.dropped(err, false)
+			}
+			p.fail(fmt.Errorf("cma: write to peer %s: %w: %w", p.id, agent.ErrRemoteLost, err))
+			return
+		}
+		if cap(out) > 1<<20 {
+			out = nil // a burst passed; do not keep its buffer
+		}
+	}
 }
 
 // notify sends a notification.
@@ -309,7 +435,10 @@ func (p *peer) notify(key agent.Key, msg []byte) error {
 		return p.failure()
 	default:
 	}
-	return p.write(&header{typ: tNotify, length: uint32(len(msg)), key: key}, nil, msg)
+	// Queued after the ends of the transfer's leases: the exposing side
+	// handles frames in order, so the notification never overtakes them.
+	p.send(&header{typ: tNotify, length: uint32(len(msg)), key: key}, nil, msg)
+	return nil
 }
 
 // Notify implements agent.Backend.
@@ -353,6 +482,7 @@ type window struct {
 	pieces  int
 	granted chan error // the lease's answer, unless inline
 	inline  bool       // the reader handles the answer: a one-chunk transfer
+	held    bool       // granted and not yet ended; under st.p.mu
 	tasks   atomic.Int64
 }
 
@@ -382,8 +512,10 @@ func (b *Backend) Post(x *agent.Xfer) error {
 		w := &window{st: st, n: n, pieces: pieces, inline: true}
 		st.Add()
 		if err := p.begin(w); err != nil {
-			w.abandon()
-			st.Fail(err)
+			w.done(err) // never requested: no answer will come
+		} else {
+			b.wg.Add(1) // before xwg.Done: Close waits for it
+			go w.guard()
 		}
 		st.Done(nil)
 		return nil
@@ -461,27 +593,33 @@ func (b *Backend) drive(st *xstate) {
 	}
 }
 
-// begin registers w for its answer and sends its lease request: every
-// remote range it covers, so the exposing agent checks them all.
+// begin registers w for its answer and queues its lease request: every
+// remote range it covers, so the exposing agent checks them all. From then
+// on whoever takes w out of p.waiting (the reader, fail, or the owner
+// abandoning it) finishes it. An error means w was not registered: the
+// peer failed, and the caller finishes w.
 func (p *peer) begin(w *window) error {
-	w.id = p.seq.Add(1)
-	p.mu.Lock()
-	if p.waiting == nil {
-		p.mu.Unlock()
-		return p.failure()
-	}
-	p.waiting[w.id] = w
-	if len(p.waiting) == 1 {
-		p.watch()
-	}
-	p.mu.Unlock()
 	st := w.st
 	acc := agent.AccessRead
 	if st.write {
 		acc = agent.AccessWrite
 	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.waiting == nil {
+		if p.err != nil {
+			return p.err
+		}
+		return fmt.Errorf("cma: peer %s: %w", p.id, agent.ErrRemoteLost)
+	}
+	w.id = p.seq.Add(1)
+	p.waiting[w.id] = w
+	if len(p.waiting) == 1 {
+		p.watch()
+	}
+	// Queued under p.mu: the request goes out before any end of it.
 	h := header{typ: tBegin, status: uint8(acc), count: uint32(w.pieces), id: w.id, key: st.x.Key}
-	return p.write(&h, func(b []byte) []byte {
+	p.send(&h, func(b []byte) []byte {
 		segs := st.x.Segments
 		c, left := w.start, w.n
 		for left > 0 {
@@ -496,25 +634,74 @@ func (p *peer) begin(w *window) error {
 		}
 		return b
 	}, nil)
+	return nil
 }
 
-// abandon gives up a requested lease: the exposing agent handles frames in
-// order, so an end sent now releases the lease right after granting it.
-func (w *window) abandon() {
+// claim takes w's answer away from the reader, if it is still awaited, and
+// reports whether it was. A tombstone stays in p.waiting: the answer is
+// still due, and the reader then drops it.
+func (w *window) claim() bool {
 	p := w.st.p
 	p.mu.Lock()
-	if p.waiting != nil {
-		delete(p.waiting, w.id)
+	defer p.mu.Unlock()
+	if cur, ok := p.waiting[w.id]; ok && cur == w {
+		p.waiting[w.id] = nil
+		return true
 	}
-	p.mu.Unlock()
+	return false
+}
+
+// abandon gives up a lease its driver requested, answered or not: the
+// exposing agent handles frames in order, so an end sent now releases the
+// lease right after granting it. Only the driver, which owns its windows'
+// answers, abandons them.
+func (w *window) abandon() {
+	w.claim()
 	w.done(nil)
 }
 
-// done ends w's lease and releases its slot and reference.
+// guard ends an inline window whose transfer is cancelled, or whose lease
+// request stays unanswered for the timeout, before the reader takes its
+// answer. It only waits: the reader copies the window when granted.
+func (w *window) guard() {
+	st := w.st
+	defer st.b.wg.Done()
+	t := time.NewTimer(st.b.cfg.timeout)
+	defer t.Stop()
+	select {
+	case <-st.x.Done():
+	case <-st.x.Cancelled():
+		if w.claim() {
+			w.done(st.x.CancelErr())
+		}
+	case <-t.C:
+		if w.claim() {
+			err := fmt.Errorf("cma: peer %s left a lease request unanswered for %v: %w", st.p.id, st.b.cfg.timeout, agent.ErrRemoteLost)
+			st.p.fail(err)
+			w.done(err)
+		}
+	}
+}
+
+// done ends w's lease and releases its slot and reference. It is called
+// once per window, by whoever took it out of p.waiting or never put it
+// there.
 func (w *window) done(err error) {
 	st := w.st
+	p := st.p
 	if err == nil || !errors.Is(err, agent.ErrAccessDenied) {
-		_ = st.p.write(&header{typ: tEnd, id: w.id}, nil, nil)
+		p.send(&header{typ: tEnd, id: w.id}, nil, nil)
+	}
+	p.mu.Lock()
+	last := false
+	if w.held {
+		w.held = false
+		p.holding--
+		last = p.holding == 0 && p.err != nil
+	}
+	p.mu.Unlock()
+	if last {
+		p.shut() // the peer failed while w copied: no copy runs any more
 	}
 	<-st.slots
 	st.Done(err)
@@ -599,6 +786,8 @@ func (b *Backend) copyTask(t task, v *iovecs) {
 	select {
 	case <-st.x.Cancelled():
 		err = st.x.CancelErr()
+	case <-st.p.dead: // stop before the next chunk: the connection waits for this one
+		err = st.p.failure()
 	default:
 		if st.Failed() {
 			break

@@ -14,6 +14,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 	"unsafe"
 
 	"github.com/google/uuid"
@@ -43,6 +44,7 @@ type Backend struct {
 	closed  bool
 	peers   map[uuid.UUID][]*peer // by agent ID; several when tokens disagree on the socket
 	conns   map[*net.UnixConn]struct{}
+	live    map[*peer]struct{} // peers with a reader, listed or not: Close fails them
 	byPID   map[int]int              // accepted connections from each process
 	shaking map[*net.UnixConn]uint64 // accepted connections still in the handshake, by arrival
 	arrived uint64
@@ -53,13 +55,24 @@ type Backend struct {
 	xwg   sync.WaitGroup // transfers and notifications in flight
 	wg    sync.WaitGroup // goroutines
 	stop  chan struct{}  // closed when the last transfer is done: workers exit
+	quit  chan struct{}  // closed when Close begins: probes in flight give up
+
+	retry time.Duration // how long a failed verdict stands: retryFailed
+	swept time.Time     // when expired verdicts were last dropped
 }
+
+// retryFailed is how long a peer's failed verdict (unreachable, silent,
+// not permitted) stands before a transfer probes it again: a peer that
+// never answers costs one WithTimeout per period, not one per transfer,
+// and a peer whose permissions change is tried again within it.
+const retryFailed = 30 * time.Second
 
 // New returns a cross-memory-attach backend for one agent. Invalid options
 // are reported by Start, that is by the agent's constructor.
 func New(opts ...Option) *Backend {
 	b := &Backend{cfg: defaults(), peers: map[uuid.UUID][]*peer{}, conns: map[*net.UnixConn]struct{}{},
-		byPID: map[int]int{}, shaking: map[*net.UnixConn]uint64{}, stop: make(chan struct{})}
+		byPID: map[int]int{}, shaking: map[*net.UnixConn]uint64{}, stop: make(chan struct{}), quit: make(chan struct{}),
+		retry: retryFailed}
 	var errs []error
 	for _, o := range opts {
 		if err := o.apply(&b.cfg); err != nil {
@@ -133,10 +146,14 @@ func (b *Backend) probeAddr() uint64 { return uint64(uintptr(unsafe.Pointer(b.pr
 // information with this host's identity (same boot, PID and network
 // namespaces) and must let this process read its memory. The first call for
 // a peer connects to it and proves that with a trial process_vm_readv; the
-// verdict is cached, so later calls cost a map lookup. That first call does
-// local I/O, bounded by WithTimeout: permission cannot be judged from the
-// metadata alone, and judging it later would be too late to fall back.
-func (b *Backend) Reachable(_ context.Context, info agent.Info) error {
+// verdict is cached, so later calls cost a map lookup. That probe does local
+// I/O, bounded by WithTimeout and run by the backend, not the caller: every
+// caller, the first included, waits for the verdict only until its ctx ends,
+// and then returns an error wrapping context.Cause(ctx). A failed verdict
+// stands for 30 s: a peer that accepts and never answers costs one
+// WithTimeout per 30 s, not one per call. Permission cannot be judged from
+// the metadata alone, and judging it later would be too late to fall back.
+func (b *Backend) Reachable(ctx context.Context, info agent.Info) error {
 	raw, ok := info.Conn(Name)
 	if !ok {
 		return errors.New("peer has no cma backend")
@@ -151,13 +168,17 @@ func (b *Backend) Reachable(_ context.Context, info agent.Info) error {
 	if err != nil {
 		return err
 	}
-	<-p.ready
-	return p.verdict
+	select {
+	case <-p.ready:
+		return p.verdict
+	case <-ctx.Done():
+		return fmt.Errorf("probe of peer %s still running: %w", info.ID, context.Cause(ctx))
+	}
 }
 
-// peerFor returns the peer named by id and raw connection information,
-// connecting to it on the caller's goroutine if no connection or verdict
-// exists. Concurrent callers wait for the first one's verdict.
+// peerFor returns the peer named by id and raw connection information. If
+// no connection, probe or standing verdict exists, it starts a probe on a
+// goroutine of the backend's; callers wait on the peer's ready channel.
 func (b *Backend) peerFor(id uuid.UUID, raw []byte) (*peer, error) {
 	b.mu.Lock()
 	if b.closed {
@@ -166,10 +187,15 @@ func (b *Backend) peerFor(id uuid.UUID, raw []byte) (*peer, error) {
 	}
 	for _, p := range b.peers[id] {
 		if bytes.Equal(p.raw, raw) {
-			b.mu.Unlock()
-			return p, nil
+			if !p.expired(b.retry) {
+				b.mu.Unlock()
+				return p, nil
+			}
+			b.drop(p)
+			break
 		}
 	}
+	b.sweep()
 	ci, err := parseConnInfo(raw)
 	if err != nil {
 		b.mu.Unlock()
@@ -180,10 +206,27 @@ func (b *Backend) peerFor(id uuid.UUID, raw []byte) (*peer, error) {
 	// and never redirects anyone else's transfers.
 	p := &peer{b: b, id: id, raw: bytes.Clone(raw), ci: ci, ready: make(chan struct{}), dead: make(chan struct{}), waiting: map[uint64]*window{}}
 	b.peers[id] = append(b.peers[id], p)
-	b.wg.Add(1) // the reader's, or released by connect on failure
+	b.wg.Add(1) // connect's, then the reader's
 	b.mu.Unlock()
-	p.connect()
+	go p.connect()
 	return p, nil
+}
+
+// sweep drops the expired verdicts of every peer, once per retry period,
+// so that peers no transfer names again do not pile up. The caller holds
+// b.mu.
+func (b *Backend) sweep() {
+	if time.Since(b.swept) < b.retry {
+		return
+	}
+	b.swept = time.Now()
+	for _, ps := range b.peers {
+		for _, p := range ps {
+			if p.expired(b.retry) {
+				b.drop(p)
+			}
+		}
+	}
 }
 
 // forget removes p from the peers, so that the next transfer connects
@@ -191,6 +234,11 @@ func (b *Backend) peerFor(id uuid.UUID, raw []byte) (*peer, error) {
 func (b *Backend) forget(p *peer) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	b.drop(p)
+}
+
+// drop removes p from the peers. The caller holds b.mu.
+func (b *Backend) drop(p *peer) {
 	ps := b.peers[p.id]
 	for i, q := range ps {
 		if q == p {
@@ -231,9 +279,13 @@ func (b *Backend) Close() error {
 		return nil
 	}
 	b.closed = true
+	close(b.quit)
 	var peers []*peer
 	for _, ps := range b.peers {
 		peers = append(peers, ps...)
+	}
+	for p := range b.live {
+		peers = append(peers, p)
 	}
 	conns := make([]*net.UnixConn, 0, len(b.conns))
 	for c := range b.conns {
@@ -286,6 +338,11 @@ func (b *Backend) PeerDeparted(id uuid.UUID, cause error) {
 	gone := slices.Clone(b.peers[id])
 	b.mu.Unlock()
 	for _, p := range gone {
-		p.fail(fmt.Errorf("cma: peer %s departed: %w", id, cause))
+		select {
+		case <-p.ready:
+			p.fail(fmt.Errorf("cma: peer %s departed: %w", id, cause))
+		default: // probing: its verdict reaches only the callers already waiting
+			b.forget(p)
+		}
 	}
 }

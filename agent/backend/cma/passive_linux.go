@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"syscall"
 	"time"
 
 	"github.com/google/uuid"
@@ -180,20 +181,51 @@ func (b *Backend) serve(c *net.UnixConn, pid int) {
 		defer ptracers.remove(s.pid)
 	}
 	err := s.loop()
+	stopping := b.stopping()
+	if !stopping && b.stats.dropped(err, false) && errors.Is(err, errProtocol) {
+		b.host.Refused()
+	}
+	if len(s.leases) > 0 && !closedByPeer(err) {
+		s.drain()
+	}
 	for _, l := range s.leases { // a peer gone mid-copy touches nothing more
 		l.Release()
 	}
-	if b.stopping() {
+	if stopping {
 		return
-	}
-	if b.stats.dropped(err, false) && errors.Is(err, errProtocol) {
-		b.host.Refused()
 	}
 	// The connection's loss reaches only the exposures whose keys it
 	// presented, after every notification it carried was delivered: a
 	// probe, or a stranger claiming a peer's ID, reports nothing.
 	if s.link != (agent.Link{}) {
 		b.host.LinkLost(s.link, fmt.Errorf("cma: connection from peer %s: %w: %w", s.peer, agent.ErrRemoteLost, err))
+	}
+}
+
+// closedByPeer reports whether a connection ended because the copying side
+// closed its end: its process is gone, or it closed the socket itself,
+// which it does only once no copy under the connection's leases can run.
+func closedByPeer(err error) bool {
+	return errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET)
+}
+
+// drain waits, when this side ends a connection that holds leases, until no
+// copy under them can run any more: the copying side may be in the middle of
+// one, and a closed connection is no proof that it stopped. Shutting this
+// end for writing tells it the connection is over; it stops before its next
+// chunk and closes its end once its copies in flight returned, and a dead
+// process's end closes with it. That end's closing is what drain waits for,
+// for at most the timeout (WithTimeout): a copying side that keeps the
+// connection open longer is broken or hostile, and a hostile process
+// permitted to copy could touch this memory without asking anyway.
+func (s *server) drain() {
+	_ = s.c.CloseWrite()
+	_ = s.c.SetReadDeadline(time.Now().Add(s.b.cfg.timeout))
+	var buf [512]byte
+	for {
+		if _, err := s.c.Read(buf[:]); err != nil {
+			return
+		}
 	}
 }
 

@@ -1,0 +1,407 @@
+//go:build linux
+
+package cma
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/goxfer/goxfer/agent"
+)
+
+// waitDone fails the test if x does not finish within d.
+func waitDone(t testing.TB, x *agent.Xfer, d time.Duration, what string) {
+	t.Helper()
+	select {
+	case <-x.Done():
+	case <-time.After(d):
+		t.Fatalf("%s: the transfer did not finish within %v", what, d)
+	}
+}
+
+// When the copying side drops its control connection itself (a registry
+// departure) while its workers copy, the exposing side's Revoke may return
+// only once no copy can touch the memory any more: no byte of a WRITE lands
+// after Revoke returned, and no byte a READ copies was written after it.
+func TestNoCopyAfterRevokeOnDeparture(t *testing.T) {
+	const size = 64 << 20
+	for _, op := range []agent.Op{agent.OpWrite, agent.OpRead} {
+		t.Run(op.String(), func(t *testing.T) {
+			opts := []Option{WithChunkSize(size), WithLeaseSize(size), WithWorkers(2)}
+			a, _ := newAgent(t, opts...)
+			p, _ := newAgent(t, opts...)
+			local, exposed := make([]byte, size), make([]byte, size)
+			for i := range local {
+				local[i] = 0xAA
+			}
+			for range 3 {
+				clear(exposed)
+				if op == agent.OpRead {
+					for i := range exposed {
+						exposed[i] = 0x11
+					}
+					clear(local)
+				}
+				e, err := p.Expose(op.Access(), []agent.Local{agent.DRAM(exposed)})
+				require.NoError(t, err)
+				x, err := a.Post(context.Background(), agent.Request{Op: op, Peer: p.Info(), Key: e.Key(),
+					Segments: []agent.Segment{{Local: agent.DRAM(local), Remote: agent.DRAM(exposed).Region}}})
+				require.NoError(t, err)
+				started := func() bool { // the copy's first bytes are in
+					if op == agent.OpWrite {
+						return atomicLoad(&exposed[0]) == 0xAA
+					}
+					return atomicLoad(&local[0]) == 0x11
+				}
+				for !started() && !done(x) {
+					runtime.Gosched()
+				}
+				a.PeerDeparted(p.ID(), errors.New("registry: entry deleted"))
+				e.Revoke()
+				snap := bytes.Clone(exposed)
+				if op == agent.OpRead {
+					for i := len(exposed) - 1; i >= 0; i-- {
+						exposed[i] = 0x22 // reused at once, from the end: ahead of a copy in flight
+					}
+				}
+				waitDone(t, x, 20*time.Second, "departure")
+				if op == agent.OpWrite {
+					require.True(t, bytes.Equal(snap, exposed), "bytes landed in exposed memory after Revoke returned (transfer: %v)", x.Err())
+				} else {
+					require.Equal(t, -1, bytes.IndexByte(local, 0x22), "a READ copied memory reused after Revoke returned (transfer: %v)", x.Err())
+				}
+			}
+		})
+	}
+}
+
+// atomicLoad reads a byte another process may be writing.
+func atomicLoad(b *byte) byte {
+	return byte(atomic.LoadUint32((*uint32)(unsafe.Pointer(uintptr(unsafe.Pointer(b)) &^ 3))) >> (8 * (uintptr(unsafe.Pointer(b)) & 3)))
+}
+
+func uintptrOf[T any](p *T) uintptr { return uintptr(unsafe.Pointer(p)) }
+
+func done(x *agent.Xfer) bool {
+	select {
+	case <-x.Done():
+		return true
+	default:
+		return false
+	}
+}
+
+// One-chunk transfers posted while the peer departs, again and again: every
+// transfer finishes, and Close returns.
+func TestDepartureWhilePostingSmall(t *testing.T) {
+	a, _ := newAgent(t)
+	p, _ := newAgent(t)
+	src := make([]byte, 4096)
+	e, err := p.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
+	require.NoError(t, err)
+	defer e.Revoke()
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var xs []*agent.Xfer
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			dst := make([]byte, 4096)
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: p.Info(), Key: e.Key(),
+					Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.DRAM(src).Region}}})
+				if err != nil {
+					continue
+				}
+				mu.Lock()
+				xs = append(xs, x)
+				mu.Unlock()
+				<-x.Done()
+			}
+		}()
+	}
+	deadline := time.Now().Add(2 * time.Second)
+	for time.Now().Before(deadline) {
+		a.PeerDeparted(p.ID(), errors.New("registry: late heartbeat"))
+		time.Sleep(time.Duration(time.Now().UnixNano()%7) * 50 * time.Microsecond)
+	}
+	close(stop)
+	finished := make(chan struct{})
+	go func() { wg.Wait(); close(finished) }()
+	select {
+	case <-finished:
+	case <-time.After(20 * time.Second):
+		t.Fatal("transfers posted during departures never finished")
+	}
+	closed := make(chan error, 1)
+	go func() { closed <- a.Close() }()
+	select {
+	case err := <-closed:
+		require.NoError(t, err)
+	case <-time.After(20 * time.Second):
+		t.Fatal("Agent.Close did not return")
+	}
+	t.Logf("%d transfers posted during departures", len(xs))
+}
+
+// Many small READs at once from one agent to one peer all succeed, and
+// the exposing side counts nothing against the honest peer.
+func TestManyConcurrentSmallReads(t *testing.T) {
+	a, _ := newAgent(t)
+	p, pb := newAgent(t)
+	const n = 1024
+	src := make([]byte, n*4096)
+	for i := range src {
+		src[i] = byte(i * 7)
+	}
+	e, err := p.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
+	require.NoError(t, err)
+	defer e.Revoke()
+	region := agent.DRAM(src).Region
+	before := pb.Stats()
+	for round := range 3 {
+		dst := make([]byte, len(src))
+		xs := make([]*agent.Xfer, n)
+		var wg sync.WaitGroup
+		for i := range n {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: p.Info(), Key: e.Key(),
+					Segments: []agent.Segment{{Local: agent.DRAM(dst[i*4096 : (i+1)*4096]), Remote: agent.Region{Addr: region.Addr + uint64(i*4096), Len: 4096}}}})
+				if assert.NoError(t, err) {
+					xs[i] = x
+				}
+			}()
+		}
+		wg.Wait()
+		failed := 0
+		var first error
+		for _, x := range xs {
+			if x == nil {
+				continue
+			}
+			waitDone(t, x, 30*time.Second, "concurrent small reads")
+			if x.Err() != nil {
+				if failed++; first == nil {
+					first = x.Err()
+				}
+			}
+		}
+		require.Zero(t, failed, "round %d: %d of %d concurrent 4 KiB READs failed, first: %v", round, failed, n, first)
+		require.Equal(t, src, dst)
+	}
+	assert.Equal(t, Stats{}, delta(pb.Stats(), before), "the exposing side counted an honest peer's fault")
+}
+
+// fakeExposer is a cma control socket served by the test: it answers the
+// handshake (with a probe this process can read) and then does what the
+// test's frame handler says.
+type fakeExposer struct {
+	info  agent.Info
+	nonce *[16]byte
+}
+
+func newFakeExposer(t *testing.T, serve func(c *net.UnixConn, br *bufio.Reader)) *fakeExposer {
+	t.Helper()
+	name := fmt.Sprintf("goxfer-cma-test/fake/%s", uuid.New())
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: "@" + name, Net: "unix"})
+	require.NoError(t, err)
+	f := &fakeExposer{nonce: &[16]byte{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}}
+	ci := connInfo{host: hostIdentity(), pid: uint32(os.Getpid()), sock: name}
+	f.info = agent.Info{ID: uuid.New(), Conns: []agent.ConnInfo{{Backend: Name, Data: ci.marshal()}}}
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var conns []*net.UnixConn
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.AcceptUnix()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				br := bufio.NewReader(c)
+				var hs [hsSize]byte
+				if _, err := io.ReadFull(br, hs[:]); err != nil {
+					return
+				}
+				out := handshake{self: f.info.ID, pid: uint32(os.Getpid()), scope: noScope, nonce: *f.nonce}
+				out.probe = uint64(uintptrOf(f.nonce))
+				out.put(hs[:])
+				if _, err := c.Write(hs[:]); err != nil {
+					return
+				}
+				serve(c, br)
+			}()
+		}
+	}()
+	t.Cleanup(func() {
+		_ = ln.Close()
+		mu.Lock()
+		for _, c := range conns {
+			_ = c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	})
+	return f
+}
+
+// readFrames reads the copying side's frames until the connection ends,
+// calling on for each.
+func readFrames(c *net.UnixConn, br *bufio.Reader, on func(f *frame)) {
+	var hdr [hdrSize]byte
+	var buf []byte
+	var f frame
+	for readFrame(br, hdr[:], &buf, limits{maxRanges: 4096, maxNotify: 64 << 10}, &f) == nil {
+		on(&f)
+	}
+}
+
+// An exposing side that never answers our lease request but sends answers
+// to requests nobody made breaks the protocol: the transfer fails at once,
+// instead of living as long as the stray answers keep coming.
+func TestStrayGrantsFailTheTransfer(t *testing.T) {
+	f := newFakeExposer(t, func(c *net.UnixConn, br *bufio.Reader) {
+		go readFrames(c, br, func(*frame) {})
+		b := make([]byte, hdrSize)
+		for id := uint64(1 << 60); ; id++ {
+			(&header{typ: tGrant, status: stOK, id: id}).put(b)
+			if _, err := c.Write(b); err != nil {
+				return
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	})
+	a, b := newAgent(t, WithTimeout(time.Second))
+	before := b.Stats()
+	for _, size := range []int{4096, 8 << 20} { // one chunk; several leases
+		dst := make([]byte, size)
+		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: f.info, Key: agent.NewKey(),
+			Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: uint64(size)}}}})
+		require.NoError(t, err)
+		waitDone(t, x, 10*time.Second, "stray grants")
+		require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
+		require.ErrorContains(t, x.Err(), "awaits none")
+	}
+	d := delta(b.Stats(), before) // a connection's strays may come before its first request
+	assert.GreaterOrEqual(t, d.ProtocolErrors, uint64(2))
+	assert.Equal(t, d.ProtocolErrors, d.Disconnected)
+}
+
+// Cancel ends a transfer whose lease request is unanswered at once, not at
+// the timeout, and a grant that arrives later touches nothing.
+func TestCancelUnansweredLease(t *testing.T) {
+	type held struct {
+		c  *net.UnixConn
+		id uint64
+	}
+	begun := make(chan held, 16)
+	f := newFakeExposer(t, func(c *net.UnixConn, br *bufio.Reader) {
+		readFrames(c, br, func(f *frame) {
+			if f.typ == tBegin {
+				begun <- held{c, f.id}
+			}
+		})
+	})
+	a, _ := newAgent(t, WithTimeout(time.Minute), WithChunkSize(16<<10))
+	src := bytes.Repeat([]byte{0x5A}, 64<<10) // the fake exposer's memory: this process's
+	for _, size := range []int{4096, 64 << 10} { // one chunk; several
+		dst := make([]byte, size)
+		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: f.info, Key: agent.NewKey(),
+			Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.DRAM(src[:size]).Region}}})
+		require.NoError(t, err)
+		h := <-begun
+		x.Cancel(nil)
+		waitDone(t, x, 5*time.Second, "cancel")
+		require.ErrorIs(t, x.Err(), agent.ErrCancelled)
+		b := make([]byte, hdrSize) // grant it now: nothing may be copied any more
+		(&header{typ: tGrant, status: stOK, id: h.id}).put(b)
+		_, err = h.c.Write(b)
+		require.NoError(t, err)
+		time.Sleep(50 * time.Millisecond)
+		require.Equal(t, -1, bytes.IndexByte(dst, 0x5A), "bytes copied after the transfer finished")
+		for len(begun) > 0 {
+			<-begun
+		}
+	}
+}
+
+// When the exposing side drops a connection that holds a lease (here for a
+// malformed frame), Revoke waits until the copying side has closed its end,
+// which it does once no copy runs, or until the timeout: the drop alone is
+// no proof that the copier stopped.
+func TestDropWithLeaseWaitsForPeer(t *testing.T) {
+	for _, how := range []string{"PeerCloses", "PeerStays"} {
+		t.Run(how, func(t *testing.T) {
+			const timeout = 500 * time.Millisecond
+			a, b := newAgent(t, WithTimeout(timeout))
+			buf := make([]byte, 4096)
+			exp, err := a.Expose(agent.AccessWrite, []agent.Local{agent.DRAM(buf)})
+			require.NoError(t, err)
+			p := dialRaw(t, b)
+			_, err = p.hello(a.ID(), os.Getpid())
+			require.NoError(t, err)
+			p.send(header{typ: tBegin, status: uint8(agent.AccessWrite), count: 1, id: 1, key: exp.Key()}, [][2]uint64{{agent.DRAM(buf).Addr, 4096}}, nil)
+			h, _, err := p.grant()
+			require.NoError(t, err)
+			require.Equal(t, uint8(stOK), h.status)
+			p.send(header{typ: 42}, nil, nil) // dropped for this
+			_, err = p.br.ReadByte()
+			require.ErrorIs(t, err, io.EOF, "the exposing side shuts its end")
+			start := time.Now()
+			revoked := make(chan struct{})
+			go func() { exp.Revoke(); close(revoked) }()
+			select {
+			case <-revoked:
+				t.Fatal("Revoke returned while the dropped peer could still copy")
+			case <-time.After(timeout / 5):
+			}
+			if how == "PeerCloses" {
+				_ = p.c.Close()
+				select {
+				case <-revoked:
+				case <-time.After(timeout / 2):
+					t.Fatal("Revoke did not return when the peer closed its end")
+				}
+				return
+			}
+			select {
+			case <-revoked:
+				require.GreaterOrEqual(t, time.Since(start), timeout/2)
+			case <-time.After(10 * timeout):
+				t.Fatal("Revoke waited past the timeout for a peer that keeps its end open")
+			}
+		})
+	}
+}
