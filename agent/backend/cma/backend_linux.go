@@ -44,7 +44,7 @@ type Backend struct {
 	closed  bool
 	peers   map[uuid.UUID][]*peer // by agent ID; several when tokens disagree on the socket
 	conns   map[*net.UnixConn]struct{}
-	live    map[*peer]struct{} // peers with a reader, listed or not: Close fails them
+	live    map[*peer]struct{}       // peers with a reader, listed or not: Close fails them
 	byPID   map[int]int              // accepted connections from each process
 	shaking map[*net.UnixConn]uint64 // accepted connections still in the handshake, by arrival
 	arrived uint64

@@ -93,7 +93,7 @@ func TestNoCopyAfterRevokeOnDeparture(t *testing.T) {
 
 // atomicLoad reads a byte another process may be writing.
 func atomicLoad(b *byte) byte {
-	return byte(atomic.LoadUint32((*uint32)(unsafe.Pointer(uintptr(unsafe.Pointer(b)) &^ 3))) >> (8 * (uintptr(unsafe.Pointer(b)) & 3)))
+	return byte(atomic.LoadUint32((*uint32)(unsafe.Pointer(uintptr(unsafe.Pointer(b))&^3))) >> (8 * (uintptr(unsafe.Pointer(b)) & 3)))
 }
 
 func uintptrOf[T any](p *T) uintptr { return uintptr(unsafe.Pointer(p)) }
@@ -335,7 +335,7 @@ func TestCancelUnansweredLease(t *testing.T) {
 		})
 	})
 	a, _ := newAgent(t, WithTimeout(time.Minute), WithChunkSize(16<<10))
-	src := bytes.Repeat([]byte{0x5A}, 64<<10) // the fake exposer's memory: this process's
+	src := bytes.Repeat([]byte{0x5A}, 64<<10)    // the fake exposer's memory: this process's
 	for _, size := range []int{4096, 64 << 10} { // one chunk; several
 		dst := make([]byte, size)
 		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: f.info, Key: agent.NewKey(),
