@@ -1,0 +1,111 @@
+//go:build linux
+
+package cma
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/goxfer/goxfer/agent"
+)
+
+// silentPeer is a socket in the abstract namespace that accepts and never
+// answers, published as a cma peer in this process.
+type silentPeer struct {
+	info    agent.Info
+	accepts atomic.Int64
+}
+
+func newSilentPeer(t *testing.T) *silentPeer {
+	t.Helper()
+	name := fmt.Sprintf("goxfer-cma-test/silent/%s", uuid.New())
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: "@" + name, Net: "unix"})
+	require.NoError(t, err)
+	s := &silentPeer{}
+	ci := connInfo{host: hostIdentity(), pid: uint32(os.Getpid()), sock: name}
+	s.info = agent.Info{ID: uuid.New(), Conns: []agent.ConnInfo{{Backend: Name, Data: ci.marshal()}}}
+	var wg sync.WaitGroup
+	var conns []net.Conn
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			s.accepts.Add(1)
+			conns = append(conns, c)
+		}
+	}()
+	t.Cleanup(func() {
+		_ = ln.Close()
+		wg.Wait()
+		for _, c := range conns {
+			_ = c.Close()
+		}
+	})
+	return s
+}
+
+// postTo starts a one-segment READ of peer under ctx.
+func postTo(ctx context.Context, a *agent.Agent, peer agent.Info) error {
+	buf := make([]byte, 16)
+	_, err := a.Post(ctx, agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
+		Segments: []agent.Segment{{Local: agent.DRAM(buf), Remote: agent.Region{Addr: 4096, Len: 16}}}})
+	return err
+}
+
+// A peer whose socket accepts and stays silent: every caller returns when
+// its own context ends, whoever started the probe, and once the probe has
+// timed out its verdict is cached, so the silent socket costs one timeout.
+func TestReachableHonoursContext(t *testing.T) {
+	a, b := newAgent(t, WithTimeout(2*time.Second))
+	s := newSilentPeer(t)
+	short := func(name string) (context.Context, error) {
+		cause := errors.New(name)
+		ctx, cancel := context.WithTimeoutCause(context.Background(), 50*time.Millisecond, cause)
+		t.Cleanup(cancel)
+		return ctx, cause
+	}
+
+	// The first caller starts the probe and gives up at its deadline.
+	ctx, cause := short("first caller's deadline")
+	err := postTo(ctx, a, s.info)
+	require.ErrorIs(t, err, cause, "the first caller returns when its context ends")
+
+	// A caller waiting for the probe in flight keeps its own deadline.
+	waited := make(chan error, 1)
+	go func() { waited <- postTo(context.Background(), a, s.info) }()
+	ctx, cause = short("second caller's deadline")
+	err = postTo(ctx, a, s.info)
+	require.ErrorIs(t, err, cause, "a caller waiting on another's probe returns when its context ends")
+
+	// The probe times out once; its failure is the verdict for everyone.
+	err = <-waited
+	require.ErrorIs(t, err, agent.ErrNoBackend)
+	require.ErrorIs(t, err, agent.ErrRemoteLost)
+	err = postTo(context.Background(), a, s.info)
+	require.ErrorIs(t, err, agent.ErrRemoteLost, "the failed verdict is cached")
+	assert.EqualValues(t, 1, s.accepts.Load(), "the silent socket is dialled once")
+
+	// Once the verdict expires, the next caller probes again.
+	b.mu.Lock()
+	b.retry = 0
+	b.mu.Unlock()
+	ctx, cause = short("caller's deadline after the verdict expired")
+	err = postTo(ctx, a, s.info)
+	require.ErrorIs(t, err, cause)
+	require.Eventually(t, func() bool { return s.accepts.Load() == 2 }, 5*time.Second, time.Millisecond)
+}
