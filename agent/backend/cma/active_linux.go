@@ -163,7 +163,7 @@ func (b *Backend) probePeer(pid int, in handshake) error {
 	var got [16]byte
 	l := []unix.Iovec{{Base: &got[0], Len: uint64(len(got))}}
 	r := []unix.RemoteIovec{{Base: uintptr(in.probe), Len: len(got)}}
-	n, err := unix.ProcessVMReadv(pid, l, r, 0)
+	n, err := b.readv(pid, l, r)
 	switch {
 	case errors.Is(err, unix.EPERM) || errors.Is(err, unix.EACCES):
 		return fmt.Errorf("%w: a trial process_vm_readv of process %d failed: %v; %s", errNotPermitted, pid, err, scopeHint(in.scope))
@@ -175,6 +175,10 @@ func (b *Backend) probePeer(pid int, in handshake) error {
 		return fmt.Errorf("%w: a trial process_vm_readv of process %d read %d bytes %x, its handshake promised %x", errNotPermitted, pid, n, got[:n], in.nonce)
 	}
 	return nil
+}
+
+func processVMReadv(pid int, l []unix.Iovec, r []unix.RemoteIovec) (int, error) {
+	return unix.ProcessVMReadv(pid, l, r, 0)
 }
 
 // scopeHint explains a denied probe from the host's Yama mode, as the peer

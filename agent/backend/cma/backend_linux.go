@@ -40,6 +40,11 @@ type Backend struct {
 	scope int       // Yama ptrace_scope, -1 without Yama
 	lim   limits
 
+	// The host's Yama and the probe's system call, or a test's stand-ins.
+	readScope func() int
+	ptracers  *ptracerSet
+	readv     func(pid int, local []unix.Iovec, remote []unix.RemoteIovec) (int, error)
+
 	mu      sync.Mutex
 	closed  bool
 	peers   map[uuid.UUID][]*peer // by agent ID; several when tokens disagree on the socket
@@ -72,7 +77,7 @@ const retryFailed = 30 * time.Second
 func New(opts ...Option) *Backend {
 	b := &Backend{cfg: defaults(), peers: map[uuid.UUID][]*peer{}, conns: map[*net.UnixConn]struct{}{},
 		byPID: map[int]int{}, shaking: map[*net.UnixConn]uint64{}, stop: make(chan struct{}), quit: make(chan struct{}),
-		retry: retryFailed}
+		retry: retryFailed, readScope: ptraceScope, ptracers: ptracers, readv: processVMReadv}
 	var errs []error
 	for _, o := range opts {
 		if err := o.apply(&b.cfg); err != nil {
@@ -111,7 +116,7 @@ func (b *Backend) Start(h agent.Host) ([]byte, error) {
 	b.ln = ln
 	b.probe = new([16]byte)
 	_, _ = rand.Read(b.probe[:])
-	b.scope = ptraceScope()
+	b.scope = b.readScope()
 	b.self = connInfo{host: hostIdentity(), pid: uint32(b.pid), sock: name}
 	b.tasks = make(chan task, 4*b.cfg.workers)
 	b.wg.Add(1 + b.cfg.workers)

@@ -178,7 +178,7 @@ func (b *Backend) serve(c *net.UnixConn, pid int) {
 		return
 	}
 	if s.ptracer {
-		defer ptracers.remove(s.pid)
+		defer b.ptracers.remove(s.pid)
 	}
 	err := s.loop()
 	stopping := b.stopping()
@@ -280,7 +280,7 @@ func (s *server) handshake() error {
 	if err == nil && b.scope == 1 && b.cfg.ptracer {
 		// Before the answer: the peer probes as soon as it has it. The
 		// exception is withdrawn when this connection closes (serve).
-		ptracers.add(pid)
+		b.ptracers.add(pid)
 		s.ptracer = true
 	}
 	out.put(hs[:])
@@ -290,7 +290,7 @@ func (s *server) handshake() error {
 	s.pid = pid
 	if err != nil {
 		if s.ptracer {
-			ptracers.remove(pid)
+			b.ptracers.remove(pid)
 		}
 		return err
 	}

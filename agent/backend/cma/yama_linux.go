@@ -16,18 +16,23 @@ import (
 // peer's process ID while there is one, any process while there are
 // several, none when none is connected. The exception is process-wide, so
 // the bookkeeping is too, across every backend of the process.
-var ptracers = &ptracerSet{pids: map[int]int{}}
+var ptracers = &ptracerSet{pids: map[int]int{}, self: os.Getpid(), set: setPtracer}
 
 type ptracerSet struct {
 	mu   sync.Mutex
 	pids map[int]int // connected peer process → connections
 	cur  uintptr     // the exception in force: 0, a pid, or any
+
+	self int                 // this process, which may always read itself
+	set  func(uintptr) error // prctl(PR_SET_PTRACER), or a test's stand-in
 }
+
+func setPtracer(v uintptr) error { return unix.Prctl(unix.PR_SET_PTRACER, v, 0, 0, 0) }
 
 const ptracerAny = ^uintptr(0) // PR_SET_PTRACER_ANY
 
 func (s *ptracerSet) add(pid int) {
-	if pid == os.Getpid() {
+	if pid == s.self {
 		return // a process may always read itself
 	}
 	s.mu.Lock()
@@ -37,7 +42,7 @@ func (s *ptracerSet) add(pid int) {
 }
 
 func (s *ptracerSet) remove(pid int) {
-	if pid == os.Getpid() {
+	if pid == s.self {
 		return
 	}
 	s.mu.Lock()
@@ -64,7 +69,7 @@ func (s *ptracerSet) apply() {
 	}
 	// EINVAL without Yama; a failure leaves the peer's probe to fail, and
 	// the peer to fall back, which is the right outcome.
-	if err := unix.Prctl(unix.PR_SET_PTRACER, want, 0, 0, 0); err == nil {
+	if err := s.set(want); err == nil {
 		s.cur = want
 	}
 }
