@@ -189,7 +189,9 @@ func (a *Agent) isClosed() bool { return a.closed.Load() }
 
 // choose picks the backend for a transfer to peer moving memory of the
 // given kinds: forced by name, or the first reachable one supporting them.
-func (a *Agent) choose(ctx context.Context, peer Info, force string, kinds []MemKind) (Backend, error) {
+// A transfer names the remote exposure's key and the access it needs, which
+// backends that implement KeyedReacher are told; a notification names none.
+func (a *Agent) choose(ctx context.Context, peer Info, key Key, acc Access, force string, kinds []MemKind) (Backend, error) {
 	var why []error
 	for _, b := range a.backends {
 		if force != "" && b.Name() != force {
@@ -198,7 +200,7 @@ func (a *Agent) choose(ctx context.Context, peer Info, force string, kinds []Mem
 		if err := ctx.Err(); err != nil {
 			return nil, fmt.Errorf("choose a backend for peer %s: %w", peer.ID, context.Cause(ctx))
 		}
-		if err := b.Reachable(ctx, peer); err != nil {
+		if err := reachable(ctx, b, peer, key, acc); err != nil {
 			why = append(why, fmt.Errorf("%s: %w", b.Name(), err))
 			continue
 		}
@@ -221,6 +223,13 @@ func (a *Agent) choose(ctx context.Context, peer Info, force string, kinds []Mem
 		return nil, fmt.Errorf("%w: backend %q is not configured (have %v)", ErrNoBackend, force, a.Backends())
 	}
 	return nil, fmt.Errorf("%w for peer %s: %w", ErrNoBackend, peer.ID, errors.Join(why...))
+}
+
+func reachable(ctx context.Context, b Backend, peer Info, key Key, acc Access) error {
+	if kr, ok := b.(KeyedReacher); ok && key != (Key{}) {
+		return kr.ReachableWithKey(ctx, peer, key, acc)
+	}
+	return b.Reachable(ctx, peer)
 }
 
 // noteFallback logs, once per peer and chosen backend, that preferred
@@ -272,7 +281,11 @@ func (a *Agent) Post(ctx context.Context, r Request) (*Xfer, error) {
 			ks = append(ks, MemKind(k))
 		}
 	}
-	b, err := a.choose(ctx, peer, r.Backend, ks)
+	acc := AccessRead
+	if r.Op == OpWrite {
+		acc = AccessWrite
+	}
+	b, err := a.choose(ctx, peer, r.Key, acc, r.Backend, ks)
 	if err != nil {
 		return nil, err
 	}
@@ -315,7 +328,7 @@ func (a *Agent) Notify(peer Info, key Key, msg []byte) error {
 	if peer.ID == uuid.Nil {
 		return fmt.Errorf("%w: notification names no peer", ErrInvalid)
 	}
-	b, err := a.choose(context.Background(), peer, "", nil)
+	b, err := a.choose(context.Background(), peer, Key{}, 0, "", nil)
 	if err != nil {
 		return err
 	}

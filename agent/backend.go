@@ -80,6 +80,19 @@ type BackendStats struct {
 	Denied uint64
 }
 
+// KeyedReacher is an optional Backend interface for backends whose reach
+// of a peer can depend on holding one of the peer's keys: cma, whose peer,
+// on a host where Yama restricts ptrace (ptrace_scope 1), lets a process
+// read its memory only after that process presented a key of one of its
+// exposures. When the agent chooses a backend for a transfer it calls
+// ReachableWithKey, instead of Reachable, with the request's key and the
+// access the transfer needs of the remote exposure (AccessRead for OpRead).
+// It has Reachable's contract otherwise; a backend passes the key only to
+// the agent its info names.
+type KeyedReacher interface {
+	ReachableWithKey(ctx context.Context, info Info, key Key, acc Access) error
+}
+
 // Departer is an optional Backend interface for backends that keep state
 // per remote agent, such as connections. Agent.PeerDeparted calls it after
 // aborting the peer's transfers: the backend drops what it holds for peer

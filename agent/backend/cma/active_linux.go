@@ -30,6 +30,10 @@ type peer struct {
 	id  uuid.UUID
 	raw []byte
 	ci  connInfo
+	// The key the handshake presents, if the probe was asked for one, and
+	// its access: under Yama mode 1 the peer names a ptracer only for a key.
+	key agent.Key
+	acc agent.Access
 
 	ready   chan struct{} // closed once connect has set verdict and failed
 	verdict error         // nil: connected and permitted
@@ -96,8 +100,24 @@ func (p *peer) expired(retry time.Duration) bool {
 	}
 }
 
+// keyMayHelp reports whether p's probe failed for want of a valid key and
+// key, which it did not present, might pass.
+func (p *peer) keyMayHelp(key agent.Key) bool {
+	select {
+	case <-p.ready:
+		return key != (agent.Key{}) && key != p.key && errors.Is(p.verdict, errNeedKey)
+	default:
+		return false
+	}
+}
+
 // errNotPermitted marks a peer this process may not read: the probe failed.
 var errNotPermitted = errors.New("cross-memory attach not permitted")
+
+// errNeedKey marks a probe that failed, under Yama mode 1, because the
+// handshake presented no key, or one the peer refused: a probe with
+// another key may pass.
+var errNeedKey = errors.New("the peer names a ptracer only for a key of its exposures")
 
 func (p *peer) dial() error {
 	b := p.b
@@ -130,7 +150,7 @@ func (p *peer) dial() error {
 	deadline, _ := ctx.Deadline()
 	_ = p.c.SetDeadline(deadline)
 	var hs [hsSize]byte
-	(&handshake{self: b.id, expect: p.id, pid: uint32(b.pid)}).put(hs[:])
+	(&handshake{self: b.id, expect: p.id, pid: uint32(b.pid), status: uint8(p.acc), nonce: p.key}).put(hs[:])
 	if _, err := p.c.Write(hs[:]); err != nil {
 		return fmt.Errorf("handshake with peer %s: %w: %w", p.id, agent.ErrRemoteLost, err)
 	}
@@ -166,7 +186,11 @@ func (b *Backend) probePeer(pid int, in handshake) error {
 	n, err := b.readv(pid, l, r)
 	switch {
 	case errors.Is(err, unix.EPERM) || errors.Is(err, unix.EACCES):
-		return fmt.Errorf("%w: a trial process_vm_readv of process %d failed: %v; %s", errNotPermitted, pid, err, scopeHint(in.scope))
+		err = fmt.Errorf("%w: a trial process_vm_readv of process %d failed: %v; %s", errNotPermitted, pid, err, scopeHint(in.scope, in.ptracer))
+		if in.scope == 1 && (in.ptracer == ptrNoKey || in.ptracer == ptrRefused) {
+			err = fmt.Errorf("%w (%w)", err, errNeedKey)
+		}
+		return err
 	case errors.Is(err, unix.ENOSYS):
 		return fmt.Errorf("%w: process_vm_readv is not available (%v)", errNotPermitted, err)
 	case err != nil:
@@ -181,11 +205,21 @@ func processVMReadv(pid int, l []unix.Iovec, r []unix.RemoteIovec) (int, error) 
 	return unix.ProcessVMReadv(pid, l, r, 0)
 }
 
-// scopeHint explains a denied probe from the host's Yama mode, as the peer
-// reported it.
-func scopeHint(scope uint8) string {
+// scopeHint explains a denied probe from the host's Yama mode and the
+// peer's ptracer answer, as the peer reported them.
+func scopeHint(scope, ptracer uint8) string {
 	switch scope {
 	case 1:
+		switch ptracer {
+		case ptrNoKey:
+			return "kernel.yama.ptrace_scope is 1 and the peer names as its ptracer only a process that presents a key of one of its exposures; this one presented none"
+		case ptrRefused:
+			return "kernel.yama.ptrace_scope is 1 and the peer refused the key presented for its ptracer exception (unknown, revoked, or exposed for the other access)"
+		case ptrHeld:
+			return "kernel.yama.ptrace_scope is 1 and the peer's one ptracer exception is held by another process connected to it"
+		case ptrNamed:
+			return "kernel.yama.ptrace_scope is 1; the peer named this process its ptracer, yet the kernel refused"
+		}
 		return "kernel.yama.ptrace_scope is 1 and the peer has not named this process as its ptracer (it runs with cma.WithPtracer(false))"
 	case 2:
 		return "kernel.yama.ptrace_scope is 2: only processes with CAP_SYS_PTRACE may attach"

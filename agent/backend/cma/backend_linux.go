@@ -158,7 +158,24 @@ func (b *Backend) probeAddr() uint64 { return uint64(uintptr(unsafe.Pointer(b.pr
 // stands for 30 s: a peer that accepts and never answers costs one
 // WithTimeout per 30 s, not one per call. Permission cannot be judged from
 // the metadata alone, and judging it later would be too late to fall back.
+//
+// Under Yama mode 1 the peer lets this process read it only once it names
+// it its ptracer, which it does only for a process that presents a key of
+// one of its exposures: the agent calls ReachableWithKey for transfers.
 func (b *Backend) Reachable(ctx context.Context, info agent.Info) error {
+	return b.reach(ctx, info, agent.Key{}, 0)
+}
+
+// ReachableWithKey implements agent.KeyedReacher: Reachable for a transfer
+// under key with access acc. The probe's handshake presents the key, so
+// that under Yama mode 1 the peer may name this process its ptracer. A
+// verdict that failed for want of a valid key does not stand against a call
+// with another key.
+func (b *Backend) ReachableWithKey(ctx context.Context, info agent.Info, key agent.Key, acc agent.Access) error {
+	return b.reach(ctx, info, key, acc)
+}
+
+func (b *Backend) reach(ctx context.Context, info agent.Info, key agent.Key, acc agent.Access) error {
 	raw, ok := info.Conn(Name)
 	if !ok {
 		return errors.New("peer has no cma backend")
@@ -169,22 +186,38 @@ func (b *Backend) Reachable(ctx context.Context, info agent.Info) error {
 	if len(raw) >= 9 && [8]byte(raw[1:9]) != b.self.host {
 		return errors.New("peer runs on another host, or in another PID or network namespace")
 	}
-	p, err := b.peerFor(info.ID, raw)
-	if err != nil {
-		return err
+	// At most a few rounds: a probe started by a caller with another key,
+	// or none, may fail where this caller's key would pass.
+	for range 3 {
+		p, err := b.peerWith(info.ID, raw, key, acc)
+		if err != nil {
+			return err
+		}
+		select {
+		case <-p.ready:
+		case <-ctx.Done():
+			return fmt.Errorf("probe of peer %s still running: %w", info.ID, context.Cause(ctx))
+		}
+		if p.verdict == nil || !p.keyMayHelp(key) {
+			return p.verdict
+		}
 	}
-	select {
-	case <-p.ready:
-		return p.verdict
-	case <-ctx.Done():
-		return fmt.Errorf("probe of peer %s still running: %w", info.ID, context.Cause(ctx))
-	}
+	return fmt.Errorf("probe of peer %s: %w", info.ID, errNeedKey)
 }
 
-// peerFor returns the peer named by id and raw connection information. If
-// no connection, probe or standing verdict exists, it starts a probe on a
-// goroutine of the backend's; callers wait on the peer's ready channel.
+// peerFor returns the peer named by id and raw connection information,
+// probing it without a key if no connection, probe or standing verdict
+// exists.
 func (b *Backend) peerFor(id uuid.UUID, raw []byte) (*peer, error) {
+	return b.peerWith(id, raw, agent.Key{}, 0)
+}
+
+// peerWith returns the peer named by id and raw connection information. If
+// no connection, probe or standing verdict exists, or the verdict failed
+// for want of a key and key is another, it starts a probe presenting key
+// on a goroutine of the backend's; callers wait on the peer's ready
+// channel.
+func (b *Backend) peerWith(id uuid.UUID, raw []byte, key agent.Key, acc agent.Access) (*peer, error) {
 	b.mu.Lock()
 	if b.closed {
 		b.mu.Unlock()
@@ -192,7 +225,7 @@ func (b *Backend) peerFor(id uuid.UUID, raw []byte) (*peer, error) {
 	}
 	for _, p := range b.peers[id] {
 		if bytes.Equal(p.raw, raw) {
-			if !p.expired(b.retry) {
+			if !p.expired(b.retry) && !p.keyMayHelp(key) {
 				b.mu.Unlock()
 				return p, nil
 			}
@@ -209,7 +242,7 @@ func (b *Backend) peerFor(id uuid.UUID, raw []byte) (*peer, error) {
 	// Peers are keyed by identity and socket together: a token that claims a
 	// known agent's identity at another socket gets a connection of its own
 	// and never redirects anyone else's transfers.
-	p := &peer{b: b, id: id, raw: bytes.Clone(raw), ci: ci, ready: make(chan struct{}), dead: make(chan struct{}), waiting: map[uint64]*window{}}
+	p := &peer{b: b, id: id, raw: bytes.Clone(raw), ci: ci, key: key, acc: acc, ready: make(chan struct{}), dead: make(chan struct{}), waiting: map[uint64]*window{}}
 	b.peers[id] = append(b.peers[id], p)
 	b.wg.Add(1) // connect's, then the reader's
 	b.mu.Unlock()

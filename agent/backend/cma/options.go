@@ -106,12 +106,14 @@ func WithTimeout(d time.Duration) Option {
 // WithPtracer says whether the exposing agent may declare its same-host
 // peers as ptracers (prctl PR_SET_PTRACER) when the kernel's Yama module
 // runs in mode 1 (kernel.yama.ptrace_scope = 1), where otherwise only an
-// ancestor process may read this one's memory. The agent names the
-// connected peer's process ID, verified with SO_PEERCRED; since Yama keeps
-// one exception per process, it names any process (PR_SET_PTRACER_ANY)
-// while several peer processes are connected at once. With false, peers on
-// such a host fall back to another backend. In modes 0, 2 and 3 the option
-// has no effect. Default: true.
+// ancestor process may read this one's memory. The agent names a peer's
+// process ID, verified with SO_PEERCRED, only once the peer's handshake
+// presented a key of one of its live exposures, and only while no other
+// process holds the exception: Yama keeps one per process, and the agent
+// never names any process (PR_SET_PTRACER_ANY). Peers not named fall back
+// to another backend. With false, every peer on such a host falls back
+// unless it is an ancestor. In modes 0, 2 and 3 the option has no effect.
+// Default: true.
 func WithPtracer(on bool) Option {
 	return optionFunc(func(c *config) error {
 		c.ptracer = on

@@ -178,7 +178,7 @@ func (b *Backend) serve(c *net.UnixConn, pid int) {
 		return
 	}
 	if s.ptracer {
-		defer b.ptracers.remove(s.pid)
+		defer b.ptracers.release(s.pid)
 	}
 	err := s.loop()
 	stopping := b.stopping()
@@ -243,7 +243,7 @@ func (b *Backend) stopping() bool {
 // handshake checks the dialler's claims against the kernel's: the process
 // ID it names must be the socket's peer credential. It answers with the
 // probe address and nonce, after naming the peer as a ptracer where Yama
-// requires it.
+// requires it and the peer presented a valid key (nameTracer).
 func (s *server) handshake() error {
 	b := s.b
 	var hs [hsSize]byte
@@ -277,11 +277,10 @@ func (s *server) handshake() error {
 	default:
 		out.probe, out.nonce = b.probeAddr(), *b.probe
 	}
-	if err == nil && b.scope == 1 && b.cfg.ptracer {
+	if err == nil && b.scope == 1 {
 		// Before the answer: the peer probes as soon as it has it. The
 		// exception is withdrawn when this connection closes (serve).
-		b.ptracers.add(pid)
-		s.ptracer = true
+		out.ptracer = s.nameTracer(in)
 	}
 	out.put(hs[:])
 	if _, werr := s.c.Write(hs[:]); werr != nil && err == nil {
@@ -290,13 +289,42 @@ func (s *server) handshake() error {
 	s.pid = pid
 	if err != nil {
 		if s.ptracer {
-			b.ptracers.remove(pid)
+			b.ptracers.release(pid)
 		}
 		return err
 	}
 	s.peer, s.link = in.self, agent.NewLink(in.self)
 	_ = s.c.SetDeadline(time.Time{})
 	return nil
+}
+
+// nameTracer names the dialler, whose claims checked out, this process's
+// ptracer under Yama mode 1, if it presented a key of a live exposure of
+// this agent for the access it named and no other process holds the
+// exception. A key-less local process is named nothing: the exception lets
+// the named process attach to this one, not just copy what leases allow.
+// The key is checked with a lease taken and released at once, on no link:
+// the check binds the dialler to no exposure, so a dialler that probes and
+// then falls back is no peer those exposures can lose.
+func (s *server) nameTracer(in handshake) uint8 {
+	b := s.b
+	if !b.cfg.ptracer {
+		return ptrOff
+	}
+	acc := agent.Access(in.status)
+	if in.nonce == [16]byte{} || (acc != agent.AccessRead && acc != agent.AccessWrite) {
+		return ptrNoKey
+	}
+	l, err := b.host.Open(agent.Link{}, agent.Key(in.nonce), acc)
+	if err != nil {
+		return ptrRefused // counted by the host
+	}
+	l.Release()
+	if !b.ptracers.claim(s.pid) {
+		return ptrHeld
+	}
+	s.ptracer = true
+	return ptrNamed
 }
 
 func (s *server) loop() error {

@@ -20,15 +20,18 @@ import (
 //	handshake (72 bytes)
 //	  0  magic   "GXCM"
 //	  4  version u8
-//	  5  status  u8   (answer: 0 ok, else refused)
+//	  5  status  u8   (hello: the access of the key presented, 0 for none;
+//	                   answer: 0 ok, else refused)
 //	  6  scope   u8   (answer: the host's Yama ptrace_scope, 0xff if none)
-//	  7  -       u8
+//	  7  ptracer u8   (answer: whether the dialler was named ptracer, ptr*)
 //	  8  self    [16]byte  the sender's agent ID
 //	 24  expect  [16]byte  the agent the dialler expects (hello only)
 //	 40  pid     u32       the sender's process ID
 //	 44  -       u32
 //	 48  probe   u64       address of the probe bytes (answer only)
-//	 56  nonce   [16]byte  what the probe bytes hold (answer only)
+//	 56  nonce   [16]byte  hello: a key of the expected agent's exposures
+//	                       the dialler holds, or zeros; answer: what the
+//	                       probe bytes hold
 //
 //	frame header (40 bytes)
 //	  0  type    u8
@@ -59,6 +62,14 @@ const (
 
 	protoVersion = 1
 	noScope      = 0xff
+
+	// The handshake answer's ptracer field, under Yama mode 1.
+	ptrNone    = 0 // not asked for: no Yama mode 1, or the handshake was refused
+	ptrNamed   = 1 // the dialler is this process's ptracer while connected
+	ptrNoKey   = 2 // the dialler presented no key
+	ptrRefused = 3 // the key presented names no live exposure of that access
+	ptrHeld    = 4 // another process holds the exception: one at a time
+	ptrOff     = 5 // the exposing agent runs with WithPtracer(false)
 )
 
 var magic = [4]byte{'G', 'X', 'C', 'M'}
@@ -171,6 +182,7 @@ func readFrame(r io.Reader, hdr []byte, buf *[]byte, lim limits, f *frame) error
 // handshake is the first message each way.
 type handshake struct {
 	status, scope uint8
+	ptracer       uint8
 	self, expect  uuid.UUID
 	pid           uint32
 	probe         uint64
@@ -180,7 +192,7 @@ type handshake struct {
 func (h *handshake) put(b []byte) {
 	_ = b[hsSize-1]
 	copy(b[0:4], magic[:])
-	b[4], b[5], b[6], b[7] = protoVersion, h.status, h.scope, 0
+	b[4], b[5], b[6], b[7] = protoVersion, h.status, h.scope, h.ptracer
 	copy(b[8:24], h.self[:])
 	copy(b[24:40], h.expect[:])
 	binary.LittleEndian.PutUint32(b[40:], h.pid)
@@ -198,7 +210,7 @@ func getHandshake(b []byte) (handshake, error) {
 	if b[4] != protoVersion {
 		return h, fmt.Errorf("%w: protocol version %d, want %d", errProtocol, b[4], protoVersion)
 	}
-	h.status, h.scope = b[5], b[6]
+	h.status, h.scope, h.ptracer = b[5], b[6], b[7]
 	copy(h.self[:], b[8:24])
 	copy(h.expect[:], b[24:40])
 	h.pid = binary.LittleEndian.Uint32(b[40:])
