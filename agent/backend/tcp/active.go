@@ -3,11 +3,13 @@ package tcp
 import (
 	"bufio"
 	"context"
+	"crypto/rand"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
 	"net"
+	"net/netip"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -42,9 +44,21 @@ type peer struct {
 	chunk   uint64 // most bytes in a frame: ours, or less if the peer takes less; set before ready is closed
 	pieces  int    // most pieces in a frame, likewise
 
+	// session names this peer's connections to the listener, which groups
+	// them into one agent.Link: random, so a stranger claiming this agent's
+	// identity cannot join them.
+	session [16]byte
+
 	mu       sync.Mutex
 	err      error
 	failOnce sync.Once
+
+	// under Backend.mu
+	users    int        // transfers and notifications using the peer
+	lastUsed time.Time  // when users last dropped to zero
+	ip       netip.Addr // the address its connections reach
+	conns    int        // its connections counted in Backend.out
+	ended    bool       // failed or retired: counts nothing more
 }
 
 // stream is one connection to a peer. Requests are written under the
@@ -68,6 +82,14 @@ type stream struct {
 
 	rhdr    [hdrSize]byte // reader only
 	writing atomic.Bool   // a frame is being written
+
+	// The transfers whose memory the reader and the writer touch now,
+	// under tmu, so that cancelling one can fence them (wfence, and the
+	// reader's pc.fence).
+	tmu     sync.Mutex
+	landing *xstate
+	sending *xstate
+	wfence  fence
 }
 
 // frame is one request awaiting its answer.
@@ -80,12 +102,73 @@ type frame struct {
 }
 
 // xstate tracks one transfer: a part per frame in flight plus one for the
-// goroutine posting them. The last part finishes the transfer.
+// goroutine posting them, and one for each connection writing its memory.
+// The last part finishes the transfer.
 type xstate struct {
 	agent.Parts
 	b *Backend
 	x *agent.Xfer
 	p *peer
+
+	mu        sync.Mutex
+	abandoned bool // cancelled: answers still to come land nowhere
+	queued    int  // frames sent whose answers have not begun to land
+}
+
+// finished runs after the transfer's Finish.
+func (st *xstate) finished() {
+	st.p.release()
+	st.b.wg.Done()
+}
+
+// watch waits for the transfer to finish, abandoning it if it is
+// cancelled first. Cancelling must not wait for a peer's answer: a hostile
+// peer may never give one.
+func (st *xstate) watch() {
+	select {
+	case <-st.x.Done():
+	case <-st.x.Cancelled():
+		st.abandon(st.x.CancelErr())
+	}
+}
+
+// abandon finishes the transfer with err without waiting for the answers
+// still due: the frames awaiting one are released now (their answers, when
+// they come, are read and dropped), and a connection reading into or
+// writing from the transfer's memory is fenced, so that it lets go of the
+// memory at once; the transfer finishes when it has.
+func (st *xstate) abandon(err error) {
+	st.Fail(err)
+	st.mu.Lock()
+	if st.abandoned {
+		st.mu.Unlock()
+		return
+	}
+	st.abandoned = true
+	n := st.queued
+	st.queued = 0
+	if st.p.isReady() {
+		for _, s := range st.p.all() {
+			s.fenceFor(st)
+		}
+	}
+	st.mu.Unlock()
+	for range n {
+		st.Done(nil)
+	}
+}
+
+// fenceFor stops s's reader and writer from touching st's memory. Callers
+// hold st.mu.
+func (s *stream) fenceFor(st *xstate) {
+	s.tmu.Lock()
+	defer s.tmu.Unlock()
+	if s.landing == st {
+		s.pc.fence.raise(s.w.c.SetReadDeadline)
+	}
+	if s.sending == st {
+		s.wfence.raise(s.w.c.SetWriteDeadline)
+	}
 }
 
 // Post implements agent.Backend.
@@ -95,7 +178,7 @@ func (b *Backend) Post(x *agent.Xfer) error {
 		return err
 	}
 	st := &xstate{b: b, x: x, p: p}
-	st.Init(x, p.notify, b.wg.Done)
+	st.Init(x, p.notify, st.finished)
 	typ := uint8(tRead)
 	if x.Op == agent.OpWrite {
 		typ = tWrite
@@ -110,6 +193,7 @@ func (b *Backend) Post(x *agent.Xfer) error {
 					st.Add()
 					s.sendLocked(frame{st: st, n: n, typ: typ}, pieces)
 					st.Done(nil)
+					b.watch(st)
 					return nil
 				}
 				<-s.slots
@@ -118,7 +202,18 @@ func (b *Backend) Post(x *agent.Xfer) error {
 	}
 	b.wg.Add(1)
 	go b.drive(st, typ)
+	b.watch(st)
 	return nil
+}
+
+// watch starts st's watcher: a goroutine apart from the one posting
+// frames, which may be blocked writing one.
+func (b *Backend) watch(st *xstate) {
+	b.wg.Add(1)
+	go func() {
+		defer b.wg.Done()
+		st.watch()
+	}()
 }
 
 // drive posts a transfer's frames, waiting for free slots.
@@ -221,13 +316,118 @@ func (b *Backend) peerFor(info agent.Info) (*peer, error) {
 	// of its own and never redirects anyone else's transfers.
 	k := peerKey{info.ID, ci.addr}
 	if p := b.peers[k]; p != nil {
+		p.users++
 		return p, nil
 	}
-	p := &peer{b: b, id: info.ID, addr: ci.addr, ready: make(chan struct{}), dead: make(chan struct{})}
+	p := &peer{b: b, id: info.ID, addr: ci.addr, ready: make(chan struct{}), dead: make(chan struct{}), users: 1}
+	_, _ = rand.Read(p.session[:])
 	b.peers[k] = p
 	b.wg.Add(1)
 	go p.dial()
 	return p, nil
+}
+
+// release ends one use of p begun by peerFor.
+func (p *peer) release() {
+	b := p.b
+	b.mu.Lock()
+	if p.users--; p.users == 0 {
+		p.lastUsed = time.Now()
+	}
+	b.mu.Unlock()
+}
+
+// reapable removes the peers idle for the idle timeout from b.peers and
+// returns them, to be retired. Callers hold b.mu.
+func (b *Backend) reapable(now time.Time) []*peer {
+	var idle []*peer
+	for k, p := range b.peers {
+		if p.users == 0 && now.Sub(p.lastUsed) >= b.cfg.idle && p.isReady() {
+			delete(b.peers, k)
+			idle = append(idle, p)
+		}
+	}
+	return idle
+}
+
+// reserve counts one more connection of p to ip against
+// WithMaxOutgoingPerIP, retiring the peers at ip idle the longest to make
+// room, and reports whether it could. Connections to one address are
+// bounded because a token names any identity it likes at any address: a
+// token issuer must not make this agent hoard connections.
+func (b *Backend) reserve(p *peer, ip netip.Addr) (bool, []*peer) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed || p.ended {
+		return false, nil
+	}
+	var evicted []*peer
+	for b.out[ip] >= b.cfg.maxOut {
+		var lru *peer
+		for _, q := range b.peers {
+			if q.ip == ip && q.users == 0 && q.conns > 0 && (lru == nil || q.lastUsed.Before(lru.lastUsed)) {
+				lru = q
+			}
+		}
+		if lru == nil {
+			return false, evicted
+		}
+		delete(b.peers, peerKey{lru.id, lru.addr})
+		b.unreserve(lru)
+		evicted = append(evicted, lru)
+	}
+	b.out[ip]++
+	p.ip = ip
+	p.conns++
+	return true, evicted
+}
+
+// reserve counts one more connection of p to ip (Backend.reserve).
+func (p *peer) reserve(ip netip.Addr) error {
+	b := p.b
+	ok, evicted := b.reserve(p, ip)
+	for _, q := range evicted {
+		q.retire()
+	}
+	if ok {
+		return nil
+	}
+	if err := p.failure(); err != nil {
+		return err
+	}
+	return fmt.Errorf("tcp: dial peer %s at %s: this agent holds %d connections to that address, none idle (tcp.WithMaxOutgoingPerIP): %w",
+		p.id, p.addr, b.cfg.maxOut, agent.ErrRemoteLost)
+}
+
+// unreserve uncounts p's connections. Callers hold b.mu.
+func (b *Backend) unreserve(p *peer) {
+	p.ended = true
+	if p.conns == 0 {
+		return
+	}
+	if b.out[p.ip] -= p.conns; b.out[p.ip] <= 0 {
+		delete(b.out, p.ip)
+	}
+	p.conns = 0
+}
+
+func (p *peer) isReady() bool {
+	select {
+	case <-p.ready:
+		return true
+	default:
+		return false
+	}
+}
+
+// all returns p's streams and its control connection; p must be ready.
+func (p *peer) all() []*stream {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.ctrl == nil {
+		return nil
+	}
+	return append(p.streams[:len(p.streams):len(p.streams)], p.ctrl)
 }
 
 func (p *peer) usable() bool {
@@ -309,11 +509,26 @@ func (p *peer) connect(ctx context.Context) error {
 	n := b.cfg.streams
 	all := make([]*stream, 0, n+1)
 	chunk, pieces := b.cfg.chunk, b.cfg.maxPieces
+	ap, err := netip.ParseAddrPort(p.addr)
+	literal := err == nil
 	for i := 0; i <= n; i++ {
+		if literal { // counted before it exists
+			if err := p.reserve(ap.Addr().Unmap()); err != nil {
+				closeStreams(all)
+				return err
+			}
+		}
 		c, err := d.DialContext(ctx, "tcp", p.addr)
 		if err != nil {
 			closeStreams(all)
 			return fmt.Errorf("tcp: dial peer %s at %s: %w: %w", p.id, p.addr, agent.ErrRemoteLost, err)
+		}
+		if !literal {
+			if err := p.reserve(remoteIP(c.(*net.TCPConn))); err != nil {
+				_ = c.Close()
+				closeStreams(all)
+				return err
+			}
 		}
 		s, in, err := p.handshake(c.(*net.TCPConn), uint8(i))
 		if err != nil {
@@ -336,6 +551,11 @@ func (p *peer) connect(ctx context.Context) error {
 	default:
 	}
 	p.mu.Lock() // fail, from Close, may look at them concurrently
+	if err := p.err; err != nil { // failed or retired while dialling
+		p.mu.Unlock()
+		closeStreams(all)
+		return err
+	}
 	p.streams, p.ctrl = all[:n], all[n]
 	p.mu.Unlock()
 	for _, s := range all {
@@ -354,13 +574,14 @@ func closeStreams(ss []*stream) {
 func (p *peer) handshake(c *net.TCPConn, idx uint8) (*stream, handshake, error) {
 	b := p.b
 	var hs [hsSize]byte
-	out := handshake{stream: idx, self: b.id, expect: p.id, timeout: b.cfg.timeout, maxPieces: b.cfg.maxPieces, maxFrame: b.cfg.maxFrame}
+	out := handshake{stream: idx, self: b.id, expect: p.id, session: p.session, timeout: b.cfg.timeout, maxPieces: b.cfg.maxPieces, maxFrame: b.cfg.maxFrame}
 	out.put(hs[:])
 	_ = c.SetDeadline(time.Now().Add(b.cfg.timeout))
 	if _, err := c.Write(hs[:]); err != nil {
 		return nil, handshake{}, fmt.Errorf("tcp: handshake with peer %s at %s: %w: %w", p.id, p.addr, agent.ErrRemoteLost, err)
 	}
 	w := newWconn(c)
+	w.tx.Store(hsSize)
 	pc := &patientConn{c: c, rx: &w.rx, timeout: b.cfg.timeout}
 	br := bufio.NewReaderSize(pc, readBuf)
 	if _, err := io.ReadFull(br, hs[:]); err != nil {
@@ -393,7 +614,18 @@ func (p *peer) handshake(c *net.TCPConn, idx uint8) (*stream, handshake, error) 
 // An outgoing channel presents no key to this agent, so its failure is no
 // loss for this agent's exposures: only the channels a peer used to reach
 // them report that (agent.Link).
-func (p *peer) fail(err error) {
+func (p *peer) fail(err error) { p.end(err, false) }
+
+// errIdle ends a peer closed for having nothing in flight for the idle
+// timeout.
+var errIdle = errors.New("tcp: idle connections closed")
+
+// retire closes p's connections, idle by the caller's judgement, with an
+// idle goodbye: the peer learns that this agent is not leaving, so the
+// exposures we used hear of no loss. A later transfer dials afresh.
+func (p *peer) retire() { p.end(errIdle, true) }
+
+func (p *peer) end(err error, idle bool) {
 	p.failOnce.Do(func() {
 		p.mu.Lock()
 		p.err = err
@@ -405,12 +637,21 @@ func (p *peer) fail(err error) {
 		if k := (peerKey{p.id, p.addr}); b.peers[k] == p {
 			delete(b.peers, k)
 		}
+		b.unreserve(p)
 		b.mu.Unlock()
-		for _, s := range streams {
+		var bye [hdrSize]byte
+		(&header{typ: tBye, status: stIdle}).put(bye[:])
+		for _, s := range append(streams[:len(streams):len(streams)], ctrl) {
+			if s == nil {
+				continue
+			}
+			if idle {
+				s.w.wmu.Lock()
+				_ = s.w.c.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
+				_, _ = s.w.c.Write(bye[:])
+				s.w.wmu.Unlock()
+			}
 			_ = s.w.c.Close()
-		}
-		if ctrl != nil {
-			_ = ctrl.w.c.Close()
 		}
 	})
 }
@@ -439,7 +680,7 @@ func (p *peer) notify(key agent.Key, msg []byte) error {
 	h.put(s.head)
 	s.bufs = append(s.bufs[:0], s.head[:hdrSize], msg)
 	s.out = s.bufs
-	err := writeFrame(w.c, &s.out, p.b.cfg.timeout)
+	err := writeFrame(w, &s.out, p.b.cfg.timeout, nil, nil)
 	w.lastWrite.Store(time.Now().UnixNano())
 	if err != nil {
 		_ = w.c.Close()
@@ -455,6 +696,7 @@ func (b *Backend) Notify(info agent.Info, key agent.Key, msg []byte) error {
 		return err
 	}
 	defer b.wg.Done()
+	defer p.release()
 	return p.notify(key, msg)
 }
 
@@ -467,19 +709,36 @@ func (s *stream) send(f frame, pieces int) {
 
 // sendLocked is send with the write lock already held; it unlocks it.
 func (s *stream) sendLocked(f frame, pieces int) {
-	w := s.w
+	w, st := s.w, f.st
 	if s.dead {
 		err := s.err
 		w.wmu.Unlock()
 		<-s.slots
-		f.st.Done(err)
+		st.Done(err)
 		return
 	}
+	write := f.typ == tWrite
+	st.mu.Lock()
+	if st.abandoned { // cancelled meanwhile: the frame need not go
+		st.mu.Unlock()
+		w.wmu.Unlock()
+		<-s.slots
+		st.Done(nil)
+		return
+	}
+	st.queued++
+	if write {
+		st.Add() // the writer's hold on the transfer's memory
+		s.tmu.Lock()
+		s.sending = st
+		s.tmu.Unlock()
+	}
+	st.mu.Unlock()
 	s.seq++
 	f.id = s.seq
 	s.pending <- f // never blocks: the slot guarantees room
 
-	segs := f.st.x.Segments
+	segs := st.x.Segments
 	table := s.head[hdrSize : hdrSize+pieces*pieceSize]
 	s.bufs = append(s.bufs[:0], s.head[:hdrSize+len(table)])
 	c, left, i := f.start, f.n, 0
@@ -488,7 +747,7 @@ func (s *stream) sendLocked(f frame, pieces int) {
 		take := min(sg.Local.Len-c.Off, left)
 		binary.LittleEndian.PutUint64(table[i:], sg.Remote.Addr+c.Off)
 		binary.LittleEndian.PutUint64(table[i+8:], take)
-		if f.typ == tWrite {
+		if write {
 			s.bufs = append(s.bufs, sg.Local.Mem[c.Off:c.Off+take])
 		}
 		i += pieceSize
@@ -497,14 +756,48 @@ func (s *stream) sendLocked(f frame, pieces int) {
 			c.Seg, c.Off = c.Seg+1, 0
 		}
 	}
-	h := header{typ: f.typ, count: uint32(pieces), id: f.id, key: f.st.x.Key}
-	if f.typ == tWrite {
+	h := header{typ: f.typ, count: uint32(pieces), id: f.id, key: st.x.Key}
+	if write {
 		h.length = f.n
 	}
 	h.put(s.head)
 	s.out = s.bufs
 	s.writing.Store(true)
-	err := writeFrame(w.c, &s.out, s.p.b.cfg.timeout)
+	err := writeFrame(w, &s.out, s.p.b.cfg.timeout, &s.wfence, nil)
+	if write {
+		s.tmu.Lock()
+		s.sending = nil
+		s.tmu.Unlock()
+		s.wfence.lower()
+		fenced := errors.Is(err, errFenced)
+		if fenced {
+			// The transfer was cancelled and its memory is no longer ours
+			// to read: let it finish at once. The peer expects the
+			// frame's length all the same.
+			s.out = padding(s.out, len(s.out) == len(s.bufs))
+		}
+		clear(s.bufs)
+		st.Done(nil)
+		if fenced {
+			// The goroutine posting the frames holds the transfer too: it
+			// must not wait for the padding either. The padder takes
+			// over the write lock.
+			b := s.p.b
+			b.wg.Add(1)
+			go func() {
+				defer b.wg.Done()
+				s.finishLocked(writeFrame(w, &s.out, b.cfg.timeout, nil, nil))
+			}()
+			return
+		}
+	}
+	s.finishLocked(err)
+}
+
+// finishLocked ends the write of a frame, which ended with err, and
+// unlocks the write lock.
+func (s *stream) finishLocked(err error) {
+	w := s.w
 	s.writing.Store(false)
 	w.lastWrite.Store(time.Now().UnixNano())
 	clear(s.bufs)
@@ -512,6 +805,38 @@ func (s *stream) sendLocked(f frame, pieces int) {
 	if err != nil {
 		_ = w.c.Close() // the reader fails every pending frame, this one included
 	}
+}
+
+// zeros stands in for the payload of a cancelled WRITE.
+var zeros [64 << 10]byte
+
+// padding returns what is left to write of an interrupted WRITE frame,
+// rest, with zeros in place of its payload; head says whether rest begins
+// with what is left of the header and table.
+func padding(rest net.Buffers, head bool) net.Buffers {
+	var out net.Buffers
+	if head && len(rest) > 0 {
+		out, rest = append(out, rest[0]), rest[1:]
+	}
+	for _, b := range rest {
+		for n := len(b); n > 0; n -= min(n, len(zeros)) {
+			out = append(out, zeros[:min(n, len(zeros))])
+		}
+	}
+	return out
+}
+
+// settle ends a frame that will get no answer, unless its transfer was
+// abandoned, which released it already.
+func (st *xstate) settle(err error) {
+	st.mu.Lock()
+	if st.abandoned {
+		st.mu.Unlock()
+		return
+	}
+	st.queued--
+	st.mu.Unlock()
+	st.Done(err)
 }
 
 // read is the stream's reader goroutine: it matches answers to frames and
@@ -535,17 +860,18 @@ func (s *stream) read() {
 		}
 		err = fmt.Errorf("tcp: connection to peer %s: %w: %w", s.p.id, agent.ErrRemoteLost, err)
 	}
+	// Closed first: a writer blocked on a peer that does not read lets go.
+	_ = s.w.c.Close()
 	// From here on, frames that find the stream dead fail with err; those
 	// already pending are failed below.
 	s.w.wmu.Lock()
 	s.dead, s.err = true, err
 	s.w.wmu.Unlock()
-	_ = s.w.c.Close()
 	for {
 		select {
 		case f := <-s.pending:
 			<-s.slots
-			f.st.Done(err)
+			f.st.settle(err)
 			continue
 		default:
 		}
@@ -557,7 +883,8 @@ func (s *stream) read() {
 func (s *stream) loop() error {
 	var h header
 	timeout := s.p.b.cfg.timeout
-	var unanswered time.Time // since when keepalives came while requests waited
+	var since time.Time // since when keepalives came while requests waited
+	var claimed uint64  // the bytes the peer said it had received, then
 	for {
 		s.pc.arm()
 		if _, err := io.ReadFull(s.br, s.rhdr[:]); err != nil {
@@ -569,13 +896,19 @@ func (s *stream) loop() error {
 			// Keepalives prove the peer alive, not that it serves: a peer
 			// that keeps pinging but leaves requests unanswered is lost.
 			// On a slow link a request takes a while to arrive, though:
-			// the clock does not run while we are still writing one, nor
-			// while the peer's pings say it is still reading one.
-			if len(s.pending) == 0 || s.writing.Load() || h.status == stBusy {
-				unanswered = time.Time{}
-			} else if now := time.Now(); unanswered.IsZero() {
-				unanswered = now
-			} else if now.Sub(unanswered) > timeout {
+			// the clock does not run while we are still writing one, and
+			// starts afresh each time the peer's pings say it has received
+			// another minProgress bytes of what we sent. A ping's claim
+			// beyond what we sent, or of less progress, counts for nothing.
+			now := time.Now()
+			switch {
+			case len(s.pending) == 0 || s.writing.Load():
+				since = time.Time{}
+			case since.IsZero():
+				since, claimed = now, h.id
+			case h.status == stBusy && h.id <= s.w.tx.Load() && h.id >= claimed+minProgress:
+				since, claimed = now, h.id
+			case now.Sub(since) > timeout:
 				return fmt.Errorf("%w: peer sends keepalives but left a request unanswered for more than %v", errStalled, timeout)
 			}
 			continue
@@ -591,64 +924,108 @@ func (s *stream) loop() error {
 		default:
 			return fmt.Errorf("%w: answer %d to no request", errProtocol, h.id)
 		}
-		unanswered = time.Time{}
-		err := s.land(&h, &f)
+		since = time.Time{}
+		st := f.st
+		st.mu.Lock()
+		gone := st.abandoned
+		if !gone {
+			st.queued--
+			s.tmu.Lock()
+			s.landing = st
+			s.tmu.Unlock()
+		}
+		st.mu.Unlock()
+		released, err := s.land(&h, &f, gone)
+		if gone {
+			released = true // by abandon
+		} else {
+			s.unland()
+		}
 		<-s.slots
 		if err != nil && !errors.Is(err, agent.ErrAccessDenied) {
 			cause := fmt.Errorf("tcp: connection to peer %s: %w: %w", s.p.id, agent.ErrRemoteLost, err)
 			if perr := s.p.failure(); perr != nil {
 				cause = perr // the peer was failed, closing this connection under the frame: report why
 			}
-			f.st.Done(cause)
+			if !released {
+				st.Done(cause)
+			}
 			return err
 		}
-		f.st.Done(err)
+		if !released {
+			st.Done(err)
+		}
 	}
 }
 
+// unland records that the reader no longer touches the transfer it was
+// landing, and lowers the fence a cancellation of it may have raised.
+func (s *stream) unland() {
+	s.tmu.Lock()
+	s.landing = nil
+	s.tmu.Unlock()
+	s.pc.fence.lower()
+}
+
 // land consumes one answer for f: READ data goes straight into the
-// transfer's local memory.
-func (s *stream) land(h *header, f *frame) error {
+// transfer's local memory, or nowhere if sink. If the transfer is
+// cancelled while its data lands, the rest is read and dropped; land then
+// reports that it released the frame, which it did as soon as it let go
+// of the memory.
+func (s *stream) land(h *header, f *frame, sink bool) (released bool, err error) {
 	wantTyp := uint8(tReadResp)
 	if f.typ == tWrite {
 		wantTyp = tWriteAck
 	}
 	if h.id != f.id || h.typ != wantTyp {
-		return fmt.Errorf("%w: answer type %d id %d, want type %d id %d", errProtocol, h.typ, h.id, wantTyp, f.id)
+		return false, fmt.Errorf("%w: answer type %d id %d, want type %d id %d", errProtocol, h.typ, h.id, wantTyp, f.id)
 	}
 	if h.status != stOK {
 		if h.length > maxErrMsg {
-			return fmt.Errorf("%w: error message of %d bytes", errProtocol, h.length)
+			return false, fmt.Errorf("%w: error message of %d bytes", errProtocol, h.length)
 		}
 		msg := make([]byte, h.length)
 		if _, err := io.ReadFull(s.br, msg); err != nil {
-			return err
+			return false, err
 		}
-		return fmt.Errorf("tcp: peer %s refused %s: %w (%s)", s.p.id, f.st.x.Op, agent.ErrAccessDenied, msg)
+		return false, fmt.Errorf("tcp: peer %s refused %s: %w (%s)", s.p.id, f.st.x.Op, agent.ErrAccessDenied, msg)
 	}
 	if f.typ == tWrite {
 		if h.length != 0 {
-			return fmt.Errorf("%w: WRITE ack with %d payload bytes", errProtocol, h.length)
+			return false, fmt.Errorf("%w: WRITE ack with %d payload bytes", errProtocol, h.length)
 		}
-		return nil
+		return false, nil
 	}
 	if h.length != f.n {
-		return fmt.Errorf("%w: READ answer of %d bytes, want %d", errProtocol, h.length, f.n)
+		return false, fmt.Errorf("%w: READ answer of %d bytes, want %d", errProtocol, h.length, f.n)
 	}
 	segs := f.st.x.Segments
 	c, left := f.start, f.n
-	for left > 0 {
+	for left > 0 && !sink {
 		sg := &segs[c.Seg]
 		take := min(sg.Local.Len-c.Off, left)
-		if _, err := io.ReadFull(s.br, sg.Local.Mem[c.Off:c.Off+take]); err != nil {
-			return err
+		n, err := io.ReadFull(s.br, sg.Local.Mem[c.Off:c.Off+take])
+		left -= uint64(n)
+		if errors.Is(err, errFenced) {
+			s.unland()
+			f.st.Done(nil) // its outcome is the cancellation, recorded already
+			released, sink = true, true
+			break
 		}
-		left -= take
+		if err != nil {
+			return false, err
+		}
 		if c.Off += take; c.Off == sg.Local.Len {
 			c.Seg, c.Off = c.Seg+1, 0
 		}
 	}
-	return nil
+	if sink && left > 0 {
+		s.pc.arm()
+		if _, err := io.CopyN(io.Discard, s.br, int64(left)); err != nil {
+			return released, err
+		}
+	}
+	return released, nil
 }
 
 // PeerDeparted implements agent.Departer: the connections to agent id are

@@ -18,6 +18,7 @@ package tcp
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
@@ -49,7 +50,8 @@ type Backend struct {
 	closed  bool
 	peers   map[peerKey]*peer
 	conns   map[*wconn]struct{}
-	inbound map[uuid.UUID]*inbound // live connections from each peer
+	inbound map[sessionKey]*inbound // live connections of each dialling peer's session
+	out     map[netip.Addr]int      // connections we dialled to each address
 	byIP    map[netip.Addr]int     // accepted connections from each address
 	byPeer  map[peerAddr]int       // handshaken connections from each identity at each address
 	shaking map[*wconn]uint64      // accepted connections still in the handshake, by arrival
@@ -65,8 +67,8 @@ type Backend struct {
 // New returns a TCP backend for one agent. Invalid options are reported by
 // Start, that is by the agent's constructor.
 func New(opts ...Option) *Backend {
-	b := &Backend{cfg: defaults(), peers: map[peerKey]*peer{}, conns: map[*wconn]struct{}{}, inbound: map[uuid.UUID]*inbound{},
-		byIP: map[netip.Addr]int{}, byPeer: map[peerAddr]int{}, shaking: map[*wconn]uint64{},
+	b := &Backend{cfg: defaults(), peers: map[peerKey]*peer{}, conns: map[*wconn]struct{}{}, inbound: map[sessionKey]*inbound{},
+		out: map[netip.Addr]int{}, byIP: map[netip.Addr]int{}, byPeer: map[peerAddr]int{}, shaking: map[*wconn]uint64{},
 		stop: make(chan struct{}), nudge: make(chan struct{}, 1)}
 	var errs []error
 	for _, o := range opts {
@@ -167,6 +169,7 @@ type wconn struct {
 	wmu       sync.Mutex
 	lastWrite atomic.Int64  // unix nanos
 	rx        atomic.Uint64 // bytes read, counted by the patientConn under the reader
+	tx        atomic.Uint64 // bytes written, handshake included
 	pingRx    uint64        // rx when the last ping was sent; keepalive loop only
 	every     atomic.Int64  // ping after this long without a write, in ns; 0 until the handshake is done
 	ping      [hdrSize]byte
@@ -245,22 +248,30 @@ func (b *Backend) keepalive() {
 				idle = append(idle, w)
 			}
 		}
+		reaped := b.reapable(now)
 		b.mu.Unlock()
 		for _, w := range idle {
 			if w.wmu.TryLock() { // busy connections are not idle
 				// A ping tells a peer whose request is still arriving that
-				// it is arriving: on a slow link it must not take the
-				// wait for its answer as a stall.
+				// it is arriving, and how much of it: on a slow link it
+				// must not take the wait for its answer as a stall, and a
+				// claim of progress can be checked against what it sent.
 				ping := w.ping
-				if rx := w.rx.Load(); rx != w.pingRx {
+				rx := w.rx.Load()
+				binary.LittleEndian.PutUint64(ping[8:], rx)
+				if rx != w.pingRx {
 					w.pingRx, ping[1] = rx, stBusy
 				}
 				_ = w.c.SetWriteDeadline(now.Add(b.cfg.timeout))
 				if _, err := w.c.Write(ping[:]); err == nil {
 					w.lastWrite.Store(now.UnixNano())
+					w.tx.Add(hdrSize)
 				}
 				w.wmu.Unlock()
 			}
+		}
+		for _, p := range reaped {
+			p.retire()
 		}
 		t.Reset(tick)
 	}

@@ -32,6 +32,9 @@ type config struct {
 	maxConnsPerPeer int
 	maxConnsPerIP   int
 	maxHandshakes   int
+
+	maxOut int           // connections we dial to one address
+	idle   time.Duration // a peer with nothing in flight this long is closed
 }
 
 func defaults() config {
@@ -48,6 +51,9 @@ func defaults() config {
 		maxConnsPerPeer: 256,
 		maxConnsPerIP:   4096,
 		maxHandshakes:   256,
+
+		maxOut: 256,
+		idle:   30 * time.Second,
 	}
 }
 
@@ -58,6 +64,9 @@ func (c *config) check() error {
 	}
 	if c.maxConnsPerPeer > c.maxConnsPerIP {
 		return fmt.Errorf("%w: %d connections per peer exceed the %d allowed per address", ErrInvalidOption, c.maxConnsPerPeer, c.maxConnsPerIP)
+	}
+	if c.maxOut < c.streams+1 {
+		return fmt.Errorf("%w: %d outgoing connections per address cannot carry %d streams and a control connection", ErrInvalidOption, c.maxOut, c.streams)
 	}
 	if c.maxConnsPerPeer < c.streams+1 {
 		return fmt.Errorf("%w: %d connections per peer cannot carry a peer's %d streams and its control connection", ErrInvalidOption, c.maxConnsPerPeer, c.streams)
@@ -234,6 +243,38 @@ func WithMaxHandshakes(n int) Option {
 			return fmt.Errorf("%w: handshakes in progress must be in [1, 1048576], got %d", ErrInvalidOption, n)
 		}
 		c.maxHandshakes = n
+		return nil
+	})
+}
+
+// WithMaxOutgoingPerIP sets how many connections this agent keeps to one
+// remote IP address, over all the agents there: tokens name any identity at
+// any address, so a token issuer must not make this agent hoard
+// connections. When a transfer needs a new connection over the limit, the
+// agents at that address idle the longest are closed to make room; if none
+// is idle, the transfer fails with agent.ErrRemoteLost and an error naming
+// this option. Default: 256, fifty agents on one host at the default 4
+// streams, or three at 64.
+func WithMaxOutgoingPerIP(n int) Option {
+	return optionFunc(func(c *config) error {
+		if n < 2 || n > 1<<20 {
+			return fmt.Errorf("%w: outgoing connections per address must be in [2, 1048576], got %d", ErrInvalidOption, n)
+		}
+		c.maxOut = n
+		return nil
+	})
+}
+
+// WithIdleTimeout sets how long the connections to a peer stay open with no
+// transfer or notification in flight; they are then closed with a goodbye
+// that tells the peer this agent is not leaving, and the next transfer
+// dials again. Default: 30 s.
+func WithIdleTimeout(d time.Duration) Option {
+	return optionFunc(func(c *config) error {
+		if d <= 0 {
+			return fmt.Errorf("%w: idle timeout must be positive, got %v", ErrInvalidOption, d)
+		}
+		c.idle = d
 		return nil
 	})
 }

@@ -124,8 +124,15 @@ type server struct {
 	pc    *patientConn // under br
 	br    *bufio.Reader
 	peer  uuid.UUID
+	in    *inbound
 	link  agent.Link
 	hdr   [hdrSize]byte
+
+	// The lease of the frame being served, and what renews it (renew).
+	lease   agent.Lease
+	key     agent.Key
+	acc     agent.Access
+	renewFn func() bool
 	table []byte
 	iov   [][]byte
 	bufs  [][]byte
@@ -138,6 +145,7 @@ func (b *Backend) serve(w *wconn) {
 	defer w.c.Close()
 	pc := &patientConn{c: w.c, rx: &w.rx, timeout: b.cfg.timeout}
 	s := &server{b: b, w: w, pc: pc, br: bufio.NewReaderSize(pc, readBuf)}
+	s.renewFn = s.renew
 	if err := s.handshake(); err != nil {
 		if !b.stopping() && !errors.Is(err, errEvicted) && b.dropped(err, true) {
 			b.host.Refused()
@@ -152,13 +160,16 @@ func (b *Backend) serve(w *wconn) {
 		b.host.Refused()
 	}
 	// A goodbye is an orderly close, but the peer is gone all the same:
-	// exposures it was using must not wait for it. Only the peer's last
-	// connection reports it: every notification its control connection
-	// carried has then been dispatched, so the loss never overtakes a
-	// completion, and a stranger who claims a live peer's identity and
-	// hangs up reports nothing.
-	if link, last := b.left(s.peer); last {
-		b.host.LinkLost(link, fmt.Errorf("tcp: connection from peer %s: %w: %w", s.peer, agent.ErrRemoteLost, err))
+	// exposures it was using must not wait for it; an idle goodbye, or a
+	// frame we cut because its exposure was revoked, is no departure. The
+	// loss is reported when the last connection of the peer's session
+	// ends: every notification its control connection carried has then
+	// been dispatched, so the loss never overtakes a completion. A stranger
+	// who claims the peer's identity has a session of its own, and its
+	// hang-up reaches none of the peer's exposures.
+	loss := !errors.Is(err, errIdleBye) && !errors.Is(err, errRevoked)
+	if b.left(s.in, loss) {
+		b.host.LinkLost(s.link, fmt.Errorf("tcp: connection from peer %s: %w: %w", s.peer, agent.ErrRemoteLost, err))
 	}
 }
 
@@ -171,48 +182,65 @@ func (b *Backend) stopping() bool {
 	}
 }
 
-// inbound is the live connections from one peer, which share one link.
-type inbound struct {
-	link  agent.Link
-	conns int
+// sessionKey names one dialling peer's connections: the identity it
+// claims and the random session its handshakes carry.
+type sessionKey struct {
+	peer    uuid.UUID
+	session [16]byte
 }
 
-// joined counts w as a live connection from peer and returns the link it
-// belongs to, or reports that peer already holds WithMaxConnsPerPeer
-// connections from w's address.
-func (b *Backend) joined(w *wconn, peer uuid.UUID) (agent.Link, bool) {
+// inbound is the live connections of one session, which share one link.
+type inbound struct {
+	key   sessionKey
+	link  agent.Link
+	conns int  // under Backend.mu
+	lost  bool // one of them ended for a reason that is a departure; likewise
+}
+
+// joined counts w as a live connection of peer's session and returns the
+// group it belongs to, or reports that peer already holds
+// WithMaxConnsPerPeer connections from w's address. A zero session (never
+// sent by this package) groups nothing: the connection is a link of its own.
+func (b *Backend) joined(w *wconn, peer uuid.UUID, session [16]byte) (*inbound, bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	k := peerAddr{peer, w.ip}
 	if b.byPeer[k] >= b.cfg.maxConnsPerPeer {
-		return agent.Link{}, false
+		return nil, false
 	}
 	b.byPeer[k]++
 	w.peer = k
-	in := b.inbound[peer]
+	sk := sessionKey{peer, session}
+	in := b.inbound[sk]
 	if in == nil {
-		in = &inbound{link: agent.NewLink(peer)}
-		b.inbound[peer] = in
+		in = &inbound{key: sk, link: agent.NewLink(peer)}
+		if session != ([16]byte{}) {
+			b.inbound[sk] = in
+		}
 	}
 	in.conns++
-	return in.link, true
+	return in, true
 }
 
-// left uncounts a connection from peer and reports whether it was the
-// last of its link.
-func (b *Backend) left(peer uuid.UUID) (agent.Link, bool) {
+// left uncounts a connection of in, which ended by a departure of the
+// peer if loss, and reports whether the session is now lost: this was its
+// last connection, and one of them ended by a departure.
+func (b *Backend) left(in *inbound, loss bool) bool {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	in := b.inbound[peer]
+	in.lost = in.lost || loss
 	if in.conns--; in.conns > 0 {
-		return in.link, false
+		return false
 	}
-	delete(b.inbound, peer)
-	return in.link, true
+	if b.inbound[in.key] == in {
+		delete(b.inbound, in.key)
+	}
+	return in.lost
 }
 
 var (
 	errBye     = errors.New("tcp: peer said goodbye")
+	errIdleBye = errors.New("tcp: peer closed an idle connection")
 	errEvicted = errors.New("tcp: handshake closed to make room for another")
 )
 
@@ -240,7 +268,7 @@ func (s *server) handshake() error {
 	case peer == uuid.Nil:
 		status = stDenied
 		err = fmt.Errorf("%w: handshake from the nil agent", errProtocol)
-	case !s.join(peer):
+	case !s.join(peer, in.session):
 		// Counted before the peer can use the connection: otherwise its
 		// other connections could all close, and report it lost, before
 		// this one, which may carry its last notification, is counted.
@@ -263,8 +291,8 @@ func (s *server) handshake() error {
 		return err
 	}
 	if werr != nil {
-		if link, last := b.left(peer); last {
-			b.host.LinkLost(link, fmt.Errorf("tcp: handshake with peer %s: %w: %w", peer, agent.ErrRemoteLost, werr))
+		if b.left(s.in, true) {
+			b.host.LinkLost(s.link, fmt.Errorf("tcp: handshake with peer %s: %w: %w", peer, agent.ErrRemoteLost, werr))
 		}
 		return werr
 	}
@@ -272,9 +300,11 @@ func (s *server) handshake() error {
 	return nil
 }
 
-func (s *server) join(peer uuid.UUID) bool {
-	link, ok := s.b.joined(s.w, peer)
-	s.link = link
+func (s *server) join(peer uuid.UUID, session [16]byte) bool {
+	in, ok := s.b.joined(s.w, peer, session)
+	if ok {
+		s.in, s.link = in, in.link
+	}
 	return ok
 }
 
@@ -294,6 +324,9 @@ func (s *server) loop() error {
 			err = s.notify(&h)
 		case tPing:
 		case tBye:
+			if h.status == stIdle {
+				return errIdleBye
+			}
 			return errBye
 		default:
 			err = fmt.Errorf("%w: frame type %d", errProtocol, h.typ)
@@ -366,7 +399,8 @@ func (s *server) access(h *header) error {
 	if err != nil {
 		denied = err
 	} else {
-		defer lease.Release()
+		s.lease, s.key, s.acc = lease, h.key, acc
+		defer s.dropLease()
 		for i := 0; i < n; i += pieceSize {
 			mem, err := lease.Slice(binary.LittleEndian.Uint64(table[i:]), binary.LittleEndian.Uint64(table[i+8:]))
 			if err == nil && mem == nil {
@@ -390,12 +424,31 @@ func (s *server) access(h *header) error {
 			}
 			return s.answer(tWriteAck, h.id, denied, nil)
 		}
+		// The payload may take many timeouts to arrive on a slow link: the
+		// lease is renewed at each, so that a revocation waits for at
+		// most one.
+		s.pc.renew = s.renewFn
+		var got uint64
 		for _, mem := range iov {
-			if _, err := io.ReadFull(s.br, mem); err != nil {
+			n, err := io.ReadFull(s.br, mem)
+			got += uint64(n)
+			if errors.Is(err, errRevoked) {
+				s.pc.renew = nil
+				s.dropLease()
+				s.b.stats.denied.Add(1)
+				s.pc.arm()
+				if _, err := io.CopyN(io.Discard, s.br, int64(total-got)); err != nil {
+					return err
+				}
+				return s.answer(tWriteAck, h.id, fmt.Errorf("%w: exposure revoked while the WRITE arrived", agent.ErrAccessDenied), nil)
+			}
+			if err != nil {
+				s.pc.renew = nil
 				return err
 			}
 		}
-		lease.Release()
+		s.pc.renew = nil
+		s.dropLease()
 		return s.answer(tWriteAck, h.id, nil, nil)
 	}
 	if denied != nil {
@@ -431,8 +484,31 @@ func (s *server) answer(typ uint8, id uint64, denied error, data [][]byte) error
 	w.wmu.Lock()
 	defer w.wmu.Unlock()
 	s.out = s.bufs // WriteTo consumes its receiver; s.bufs keeps the backing array
-	err := writeFrame(w.c, &s.out, s.b.cfg.timeout)
+	var renew func() bool
+	if data != nil {
+		renew = s.renewFn // as for a WRITE's payload: a revocation waits for one timeout at most
+	}
+	err := writeFrame(w, &s.out, s.b.cfg.timeout, nil, renew)
 	w.lastWrite.Store(time.Now().UnixNano())
 	clear(s.bufs[:cap(s.bufs)])
 	return err
+}
+
+// renew replaces the lease of the frame being served by a fresh one, at
+// each timeout a slow frame is granted: a revoked exposure grants none, and
+// the frame ends (errRevoked) without touching the memory again.
+func (s *server) renew() bool {
+	l, err := s.b.host.Open(s.link, s.key, s.acc)
+	if err != nil {
+		s.dropLease()
+		return false
+	}
+	s.lease.Release()
+	s.lease = l
+	return true
+}
+
+func (s *server) dropLease() {
+	s.lease.Release()
+	s.lease = agent.Lease{}
 }

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"net"
 	"os"
+	"sync"
 	"sync/atomic"
 	"time"
 )
@@ -16,26 +17,78 @@ import (
 // bytes moved since the last one. A peer trickling bytes slower than that
 // (slow-loris) is still cut within one timeout of falling behind, and a
 // stalled one within one timeout. At the default 4 s timeout the floor is
-// 16 KiB/s per connection.
+// 16 KiB/s per connection. A frame that holds a lease renews it at each
+// extension, so revoking the exposure waits for at most one timeout.
 const minProgress = 64 << 10
 
 func isTimeout(err error) bool { return errors.Is(err, os.ErrDeadlineExceeded) }
 
+var (
+	// errFenced ends a read or write interrupted because the transfer whose
+	// memory it touched was cancelled.
+	errFenced = errors.New("tcp: transfer cancelled under the frame")
+	// errRevoked ends a frame whose exposure was revoked while it moved.
+	errRevoked = errors.New("tcp: exposure revoked under the frame")
+)
+
+// fence lets another goroutine stop a connection's reader or writer from
+// touching memory it no longer may: raising it sets a deadline in the past,
+// which interrupts a blocked read or write at once, and keeps the owner
+// from setting a later deadline until it lowers the fence.
+type fence struct {
+	mu     sync.Mutex
+	raised bool
+}
+
+func (f *fence) raise(set func(time.Time) error) {
+	f.mu.Lock()
+	f.raised = true
+	_ = set(time.Unix(1, 0))
+	f.mu.Unlock()
+}
+
+func (f *fence) lower() {
+	f.mu.Lock()
+	f.raised = false
+	f.mu.Unlock()
+}
+
+// deadline sets d with set unless the fence is raised, and reports whether
+// it is.
+func (f *fence) deadline(set func(time.Time) error, d time.Time) (raised bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if !f.raised {
+		_ = set(d)
+	}
+	return f.raised
+}
+
+func (f *fence) isRaised() bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.raised
+}
+
 // patientConn is the reading side of a connection, under its bufio.Reader:
 // reads time out only when a whole timeout passes with fewer than
 // minProgress bytes read since the connection was last armed or extended.
-// It is used by one reading goroutine.
+// It is used by one reading goroutine; fence may be raised by others.
 type patientConn struct {
 	c       *net.TCPConn
 	rx      *atomic.Uint64 // the connection's bytes read, for keepalives
 	timeout time.Duration
 	moved   int
+	fence   fence
+	// renew, if set, is asked at each extension whether the frame may go
+	// on; false fails the read with errRevoked.
+	renew func() bool
 }
 
 // arm gives the next frame a fresh timeout.
 func (p *patientConn) arm() {
 	p.moved = 0
-	_ = p.c.SetReadDeadline(time.Now().Add(p.timeout))
+	p.fence.deadline(p.c.SetReadDeadline, time.Now().Add(p.timeout))
 }
 
 func (p *patientConn) Read(b []byte) (int, error) {
@@ -43,8 +96,17 @@ func (p *patientConn) Read(b []byte) (int, error) {
 		n, err := p.c.Read(b)
 		p.moved += n
 		p.rx.Add(uint64(n))
-		if err == nil || !isTimeout(err) || p.moved < minProgress {
+		if err == nil || !isTimeout(err) {
 			return n, err
+		}
+		if p.fence.isRaised() {
+			return n, errFenced
+		}
+		if p.moved < minProgress {
+			return n, err
+		}
+		if p.renew != nil && !p.renew() {
+			return n, errRevoked
 		}
 		p.arm()
 		if n > 0 {
@@ -53,15 +115,31 @@ func (p *patientConn) Read(b []byte) (int, error) {
 	}
 }
 
-// writeFrame writes out to c, which the caller holds, under the same rule:
-// each timeout that passes with at least minProgress bytes written grants
-// another. It returns once out is written or the peer fell behind.
-func writeFrame(c *net.TCPConn, out *net.Buffers, timeout time.Duration) error {
+// writeFrame writes out to w, whose write lock the caller holds, under the
+// same rule: each timeout that passes with at least minProgress bytes
+// written grants another, if renew (when set) allows it. It returns once
+// out is written, the peer fell behind, or f (when set) was raised.
+func writeFrame(w *wconn, out *net.Buffers, timeout time.Duration, f *fence, renew func() bool) error {
 	for {
-		_ = c.SetWriteDeadline(time.Now().Add(timeout))
-		n, err := out.WriteTo(c) // consumes what it wrote
-		if err == nil || !isTimeout(err) || n < minProgress {
+		d := time.Now().Add(timeout)
+		if f == nil {
+			_ = w.c.SetWriteDeadline(d)
+		} else if f.deadline(w.c.SetWriteDeadline, d) {
+			return errFenced
+		}
+		n, err := out.WriteTo(w.c) // consumes what it wrote
+		w.tx.Add(uint64(n))
+		if err == nil || !isTimeout(err) {
 			return err
+		}
+		if f != nil && f.isRaised() {
+			return errFenced
+		}
+		if n < minProgress {
+			return err
+		}
+		if renew != nil && !renew() {
+			return errRevoked
 		}
 	}
 }

@@ -29,10 +29,13 @@ import (
 //	 24  key     [16]byte
 //
 // A data connection's answers come in request order; the id is a check.
+// A ping's id is the bytes its sender has received on the connection so
+// far, handshake included: a peer waiting for an answer can tell a request
+// still arriving from a claim.
 const (
 	hdrSize   = 40
 	pieceSize = 16
-	hsSize    = 48
+	hsSize    = 64
 
 	tRead     = 1 // active→passive: read the pieces; answered by tReadResp
 	tReadResp = 2 // passive→active: status, then the pieces' bytes in order
@@ -46,11 +49,14 @@ const (
 	stDenied = 1 // access refused by the exposing agent
 	stLimit  = 2 // handshake: too many connections from this peer
 	stBusy   = 3 // ping: bytes of a request arrived since the last ping
+	stIdle   = 4 // goodbye: an idle connection closed, the sender is not leaving
 
 	maxNotify = 64 << 10 // largest notification accepted
 	maxErrMsg = 1 << 10  // largest error message accepted in an answer
 
-	protoVersion = 1
+	protoVersion = 2 // 2: the session in the handshake, bytes received in pings, idle goodbyes
+
+	infoVersion = 1 // of connInfo
 )
 
 var magic = [4]byte{'G', 'X', 'T', 'P'}
@@ -94,10 +100,14 @@ func (h *header) get(b []byte) {
 // expect[16] timeout u32 (the sender's keepalive timeout in milliseconds)
 // pieces u16 frame u16 (the most pieces and payload bytes, in units of
 // frameUnit, the sender accepts in one request; zero from agents that
-// predate them: unknown). The answer has the same shape, with expect zero.
+// predate them: unknown) session[16] (the dialler's session: random, shared
+// by all the connections of one dialling peer, so that the listener groups
+// them into one agent.Link by something only that peer knows). The answer
+// has the same shape, with expect and session zero.
 type handshake struct {
 	stream, status uint8
 	self, expect   uuid.UUID
+	session        [16]byte
 	timeout        time.Duration
 	maxPieces      int // 0: not announced
 	maxFrame       int // bytes, a multiple of frameUnit; 0: not announced
@@ -116,6 +126,7 @@ func (h *handshake) put(b []byte) {
 	binary.LittleEndian.PutUint32(b[40:], uint32(min(h.timeout.Milliseconds(), math.MaxUint32)))
 	binary.LittleEndian.PutUint16(b[44:], uint16(min(max(h.maxPieces, 0), math.MaxUint16)))
 	binary.LittleEndian.PutUint16(b[46:], uint16(min(max(h.maxFrame/frameUnit, 0), math.MaxUint16)))
+	copy(b[48:64], h.session[:])
 }
 
 func getHandshake(b []byte) (handshake, error) {
@@ -132,6 +143,7 @@ func getHandshake(b []byte) (handshake, error) {
 	h.timeout = time.Duration(binary.LittleEndian.Uint32(b[40:])) * time.Millisecond
 	h.maxPieces = int(binary.LittleEndian.Uint16(b[44:]))
 	h.maxFrame = int(binary.LittleEndian.Uint16(b[46:])) * frameUnit
+	copy(h.session[:], b[48:64])
 	return h, nil
 }
 
@@ -168,7 +180,7 @@ type connInfo struct {
 
 func (c connInfo) marshal() []byte {
 	b := make([]byte, 0, 9+len(c.addr))
-	b = append(b, protoVersion)
+	b = append(b, infoVersion)
 	b = append(b, c.host[:]...)
 	return append(b, c.addr...)
 }
@@ -178,8 +190,8 @@ func parseConnInfo(b []byte) (connInfo, error) {
 	if len(b) < 10 || len(b) > 9+255 {
 		return c, fmt.Errorf("tcp connection info of %d bytes, want 10 to 264", len(b))
 	}
-	if b[0] != protoVersion {
-		return c, fmt.Errorf("tcp connection info version %d, want %d", b[0], protoVersion)
+	if b[0] != infoVersion {
+		return c, fmt.Errorf("tcp connection info version %d, want %d", b[0], infoVersion)
 	}
 	copy(c.host[:], b[1:9])
 	c.addr = string(b[9:])

@@ -1,0 +1,411 @@
+package tcp
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"io"
+	"net"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/goxfer/goxfer/agent"
+)
+
+// busyPinger is a passive peer that reads every request and never answers
+// one, while pinging "busy" as if each were still arriving, and claiming a
+// byte more of it every time.
+func busyPinger(c net.Conn) {
+	go func() { _, _ = io.Copy(io.Discard, c) }()
+	var ping [hdrSize]byte
+	for n := uint64(1); ; n++ {
+		(&header{typ: tPing, status: stBusy, id: uint64(hsSize) + n}).put(ping[:])
+		_ = c.SetWriteDeadline(time.Now().Add(time.Second))
+		if _, err := c.Write(ping[:]); err != nil {
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// doneWithin waits for x to finish, failing the test after d.
+func doneWithin(t *testing.T, x *agent.Xfer, d time.Duration, what string) time.Duration {
+	t.Helper()
+	start := time.Now()
+	select {
+	case <-x.Done():
+	case <-time.After(d):
+		t.Fatalf("%s: the transfer did not finish within %v", what, d)
+	}
+	return time.Since(start)
+}
+
+// A peer whose pings say "busy" forever, but which never answers, cannot
+// hold a transfer: it is lost within a bounded time, cancelling it ends it
+// at once without waiting for the peer, and Close returns.
+func TestBusyPingsCannotHoldTransfers(t *testing.T) {
+	peer := fakePassive(t, uuid.New(), busyPinger)
+	post := func(t *testing.T, a *agent.Agent, n int) *agent.Xfer {
+		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
+			Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, n)), Remote: agent.Region{Addr: 4096, Len: uint64(n)}}}})
+		require.NoError(t, err)
+		return x
+	}
+	for _, n := range []int{4 << 10, 1 << 20} { // inline, and driven from a goroutine
+		t.Run("lost", func(t *testing.T) {
+			a, _ := newAgent(t, WithKeepalive(50*time.Millisecond, 300*time.Millisecond))
+			x := post(t, a, n)
+			took := doneWithin(t, x, 10*time.Second, "a peer pinging busy and never answering")
+			require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
+			t.Logf("%d bytes: lost after %v (timeout 300ms): %v", n, took, x.Err())
+		})
+		t.Run("cancel", func(t *testing.T) {
+			// The timeout is long: only the cancellation can end it.
+			a, _ := newAgent(t, WithKeepalive(time.Second, 30*time.Second))
+			x := post(t, a, n)
+			time.Sleep(100 * time.Millisecond)
+			x.Cancel(nil)
+			took := doneWithin(t, x, 5*time.Second, "Cancel")
+			require.ErrorIs(t, x.Err(), agent.ErrCancelled)
+			t.Logf("%d bytes: cancelled after %v", n, took)
+		})
+		t.Run("close", func(t *testing.T) {
+			a, _ := newAgent(t, WithKeepalive(time.Second, 30*time.Second))
+			x := post(t, a, n)
+			time.Sleep(100 * time.Millisecond)
+			closed := make(chan error, 1)
+			go func() { closed <- a.Close() }()
+			select {
+			case <-closed:
+			case <-time.After(5 * time.Second):
+				t.Fatal("Close hung on a peer pinging busy")
+			}
+			require.Error(t, x.Err())
+		})
+	}
+}
+
+// Cancelling a transfer whose answer is still arriving ends it at once,
+// and the connection's reader no longer touches the transfer's memory:
+// the peer's later bytes land nowhere.
+func TestCancelFencesLandingRead(t *testing.T) {
+	const size = 8 << 20
+	peer := fakePassive(t, uuid.New(), func(c net.Conn) {
+		req, table, err := readRequest(c)
+		if err != nil || len(table) < pieceSize {
+			return
+		}
+		go func() { _, _ = io.Copy(io.Discard, c) }()
+		n := binary.LittleEndian.Uint64(table[8:])
+		var hb [hdrSize]byte
+		(&header{typ: tReadResp, id: req.id, length: n}).put(hb[:])
+		if _, err := c.Write(hb[:]); err != nil {
+			return
+		}
+		chunk := bytes.Repeat([]byte{0xEE}, 128<<10)
+		for sent := uint64(0); sent < n; sent += uint64(len(chunk)) {
+			if _, err := c.Write(chunk[:min(uint64(len(chunk)), n-sent)]); err != nil {
+				return
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	})
+	a, _ := newAgent(t, WithStreams(1), WithChunkSize(size), WithKeepalive(time.Second, 30*time.Second))
+	dst := make([]byte, size)
+	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
+		Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: size}}}})
+	require.NoError(t, err)
+	time.Sleep(300 * time.Millisecond) // some of the answer has landed
+	x.Cancel(nil)
+	took := doneWithin(t, x, time.Second, "Cancel during a trickled answer")
+	require.ErrorIs(t, x.Err(), agent.ErrCancelled)
+	landed := bytes.Clone(dst)
+	time.Sleep(300 * time.Millisecond) // the peer goes on sending
+	require.Equal(t, landed, dst, "bytes landed in the transfer's memory after it finished")
+	t.Logf("cancelled after %v, %d bytes landed", took, bytes.Count(landed, []byte{0xEE}))
+}
+
+// Cancelling a WRITE whose frame is still being written ends it at once,
+// and the connection's writer no longer reads the transfer's memory: what
+// the peer receives afterwards is never the bytes put there after Done.
+func TestCancelFencesWritingWrite(t *testing.T) {
+	const size = 8 << 20
+	var mu sync.Mutex
+	var got []byte
+	peer := fakePassive(t, uuid.New(), func(c net.Conn) {
+		if _, _, err := readRequest(c); err != nil {
+			return
+		}
+		buf := make([]byte, 32<<10)
+		for {
+			n, err := c.Read(buf)
+			mu.Lock()
+			got = append(got, buf[:n]...)
+			mu.Unlock()
+			if err != nil {
+				return
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	})
+	a, _ := newAgent(t, WithStreams(1), WithChunkSize(size), WithKeepalive(time.Second, 30*time.Second))
+	src := bytes.Repeat([]byte{0x5A}, size)
+	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpWrite, Peer: peer, Key: agent.NewKey(),
+		Segments: []agent.Segment{{Local: agent.DRAM(src), Remote: agent.Region{Addr: 4096, Len: size}}}})
+	require.NoError(t, err)
+	time.Sleep(300 * time.Millisecond)
+	x.Cancel(nil)
+	took := doneWithin(t, x, time.Second, "Cancel during a slowly taken WRITE")
+	require.ErrorIs(t, x.Err(), agent.ErrCancelled)
+	for i := range src { // the memory is the caller's again
+		src[i] = 0xFF
+	}
+	time.Sleep(500 * time.Millisecond)
+	mu.Lock()
+	defer mu.Unlock()
+	require.NotContains(t, string(got), "\xff\xff\xff\xff", "the writer read the transfer's memory after it finished")
+	t.Logf("cancelled after %v; the peer had taken %d bytes", took, len(got))
+}
+
+// A token holder trickling a frame, fast enough to stay within the
+// per-timeout progress rule, cannot hold Revoke longer than the stated
+// bound: one keepalive timeout, then the lease is dropped.
+func TestRevokeBoundedAgainstTrickledFrames(t *testing.T) {
+	const timeout = 300 * time.Millisecond
+	const size = 16 << 20
+	a, b := newAgent(t, WithKeepalive(50*time.Millisecond, timeout))
+	trickleOut := func(c net.Conn, data []byte, stop <-chan struct{}) {
+		for len(data) > 0 {
+			n := min(len(data), 100<<10) // > 64 KiB per timeout: alive by the progress rule
+			if _, err := c.Write(data[:n]); err != nil {
+				return
+			}
+			data = data[n:]
+			select {
+			case <-stop:
+				return
+			case <-time.After(200 * time.Millisecond):
+			}
+		}
+	}
+	revokeWithin := func(t *testing.T, e *agent.Exposure, mem []byte) {
+		t.Helper()
+		start := time.Now()
+		done := make(chan struct{})
+		go func() { e.Revoke(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(5 * time.Second):
+			t.Fatalf("Revoke still waiting after 5s on a trickled frame (keepalive timeout %v)", timeout)
+		}
+		took := time.Since(start)
+		t.Logf("Revoke returned after %v (keepalive timeout %v)", took, timeout)
+		assert.Less(t, took, timeout+timeout/2, "Revoke waited longer than the stated bound")
+		snap := bytes.Clone(mem)
+		time.Sleep(2 * timeout)
+		require.Equal(t, snap, mem, "the exposed memory changed after Revoke returned")
+	}
+	t.Run("WRITE payload", func(t *testing.T) {
+		mem := make([]byte, size)
+		e, err := a.Expose(agent.AccessWrite, []agent.Local{agent.DRAM(mem)})
+		require.NoError(t, err)
+		p, _ := dialHostile(t, b, a.ID())
+		f := frameBytes(header{typ: tWrite, count: 1, id: 1, length: size, key: e.Key()}, [][2]uint64{{agent.DRAM(mem).Addr, size}},
+			bytes.Repeat([]byte{0xEE}, size))
+		stop := make(chan struct{})
+		defer close(stop)
+		go trickleOut(p.c, f, stop)
+		time.Sleep(500 * time.Millisecond)
+		require.Equal(t, p.id, e.Peer(), "the trickled WRITE holds a lease")
+		revokeWithin(t, e, mem)
+	})
+	t.Run("READ answer", func(t *testing.T) {
+		mem := bytes.Repeat([]byte{exposedB}, size)
+		e, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(mem)})
+		require.NoError(t, err)
+		p, _ := dialHostile(t, b, a.ID())
+		require.NoError(t, p.c.(*recorder).Conn.(*net.TCPConn).SetReadBuffer(4096))
+		p.frame(header{typ: tRead, count: 1, id: 1, key: e.Key()}, [][2]uint64{{agent.DRAM(mem).Addr, size}}, nil)
+		stop := make(chan struct{})
+		var wg sync.WaitGroup
+		defer wg.Wait()
+		defer close(stop)
+		wg.Go(func() { // take the answer at 200 KiB every 100 ms
+			buf := make([]byte, 200<<10)
+			for {
+				_ = p.c.SetReadDeadline(time.Now().Add(10 * time.Second))
+				if _, err := io.ReadFull(p.c, buf); err != nil {
+					return
+				}
+				select {
+				case <-stop:
+					return
+				case <-time.After(100 * time.Millisecond):
+				}
+			}
+		})
+		time.Sleep(500 * time.Millisecond)
+		revokeWithin(t, e, mem)
+	})
+}
+
+// Tokens naming made-up agents at one address leave the dialling agent
+// with a bounded number of connections, and none once they are idle.
+func TestForgedIdentitiesDoNotHoardConnections(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	var live, peak atomic.Int64
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var conns []net.Conn
+	t.Cleanup(func() {
+		_ = ln.Close()
+		mu.Lock()
+		for _, c := range conns {
+			_ = c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	})
+	wg.Go(func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+			wg.Go(func() {
+				defer c.Close()
+				n := live.Add(1)
+				defer live.Add(-1)
+				for p := peak.Load(); n > p && !peak.CompareAndSwap(p, n); p = peak.Load() {
+				}
+				var hs [hsSize]byte
+				if _, err := io.ReadFull(c, hs[:]); err != nil {
+					return
+				}
+				in, err := getHandshake(hs[:])
+				if err != nil {
+					return
+				}
+				(&handshake{self: in.expect}).put(hs[:])
+				if _, err := c.Write(hs[:]); err != nil {
+					return
+				}
+				for {
+					req, _, err := readRequest(c)
+					if err != nil {
+						return
+					}
+					msg := []byte("access denied")
+					var hb [hdrSize]byte
+					(&header{typ: tReadResp, status: stDenied, id: req.id, length: uint64(len(msg))}).put(hb[:])
+					if _, err := c.Write(append(hb[:], msg...)); err != nil {
+						return
+					}
+				}
+			})
+		}
+	})
+	ci := connInfo{host: hostIdentity(), addr: ln.Addr().String()}
+	const bound = 50
+	a, _ := newAgent(t, WithMaxOutgoingPerIP(bound), WithIdleTimeout(300*time.Millisecond))
+	dst := make([]byte, 64)
+	for range 100 {
+		info := agent.Info{ID: uuid.New(), Conns: []agent.ConnInfo{{Backend: Name, Data: ci.marshal()}}}
+		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: info, Key: agent.NewKey(),
+			Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: 64}}}})
+		require.NoError(t, err)
+		<-x.Done()
+		require.ErrorIs(t, x.Err(), agent.ErrAccessDenied)
+	}
+	t.Logf("at most %d connections at once, %d after the last transfer", peak.Load(), live.Load())
+	// An evicted peer's connections close as the next one is dialled: the
+	// listener may see them overlap by a handshake or so.
+	assert.LessOrEqual(t, peak.Load(), int64(bound+5), "the dialling agent held more connections than its bound")
+	require.Eventually(t, func() bool { return live.Load() == 0 }, 5*time.Second, 10*time.Millisecond,
+		"idle connections to made-up agents were never closed: %d live", live.Load())
+}
+
+// A stranger that claims an honest peer's identity cannot make the
+// exposures that peer used hear of a loss by hanging up, nor hide the
+// peer's real loss by holding a connection open.
+func TestStrangerClaimingAPeerIDOverTCP(t *testing.T) {
+	stranger := func(t *testing.T, b *Backend, claimed, expect uuid.UUID) net.Conn {
+		t.Helper()
+		c, err := net.Dial("tcp", b.Addr().String())
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = c.Close() })
+		var hs [hsSize]byte
+		(&handshake{self: claimed, expect: expect, timeout: time.Minute}).put(hs[:])
+		_, err = c.Write(hs[:])
+		require.NoError(t, err)
+		_, err = io.ReadFull(c, hs[:])
+		require.NoError(t, err)
+		in, err := getHandshake(hs[:])
+		require.NoError(t, err)
+		require.Equal(t, uint8(stOK), in.status)
+		go func() { _, _ = io.Copy(io.Discard, c) }()
+		go func() { // stays alive for as long as it likes
+			var ping [hdrSize]byte
+			(&header{typ: tPing}).put(ping[:])
+			for {
+				if _, err := c.Write(ping[:]); err != nil {
+					return
+				}
+				time.Sleep(100 * time.Millisecond)
+			}
+		}()
+		return c
+	}
+	read := func(t *testing.T, active, passive *agent.Agent, e *agent.Exposure, src []byte) {
+		t.Helper()
+		x, err := active.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: passive.Info(), Key: e.Key(),
+			Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, len(src))), Remote: agent.DRAM(src).Region}}})
+		require.NoError(t, err)
+		<-x.Done()
+		require.NoError(t, x.Err())
+	}
+	t.Run("hang-up after the peer's operation", func(t *testing.T) {
+		pa, pb := newAgent(t)
+		aa, _ := newAgent(t)
+		src := make([]byte, 64)
+		e, err := pa.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
+		require.NoError(t, err)
+		held := stranger(t, pb, aa.ID(), pa.ID()) // connected before the peer
+		read(t, aa, pa, e, src)
+		require.NoError(t, held.Close())
+		c := stranger(t, pb, aa.ID(), pa.ID())
+		require.NoError(t, c.Close())
+		select {
+		case ev := <-e.Events():
+			t.Fatalf("a stranger's hang-up was taken for the peer's loss: %+v", ev)
+		case <-time.After(500 * time.Millisecond):
+		}
+	})
+	t.Run("the peer's real loss while a stranger holds on", func(t *testing.T) {
+		pa, pb := newAgent(t)
+		aa, _ := newAgent(t)
+		src := make([]byte, 64)
+		e, err := pa.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
+		require.NoError(t, err)
+		_ = stranger(t, pb, aa.ID(), pa.ID()) // connected before the peer, and stays
+		read(t, aa, pa, e, src)
+		require.NoError(t, aa.Close())
+		select {
+		case ev := <-e.Events():
+			require.Equal(t, agent.EventPeerLost, ev.Kind)
+			require.Equal(t, aa.ID(), ev.From)
+		case <-time.After(10 * time.Second):
+			t.Fatal("the peer's departure was not reported within 10s while a stranger held a connection under its ID")
+		}
+	})
+}
