@@ -550,7 +550,7 @@ func (p *peer) connect(ctx context.Context) error {
 	case b.nudge <- struct{}{}:
 	default:
 	}
-	p.mu.Lock() // fail, from Close, may look at them concurrently
+	p.mu.Lock()                   // fail, from Close, may look at them concurrently
 	if err := p.err; err != nil { // failed or retired while dialling
 		p.mu.Unlock()
 		closeStreams(all)

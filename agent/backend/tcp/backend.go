@@ -52,10 +52,10 @@ type Backend struct {
 	conns   map[*wconn]struct{}
 	inbound map[sessionKey]*inbound // live connections of each dialling peer's session
 	out     map[netip.Addr]int      // connections we dialled to each address
-	byIP    map[netip.Addr]int     // accepted connections from each address
-	byPeer  map[peerAddr]int       // handshaken connections from each identity at each address
-	shaking map[*wconn]uint64      // accepted connections still in the handshake, by arrival
-	arrived uint64                 // accepted connections so far, to order shaking
+	byIP    map[netip.Addr]int      // accepted connections from each address
+	byPeer  map[peerAddr]int        // handshaken connections from each identity at each address
+	shaking map[*wconn]uint64       // accepted connections still in the handshake, by arrival
+	arrived uint64                  // accepted connections so far, to order shaking
 
 	stats stats
 

@@ -119,24 +119,24 @@ type peerAddr struct {
 // server is the exposing side of one connection: it answers requests in
 // order, one at a time.
 type server struct {
-	b     *Backend
-	w     *wconn
-	pc    *patientConn // under br
-	br    *bufio.Reader
-	peer  uuid.UUID
-	in    *inbound
-	link  agent.Link
-	hdr   [hdrSize]byte
+	b    *Backend
+	w    *wconn
+	pc   *patientConn // under br
+	br   *bufio.Reader
+	peer uuid.UUID
+	in   *inbound
+	link agent.Link
+	hdr  [hdrSize]byte
 
 	// The lease of the frame being served, and what renews it (renew).
 	lease   agent.Lease
 	key     agent.Key
 	acc     agent.Access
 	renewFn func() bool
-	table []byte
-	iov   [][]byte
-	bufs  [][]byte
-	out   net.Buffers
+	table   []byte
+	iov     [][]byte
+	bufs    [][]byte
+	out     net.Buffers
 }
 
 func (b *Backend) serve(w *wconn) {
