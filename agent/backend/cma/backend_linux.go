@@ -188,6 +188,7 @@ func (b *Backend) reach(ctx context.Context, info agent.Info, key agent.Key, acc
 	}
 	// At most a few rounds: a probe started by a caller with another key,
 	// or none, may fail where this caller's key would pass.
+	var verdict error
 	for range 3 {
 		p, err := b.peerWith(info.ID, raw, key, acc)
 		if err != nil {
@@ -198,11 +199,11 @@ func (b *Backend) reach(ctx context.Context, info agent.Info, key agent.Key, acc
 		case <-ctx.Done():
 			return fmt.Errorf("probe of peer %s still running: %w", info.ID, context.Cause(ctx))
 		}
-		if p.verdict == nil || !p.keyMayHelp(key) {
-			return p.verdict
+		if verdict = p.verdict; verdict == nil || !p.keyMayHelp(key) {
+			break
 		}
 	}
-	return fmt.Errorf("probe of peer %s: %w", info.ID, errNeedKey)
+	return verdict
 }
 
 // peerFor returns the peer named by id and raw connection information,
