@@ -9,8 +9,9 @@
 // chunks pipelined over the streams; many small ones share a frame.
 //
 // Every remote access is checked by the exposing agent against the key, the
-// access kind and the exposed regions, one lease per frame, so revoking an
-// exposure waits for at most one frame per connection. Idle connections
+// access kind and the exposed regions, under a lease per frame renewed at
+// each keepalive timeout, so revoking an exposure waits for at most one
+// timeout. Cancelling a transfer never waits for the peer. Idle connections
 // exchange keepalives; a connection silent for longer than the keepalive
 // timeout, or broken, fails its transfers with agent.ErrRemoteLost and tells
 // the agent the peer is lost.
