@@ -191,9 +191,9 @@ func (b *Backend) Post(x *agent.Xfer) error {
 				// transfer never waits behind another one's frame here.
 				if s.w.wmu.TryLock() {
 					st.Add()
+					b.watch(st) // while st holds its count in b.wg
 					s.sendLocked(frame{st: st, n: n, typ: typ}, pieces)
 					st.Done(nil)
-					b.watch(st)
 					return nil
 				}
 				<-s.slots
