@@ -937,6 +937,7 @@ type Member struct {
 	poke   chan struct{} // put now
 	done   chan struct{} // closed when the heartbeats stopped, or never started
 	joined atomic.Bool   // the first put succeeded; final once done is closed
+	unsure atomic.Bool   // Close cut the first put short; final once done is closed
 	err    error         // the last heartbeat's failure; under r.mu
 	// Under r.mu: the puts not yet echoed, oldest first, and the last
 	// revision of the entry the watch delivered.
@@ -988,15 +989,28 @@ func (r *Registry) Join(ctx context.Context, c *connect.Connector, opts ...Optio
 	r.members[m] = struct{}{}
 	r.wg.Add(1)
 	r.mu.Unlock()
+	// Close (through Leave) cancels the first put too: it must not wait
+	// for the caller's context while the server does not answer.
+	pctx, pcancel := context.WithCancel(ctx)
+	stop := context.AfterFunc(m.ctx, pcancel)
 	sp := r.sending(m)
-	rev, err := r.kv.Put(ctx, m.id.String(), value)
+	rev, err := r.kv.Put(pctx, m.id.String(), value)
+	stop()
+	pcancel()
 	if err != nil {
 		r.mu.Lock()
 		delete(r.members, m)
 		r.mu.Unlock()
+		left := m.ctx.Err() != nil
+		// Cut short by Close, the put may still be stored (it was sent, or
+		// waits in the reconnect buffer): Leave deletes the entry.
+		m.unsure.Store(left)
 		m.cancel()
 		close(m.done) // a Leave racing this (Close) must not wait for heartbeats that never start
 		r.wg.Done()
+		if left {
+			return nil, fmt.Errorf("%w: registry on bucket %q closed while agent %s joined: %w", ErrClosed, r.bucket, m.id, err)
+		}
 		return nil, fmt.Errorf("goxfer/nats: join registry %q as agent %s: %w", r.bucket, m.id, err)
 	}
 	m.joined.Store(true)
@@ -1090,7 +1104,12 @@ func (m *Member) Leave(ctx context.Context) error {
 			return
 		}
 		if !m.joined.Load() {
-			return // never joined: nothing to delete
+			if m.unsure.Load() {
+				// Best effort: the Join failed, so its caller holds
+				// nothing to leave, and the entry expires anyway.
+				_ = m.r.kv.Delete(ctx, m.id.String())
+			}
+			return
 		}
 		if err := m.r.kv.Delete(ctx, m.id.String()); err != nil {
 			m.leaveErr = fmt.Errorf("goxfer/nats: leave registry %q as agent %s: %w", m.r.bucket, m.id, err)
