@@ -1,7 +1,9 @@
 package nats
 
 import (
+	"encoding/binary"
 	"fmt"
+	"hash/crc32"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -20,7 +22,16 @@ func TestWriteCorpus(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	entry, err := encodeEntry(time.Second, newConnector(t).AgentInfo())
+	info := newConnector(t).AgentInfo()
+	entryV1, err := encodeEntry(entry{hb: time.Second, info: info})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ent, err := encodeEntry(entry{hb: time.Second, seq: nextSeq(), info: info})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ib, err := info.MarshalBinary()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -35,8 +46,13 @@ func TestWriteCorpus(t *testing.T) {
 	write("FuzzDecodeMessage", "truncated", msg[:len(msg)/2])
 	write("FuzzDecodeMessage", "bad_magic", []byte("gxx\x01\x00"))
 	write("FuzzDecodeMessage", "huge_length", []byte("gxt\x01\xff\xff\xff\xff\x0f"))
-	write("FuzzDecodeEntry", "valid", entry)
-	write("FuzzDecodeEntry", "truncated", entry[:len(entry)-5])
-	write("FuzzDecodeEntry", "bad_version", append([]byte("gxr\x02"), entry[4:]...))
+	write("FuzzDecodeEntry", "valid", ent)
+	write("FuzzDecodeEntry", "valid_v1", entryV1)
+	write("FuzzDecodeEntry", "truncated", ent[:len(ent)-5])
+	write("FuzzDecodeEntry", "bad_version", append([]byte("gxr\x03"), ent[4:]...))
+	// Version 2 with a sequence of 0, its CRC right.
+	zero := appendEntry(nil, time.Second, 1, ib)
+	zero[len("gxr")+1+2] = 0
+	write("FuzzDecodeEntry", "zero_sequence", binary.LittleEndian.AppendUint32(zero[:len(zero)-4:len(zero)-4], crc32.Checksum(zero[:len(zero)-4], castagnoli)))
 	write("FuzzDecodeEntry", "zero_heartbeat", []byte("gxr\x01\x00\x00\x00\x00\x00"))
 }

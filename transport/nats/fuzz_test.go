@@ -45,24 +45,29 @@ func FuzzDecodeMessage(f *testing.F) {
 func FuzzDecodeEntry(f *testing.F) {
 	c := newConnector(f)
 	for _, hb := range []time.Duration{minHeartbeat, time.Second, maxHeartbeat} {
-		b, err := encodeEntry(hb, c.AgentInfo())
-		if err != nil {
-			f.Fatal(err)
+		for _, seq := range []uint64{0, 1, nextSeq()} { // 0: version 1
+			b, err := encodeEntry(entry{hb: hb, seq: seq, info: c.AgentInfo()})
+			if err != nil {
+				f.Fatal(err)
+			}
+			f.Add(b)
 		}
-		f.Add(b)
 	}
 	f.Fuzz(func(t *testing.T, b []byte) {
-		hb, info, err := decodeEntry(b)
+		e, err := decodeEntry(b)
 		if err != nil {
 			if !errors.Is(err, connect.ErrInvalidMetadata) {
 				t.Fatalf("error %v does not match ErrInvalidMetadata", err)
 			}
 			return
 		}
-		if hb < minHeartbeat || hb > maxHeartbeat || info.ID() == uuid.Nil {
-			t.Fatalf("accepted heartbeat %v, agent %v", hb, info.ID())
+		if e.hb < minHeartbeat || e.hb > maxHeartbeat || e.info.ID() == uuid.Nil {
+			t.Fatalf("accepted heartbeat %v, agent %v", e.hb, e.info.ID())
 		}
-		again, err := encodeEntry(hb, info)
+		if (b[len(entryMagic)] == entryVersion) != (e.seq != 0) {
+			t.Fatalf("version %d decoded with sequence %d", b[len(entryMagic)], e.seq)
+		}
+		again, err := encodeEntry(e)
 		if err != nil {
 			t.Fatal(err)
 		}

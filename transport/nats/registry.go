@@ -71,7 +71,7 @@ type Registry struct {
 	mu       sync.Mutex
 	closed   bool
 	live     map[uuid.UUID]*peer
-	departed map[uuid.UUID]time.Time
+	departed map[uuid.UUID]departure
 	members  map[*Member]struct{}
 	watches  map[*presenceQueue]struct{}
 	deafErr  error // why the watcher cannot hear the bucket now; nil: it can
@@ -89,7 +89,17 @@ type peer struct {
 	info    connect.AgentInfo
 	hb      time.Duration
 	heard   time.Time // last heard, or the time silence is counted from
-	suspect bool      // silent long enough; judged when an echo comes back
+	rev     uint64    // the revision of its entry last heard
+	seq     uint64    // and that entry's sequence (0: version 1)
+	suspect bool      // silent long enough; judged by an echo or a store check
+}
+
+// departure is what a Registry remembers of a departed agent: when, and
+// its last put, which a re-watch may deliver again until the bucket's max
+// age removes it.
+type departure struct {
+	at       time.Time
+	rev, seq uint64 // rev 0: no put to ignore
 }
 
 // Presence is an arrival (Departed false) or departure of an agent, as
@@ -134,7 +144,7 @@ func OpenRegistry(ctx context.Context, nc *nats.Conn, opts ...Option) (*Registry
 		recheck:  make(chan struct{}, 1),
 		echoed:   make(chan struct{}, 1),
 		live:     make(map[uuid.UUID]*peer),
-		departed: make(map[uuid.UUID]time.Time),
+		departed: make(map[uuid.UUID]departure),
 		members:  make(map[*Member]struct{}),
 		watches:  make(map[*presenceQueue]struct{}),
 	}
@@ -443,49 +453,68 @@ func (r *Registry) apply(e jetstream.KeyValueEntry) {
 		return
 	}
 	if e.Operation() != jetstream.KeyValuePut {
-		r.depart(id, "left")
+		r.depart(id, "left", e.Revision())
 		return
 	}
-	hb, info, err := decodeEntry(e.Value())
-	if err == nil && info.ID() != id {
-		err = fmt.Errorf("entry under key %s describes agent %s", id, info.ID())
+	ent, err := decodeEntry(e.Value())
+	if err == nil && ent.info.ID() != id {
+		err = fmt.Errorf("entry under key %s describes agent %s", id, ent.info.ID())
 	}
 	if err != nil {
 		r.log.Warn("goxfer/nats: undecodable registry entry; ignored", "bucket", r.bucket, "key", e.Key(), "err", err)
 		return
 	}
-	r.heard(id, info, hb)
-	r.echo(id, e.Revision())
+	if !r.heard(id, ent, e.Revision()) {
+		return
+	}
+	r.echo(id, ent.seq)
 }
 
-// heard records that agent id is present now.
-func (r *Registry) heard(id uuid.UUID, info connect.AgentInfo, hb time.Duration) {
+// heard records that agent id put e at revision rev, so is present now;
+// it returns false, ignoring e, when e is the last put of an agent already
+// declared departed, delivered again by a re-watch.
+func (r *Registry) heard(id uuid.UUID, e entry, rev uint64) bool {
 	now := time.Now()
 	r.mu.Lock()
+	defer r.mu.Unlock()
 	p, known := r.live[id]
 	if !known {
+		if d, ok := r.departed[id]; ok && d.rev != 0 && d.rev == rev && d.seq == e.seq &&
+			(r.ttl == 0 || now.Sub(d.at) < r.ttl) {
+			return false
+		}
 		p = &peer{heard: now}
 		r.live[id] = p
 		delete(r.departed, id)
 	}
-	p.info, p.hb, p.suspect = info, hb, false
+	p.info, p.hb, p.suspect = e.info, e.hb, false
+	if rev != 0 {
+		p.rev, p.seq = rev, e.seq
+	}
 	if now.After(p.heard) {
 		p.heard = now
 	}
 	if !known {
-		r.notifyLocked(Presence{ID: id, Info: info})
+		r.notifyLocked(Presence{ID: id, Info: e.info})
 	}
-	r.mu.Unlock()
+	return true
 }
 
 // depart declares id gone: it leaves the table, joined Connectors are told,
 // and watchers hear of it.
-func (r *Registry) depart(id uuid.UUID, why string) {
+//
+// A delete marker (why "left", at revision rev) forgets the agent's last
+// put: a re-watch delivers the marker, not the put.
+func (r *Registry) depart(id uuid.UUID, why string, rev uint64) {
 	r.mu.Lock()
 	p, known := r.live[id]
-	if _, already := r.departed[id]; already && !known {
+	if d, already := r.departed[id]; already && !known {
 		// Its delete marker again (a re-watch delivers it anew): it was
 		// declared departed once, and has not come back since.
+		if rev != 0 {
+			d.rev, d.seq = 0, 0
+			r.departed[id] = d
+		}
 		r.mu.Unlock()
 		return
 	}
@@ -493,14 +522,18 @@ func (r *Registry) depart(id uuid.UUID, why string) {
 	if len(r.departed) >= maxDeparted {
 		var oldest uuid.UUID
 		var at time.Time
-		for k, t := range r.departed {
-			if at.IsZero() || t.Before(at) {
-				oldest, at = k, t
+		for k, d := range r.departed {
+			if at.IsZero() || d.at.Before(at) {
+				oldest, at = k, d.at
 			}
 		}
 		delete(r.departed, oldest)
 	}
-	r.departed[id] = time.Now()
+	d := departure{at: time.Now()}
+	if known && rev == 0 {
+		d.rev, d.seq = p.rev, p.seq
+	}
+	r.departed[id] = d
 	var info connect.AgentInfo
 	if known {
 		info = p.info
@@ -557,7 +590,7 @@ func (r *Registry) expire(now time.Time) {
 		r.pokeMembers()
 	}
 	for _, id := range gone {
-		r.depart(id, "silent")
+		r.depart(id, "silent", 0)
 	}
 }
 
@@ -581,63 +614,51 @@ func (r *Registry) unechoed(now time.Time) time.Duration {
 // sentPut is one of a Member's puts whose echo has not come back yet.
 type sentPut struct {
 	at  time.Time
+	seq uint64 // in the entry: the echo names its put
 	rev uint64 // 0 until acknowledged (and for ever if the ack was lost)
 }
 
+// maxSends bounds the puts a Member remembers until their echo comes:
+// behind a lag, an echo of a put forgotten gives no answer, never a wrong
+// one.
+const maxSends = 64
+
 // sending records that Member m puts its entry now.
 func (r *Registry) sending(m *Member) *sentPut {
-	sp := &sentPut{at: time.Now()}
+	sp := &sentPut{at: time.Now(), seq: nextSeq()}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	// Puts that never came back in ten heartbeats were lost.
-	for len(m.sends) > 0 && sp.at.Sub(m.sends[0].at) > 10*m.hb {
-		m.sends = m.sends[1:]
+	if len(m.sends) >= maxSends {
+		m.sends = slices.Delete(m.sends, 0, len(m.sends)-maxSends+1)
 	}
 	m.sends = append(m.sends, sp)
 	return sp
 }
 
 // acked records that sp was stored at revision rev.
-func (r *Registry) acked(m *Member, sp *sentPut, rev uint64) {
+func (r *Registry) acked(sp *sentPut, rev uint64) {
 	r.mu.Lock()
-	defer r.mu.Unlock()
 	sp.rev = rev
-	if rev <= m.echoedRev {
-		// Its echo came first, and was taken for an older put's.
-		r.echoedLocked(m, slices.Index(m.sends, sp))
-	}
+	r.mu.Unlock()
 }
 
-// echo records that the watch delivered revision rev of agent id's entry:
-// if id is one of this process's Members, one of its puts came back. The
-// put is the one acknowledged at rev or, when the ack is still to come or
-// was lost, the oldest not acknowledged (puts on one connection are stored
-// in order). A put that was lost can make the echo look older than it is,
-// never younger: a departure may be judged later, never early.
-func (r *Registry) echo(id uuid.UUID, rev uint64) {
+// echo records that the watch delivered agent id's entry numbered seq: if
+// id is one of this process's Members, that put came back, and with it
+// every put stored before it. The echo names its put exactly: a put
+// delivered again by a re-watch, a stranger's copy of an entry, or a put
+// forgotten behind a long lag, is no put of those waiting, and proves
+// nothing. An echo thus never looks younger than it is.
+func (r *Registry) echo(id uuid.UUID, seq uint64) {
+	if seq == 0 {
+		return
+	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	for m := range r.members {
-		switch {
-		case m.id != id || rev == m.echoedRev:
-			continue // not ours, or delivered again by a re-watch
-		case rev < m.echoedRev:
-			// A new bucket: the acknowledged revisions were the old one's.
-			for _, sp := range m.sends {
-				sp.rev = 0
-			}
+		if m.id != id {
+			continue
 		}
-		m.echoedRev = rev
-		i := -1
-		for k, sp := range m.sends {
-			if sp.rev != 0 && sp.rev <= rev {
-				i = k
-			}
-		}
-		if i < 0 && len(m.sends) > 0 && m.sends[0].rev == 0 {
-			i = 0
-		}
-		r.echoedLocked(m, i)
+		r.echoedLocked(m, slices.IndexFunc(m.sends, func(sp *sentPut) bool { return sp.seq == seq }))
 	}
 }
 
@@ -745,10 +766,11 @@ func (r *Registry) Resolve(ctx context.Context, id uuid.UUID) (connect.AgentInfo
 	case err != nil:
 		return connect.AgentInfo{}, fmt.Errorf("goxfer/nats: resolve agent %s in registry %q: %w", id, r.bucket, err)
 	}
-	_, info, err := decodeEntry(e.Value())
+	ent, err := decodeEntry(e.Value())
 	if err != nil {
 		return connect.AgentInfo{}, fmt.Errorf("goxfer/nats: resolve agent %s in registry %q: %w", id, r.bucket, err)
 	}
+	info := ent.info
 	if info.ID() != id {
 		return connect.AgentInfo{}, fmt.Errorf("%w: registry %q: entry of agent %s describes agent %s", connect.ErrInvalidMetadata, r.bucket, id, info.ID())
 	}
@@ -926,11 +948,11 @@ func (r *Registry) Close() error {
 // Member is a Connector's presence in a Registry; see Registry.Join. It is
 // safe for concurrent use.
 type Member struct {
-	r     *Registry
-	c     *connect.Connector
-	id    uuid.UUID
-	value []byte
-	hb    time.Duration
+	r    *Registry
+	c    *connect.Connector
+	id   uuid.UUID
+	info []byte // its AgentInfo's binary form
+	hb   time.Duration
 
 	ctx    context.Context // cancelled by Leave: stops the heartbeats
 	cancel context.CancelFunc
@@ -939,10 +961,8 @@ type Member struct {
 	joined atomic.Bool   // the first put succeeded; final once done is closed
 	unsure atomic.Bool   // Close cut the first put short; final once done is closed
 	err    error         // the last heartbeat's failure; under r.mu
-	// Under r.mu: the puts not yet echoed, oldest first, and the last
-	// revision of the entry the watch delivered.
-	sends     []*sentPut
-	echoedRev uint64
+	// Under r.mu: the puts not yet echoed, oldest first.
+	sends []*sentPut
 
 	leaveOnce sync.Once
 	leaveErr  error
@@ -969,14 +989,14 @@ func (r *Registry) Join(ctx context.Context, c *connect.Connector, opts ...Optio
 		return nil, fmt.Errorf("%w: Join needs a Connector", ErrInvalidOption)
 	}
 	info := c.AgentInfo()
-	value, err := encodeEntry(o.heartbeat, info)
+	ib, err := info.MarshalBinary()
 	if err != nil {
 		return nil, fmt.Errorf("goxfer/nats: join registry %q: %w", r.bucket, err)
 	}
 	if r.ttl > 0 && 2*o.heartbeat >= r.ttl {
 		r.log.Warn("goxfer/nats: heartbeat too long for the bucket's TTL; the entry may expire between heartbeats", "bucket", r.bucket, "heartbeat", o.heartbeat, "ttl", r.ttl)
 	}
-	m := &Member{r: r, c: c, id: info.ID(), value: value, hb: o.heartbeat, poke: make(chan struct{}, 1), done: make(chan struct{})}
+	m := &Member{r: r, c: c, id: info.ID(), info: ib, hb: o.heartbeat, poke: make(chan struct{}, 1), done: make(chan struct{})}
 	m.ctx, m.cancel = context.WithCancel(context.Background())
 	r.mu.Lock()
 	if r.closed {
@@ -993,8 +1013,7 @@ func (r *Registry) Join(ctx context.Context, c *connect.Connector, opts ...Optio
 	// for the caller's context while the server does not answer.
 	pctx, pcancel := context.WithCancel(ctx)
 	stop := context.AfterFunc(m.ctx, pcancel)
-	sp := r.sending(m)
-	rev, err := r.kv.Put(pctx, m.id.String(), value)
+	err = m.put(pctx)
 	stop()
 	pcancel()
 	if err != nil {
@@ -1014,15 +1033,24 @@ func (r *Registry) Join(ctx context.Context, c *connect.Connector, opts ...Optio
 		return nil, fmt.Errorf("goxfer/nats: join registry %q as agent %s: %w", r.bucket, m.id, err)
 	}
 	m.joined.Store(true)
-	r.acked(m, sp, rev)
 	// Present here at once, without waiting for the watch to echo it.
-	r.heard(m.id, info, m.hb)
+	r.heard(m.id, entry{hb: m.hb, info: info}, 0)
 	go m.heartbeat()
 	return m, nil
 }
 
 // ID returns the agent ID the Member publishes.
 func (m *Member) ID() uuid.UUID { return m.id }
+
+// put puts m's entry once, numbered so that its echo is known.
+func (m *Member) put(ctx context.Context) error {
+	sp := m.r.sending(m)
+	rev, err := m.r.kv.Put(ctx, m.id.String(), appendEntry(nil, m.hb, sp.seq, m.info))
+	if err == nil {
+		m.r.acked(sp, rev)
+	}
+	return err
+}
 
 func (m *Member) heartbeat() {
 	defer m.r.wg.Done()
@@ -1045,12 +1073,8 @@ func (m *Member) heartbeat() {
 			t.Reset(m.hb)
 		}
 		ctx, cancel := context.WithTimeout(m.ctx, m.hb)
-		sp := m.r.sending(m)
-		rev, err := m.r.kv.Put(ctx, m.id.String(), m.value)
+		err := m.put(ctx)
 		cancel()
-		if err == nil {
-			m.r.acked(m, sp, rev)
-		}
 		if m.ctx.Err() != nil {
 			return
 		}
