@@ -58,8 +58,10 @@ type Registry struct {
 	grace  time.Duration // extra silence allowed after reconnecting
 
 	// recheck asks the watcher to check that the bucket still exists (a
-	// heartbeat found no stream to take it).
+	// heartbeat failed).
 	recheck chan struct{}
+	// checked hands the watcher the answer to a store check.
+	checked chan storeCheck
 	// echoed tells the watcher that a Member's heartbeat came back through
 	// the watch: suspects may be judged now.
 	echoed chan struct{}
@@ -75,6 +77,7 @@ type Registry struct {
 	members  map[*Member]struct{}
 	watches  map[*presenceQueue]struct{}
 	deafErr  error // why the watcher cannot hear the bucket now; nil: it can
+	stuckErr error // a suspect waits long for a verdict; nil: none does
 	// echoAt is when the latest of this process's heartbeats that came back
 	// through the watch was sent: everybody's puts stored before it have
 	// been heard.
@@ -135,13 +138,18 @@ func OpenRegistry(ctx context.Context, nc *nats.Conn, opts ...Option) (*Registry
 		return nil, err
 	}
 	var ttl time.Duration
+	var created time.Time
 	if st, err := kv.Status(ctx); err == nil {
 		ttl = st.TTL()
+		if s, ok := st.(interface{ StreamInfo() *jetstream.StreamInfo }); ok && s.StreamInfo() != nil {
+			created = s.StreamInfo().Created
+		}
 	}
 	r := &Registry{
 		nc: nc, js: js, kv: kv, o: o, bucket: o.bucket, hb: o.heartbeat, ttl: ttl, log: o.logger,
 		grace:    nc.Opts.ReconnectWait + nc.Opts.ReconnectJitter,
 		recheck:  make(chan struct{}, 1),
+		checked:  make(chan storeCheck),
 		echoed:   make(chan struct{}, 1),
 		live:     make(map[uuid.UUID]*peer),
 		departed: make(map[uuid.UUID]departure),
@@ -182,7 +190,7 @@ func OpenRegistry(ctx context.Context, nc *nats.Conn, opts ...Option) (*Registry
 		}
 	}
 	r.wg.Add(1)
-	go r.run(w, status)
+	go r.run(w, created, status)
 	return r, nil
 }
 
@@ -240,7 +248,7 @@ func (r *Registry) Bucket() string { return r.bucket }
 // VM pause, CPU starvation): that time is nobody's silence, and the
 // updates queued meanwhile in the socket must be applied before anyone is
 // judged. The time lost is credited to every agent instead.
-func (r *Registry) run(w jetstream.KeyWatcher, status chan nats.Status) {
+func (r *Registry) run(w jetstream.KeyWatcher, created time.Time, status chan nats.Status) {
 	defer r.wg.Done()
 	defer r.nc.RemoveStatusListener(status)
 	defer func() {
@@ -268,14 +276,47 @@ func (r *Registry) run(w jetstream.KeyWatcher, status chan nats.Status) {
 	deaf := false    // the connection is down or the watch is being re-created
 	failing := 0     // consecutive failed re-watches
 	shouted := false // that presence is down, at Error level
-	resume := func() {
+	watched := time.Now()
+	resume := func(why error) {
 		if w != nil {
 			_ = w.Stop()
 			w = nil
 		}
+		r.setDeaf(why)
 		deaf = true
 		rewatch.Reset(0)
 	}
+
+	// Store checks: one in flight at a time.
+	checking := false
+	var suspects []uuid.UUID
+	var shortest time.Duration
+	var lastCheck time.Time
+	var lastCheckErr error
+	wantBucket := false // a heartbeat failed: is the bucket still there?
+	startCheck := func(now time.Time) {
+		if checking || deaf || r.nc.Status() != nats.CONNECTED {
+			return
+		}
+		if len(suspects) == 0 && !(wantBucket && now.Sub(lastCheck) >= recheckEvery) {
+			return
+		}
+		checking, wantBucket, lastCheck = true, false, now
+		r.wg.Add(1)
+		go r.checkStore(slices.Clone(suspects), checkWithin(shortest))
+	}
+	judge := func(now time.Time) {
+		var longest uuid.UUID
+		var waited time.Duration
+		suspects, longest, waited = r.expire(now)
+		if waited > 0 {
+			r.setStuck(stuckError(longest, waited, lastCheckErr))
+		} else {
+			r.setStuck(nil)
+		}
+		startCheck(now)
+	}
+
 	for {
 		var updates <-chan jetstream.KeyValueEntry
 		if w != nil {
@@ -298,8 +339,7 @@ func (r *Registry) run(w jetstream.KeyWatcher, status chan nats.Status) {
 				}
 				r.log.Log(r.ctx, level, "goxfer/nats: registry watch ended; re-creating it", "bucket", r.bucket)
 				w = nil
-				r.setDeaf(errors.New("the watch ended; re-creating it"))
-				resume()
+				resume(errors.New("the watch ended; re-creating it"))
 			case e != nil:
 				r.apply(e)
 			}
@@ -307,7 +347,7 @@ func (r *Registry) run(w jetstream.KeyWatcher, status chan nats.Status) {
 			switch st {
 			case nats.CONNECTED:
 				// The old watch's consumer may be gone with the server.
-				resume()
+				resume(errors.New("reconnected; re-creating the watch"))
 			case nats.CLOSED:
 				if w != nil {
 					_ = w.Stop()
@@ -320,25 +360,40 @@ func (r *Registry) run(w jetstream.KeyWatcher, status chan nats.Status) {
 				r.setDeaf(fmt.Errorf("the connection is %v", st))
 			}
 		case <-r.recheck:
-			// A heartbeat found no stream: the server may have lost its
-			// store while the watch, on a consumer that went with it,
-			// stays quiet.
-			if !deaf && r.bucketGone() {
-				r.setDeaf(errors.New("the bucket vanished"))
-				resume()
+			// A heartbeat failed: the server may have lost the bucket
+			// while the watch, on a consumer that went with it, stays
+			// quiet.
+			wantBucket = true
+			startCheck(time.Now())
+		case res := <-r.checked:
+			checking = false
+			if deaf || res.at.Before(watched) {
+				break // about a watch since replaced
+			}
+			// Updates the watch has already delivered count first.
+			r.drain(w)
+			lastCheckErr = res.err
+			switch {
+			case bucketGoneErr(res.err):
+				r.log.Warn("goxfer/nats: registry bucket is gone; re-creating the watch", "bucket", r.bucket)
+				resume(errors.New("the bucket vanished"))
+			case res.err != nil:
+			case !created.IsZero() && !res.created.Equal(created):
+				r.log.Warn("goxfer/nats: registry bucket was created anew under its watch; re-creating the watch",
+					"bucket", r.bucket, "watched", created, "now", res.created)
+				resume(fmt.Errorf("the bucket was created anew at %v", res.created))
+			default:
+				if id, missed := r.judgeByStore(res); missed {
+					r.log.Warn("goxfer/nats: registry's watch missed a put that the store holds; re-creating the watch",
+						"bucket", r.bucket, "agent", id)
+					resume(fmt.Errorf("the watch missed a put of agent %s that the store holds", id))
+				}
 			}
 		case <-rewatch.C:
 			if r.nc.Status() != nats.CONNECTED {
 				continue // CONNECTED will come
 			}
-			nw, err := r.kv.WatchAll(r.ctx)
-			gone := false
-			if err != nil && r.ctx.Err() == nil && r.bucketGone() {
-				gone = true
-				if err = r.recreateBucket(); err == nil {
-					nw, err = r.kv.WatchAll(r.ctx)
-				}
-			}
+			nw, ncreated, gone, err := r.watch()
 			if err != nil {
 				if r.ctx.Err() != nil {
 					return
@@ -361,15 +416,16 @@ func (r *Registry) run(w jetstream.KeyWatcher, status chan nats.Status) {
 			if shouted {
 				r.log.Warn("goxfer/nats: registry watches its bucket again", "bucket", r.bucket, "attempts", failing)
 			}
-			w, deaf, backoff, failing, shouted = nw, false, 50*time.Millisecond, 0, false
+			w, created, deaf, backoff, failing, shouted = nw, ncreated, false, 50*time.Millisecond, 0, false
+			watched = time.Now()
 			r.setDeaf(nil)
-			r.restartSilence(time.Now().Add(r.grace))
+			r.restartSilence(watched.Add(r.grace))
 			r.pokeMembers()
 		case <-r.echoed:
 			now := time.Now()
 			listened(now)
 			if !deaf && r.nc.Status() == nats.CONNECTED {
-				r.expire(now)
+				judge(now)
 			}
 		case <-check.C:
 			now := time.Now()
@@ -382,16 +438,20 @@ func (r *Registry) run(w jetstream.KeyWatcher, status chan nats.Status) {
 				// is broken without saying so, and would judge nobody.
 				r.log.Warn("goxfer/nats: registry's own heartbeat has not come back through its watch; re-creating the watch",
 					"bucket", r.bucket, "late", late)
-				r.setDeaf(fmt.Errorf("a heartbeat of this process acknowledged %v ago has not come back through the watch", late.Round(time.Millisecond)))
-				resume()
+				resume(fmt.Errorf("a heartbeat of this process acknowledged %v ago has not come back through the watch", late.Round(time.Millisecond)))
 				break
 			}
-			r.expire(now)
+			judge(now)
+		}
+		if deaf {
+			r.setStuck(nil) // Err says why it hears nothing
 		}
 		now := time.Now()
 		listened(now)
-		if next, every, ok := r.nextExpiry(); ok && !deaf {
-			due = now.Add(every / 2)
+		var next time.Time
+		var ok bool
+		if next, shortest, ok = r.nextExpiry(); ok && !deaf {
+			due = now.Add(shortest / 2)
 			if !next.IsZero() && next.Before(due) {
 				due = next
 			}
@@ -400,6 +460,58 @@ func (r *Registry) run(w jetstream.KeyWatcher, status chan nats.Status) {
 			check.Stop()
 		}
 	}
+}
+
+// drain applies the updates w has already delivered, without waiting.
+func (r *Registry) drain(w jetstream.KeyWatcher) {
+	if w == nil {
+		return
+	}
+	for {
+		select {
+		case e, ok := <-w.Updates():
+			if !ok {
+				return // the main loop sees it closed
+			}
+			if e != nil {
+				r.apply(e)
+			}
+		default:
+			return
+		}
+	}
+}
+
+// watch creates a watch of the bucket, re-creating the bucket first if it
+// vanished and the registry may; it returns the watch and when the bucket
+// it watches was created (zero if unknown), and whether the bucket was
+// found gone.
+func (r *Registry) watch() (w jetstream.KeyWatcher, created time.Time, gone bool, err error) {
+	// Asked before the watch starts: a bucket created anew in between has
+	// a later time than this one, and a later check tells.
+	ctx, cancel := context.WithTimeout(r.ctx, createWithin)
+	created, err = r.bucketCreated(ctx)
+	cancel()
+	if bucketGoneErr(err) {
+		gone = true
+		if err = r.recreateBucket(); err != nil {
+			return nil, time.Time{}, gone, err
+		}
+		ctx, cancel := context.WithTimeout(r.ctx, createWithin)
+		created, _ = r.bucketCreated(ctx)
+		cancel()
+	}
+	w, err = r.kv.WatchAll(r.ctx)
+	if err != nil && r.ctx.Err() == nil && !gone && r.bucketGone() {
+		gone = true
+		if err = r.recreateBucket(); err == nil {
+			ctx, cancel := context.WithTimeout(r.ctx, createWithin)
+			created, _ = r.bucketCreated(ctx)
+			cancel()
+			w, err = r.kv.WatchAll(r.ctx)
+		}
+	}
+	return w, created, gone, err
 }
 
 // bucketGone says whether the bucket is missing from the server.
@@ -557,41 +669,58 @@ func (r *Registry) depart(id uuid.UUID, why string, rev uint64) {
 	}
 }
 
-// expire declares departed every agent silent for two of its heartbeats.
+// expire declares departed every agent silent for two of its heartbeats,
+// and returns those it cannot judge yet (suspects), and the one that has
+// waited longest for a verdict, for how long past its deadline.
 //
 // Silence by this machine's clock is not enough when the path from the
 // server to this process lags (the server or this process starved, a
-// congested link): the heartbeats are late, not missing. A Registry with
-// joined Members therefore also asks for one of its own heartbeats, sent
-// two heartbeats after the agent was last heard, to have come back through
-// the watch: the agent's puts due before it would have been stored, and
-// heard, first. Until then the agent is a suspect, and the Members put at
-// once so that the answer comes within a round trip.
-func (r *Registry) expire(now time.Time) {
+// congested link): the heartbeats are late, not missing; nor when the
+// watch went deaf without saying so (the bucket was deleted and created
+// anew under it). So a silent agent is a suspect until one of two answers
+// comes: one of this process's own heartbeats, sent two heartbeats after
+// the agent was last heard, comes back through the watch (the agent's puts
+// due before it would have been stored, and heard, first; the Members put
+// at once when there are suspects, so the answer comes within a round
+// trip), or a store check sent after then finds the agent's key still
+// holding its last put heard, or none (see storeCheck). A Registry never
+// judges its own joined Members: they are present while joined, and Err
+// reports their failing heartbeats.
+func (r *Registry) expire(now time.Time) (suspects []uuid.UUID, longest uuid.UUID, waited time.Duration) {
 	r.mu.Lock()
-	echoing := false
-	for m := range r.members {
-		echoing = echoing || m.joined.Load()
-	}
 	var gone []uuid.UUID
-	probe := false
 	for id, p := range r.live {
 		deadline := p.heard.Add(2 * p.hb)
 		switch {
-		case now.Before(deadline):
-		case echoing && r.echoAt.Before(deadline):
-			p.suspect, probe = true, true
-		default:
+		case now.Before(deadline) || r.ownLocked(id):
+		case !r.echoAt.Before(deadline):
 			gone = append(gone, id)
+		default:
+			p.suspect = true
+			suspects = append(suspects, id)
+			if w := now.Sub(deadline); w > stuckAfter*p.hb && w > waited {
+				longest, waited = id, w
+			}
 		}
 	}
 	r.mu.Unlock()
-	if probe {
+	if len(suspects) > 0 {
 		r.pokeMembers()
 	}
 	for _, id := range gone {
 		r.depart(id, "silent", 0)
 	}
+	return suspects, longest, waited
+}
+
+// ownLocked says whether id is a joined Member's; r.mu is held.
+func (r *Registry) ownLocked(id uuid.UUID) bool {
+	for m := range r.members {
+		if m.id == id && m.joined.Load() {
+			return true
+		}
+	}
+	return false
 }
 
 // unechoed returns how long ago the oldest put of a Member that the
@@ -724,9 +853,9 @@ func (r *Registry) credit(lost time.Duration, now time.Time) {
 func (r *Registry) nextExpiry() (next time.Time, shortest time.Duration, ok bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	for _, p := range r.live {
-		// A suspect is judged when an echo comes, or at the next check.
-		if t := p.heard.Add(2 * p.hb); !p.suspect && (next.IsZero() || t.Before(next)) {
+	for id, p := range r.live {
+		// A suspect is judged when an answer comes, or at the next check.
+		if t := p.heard.Add(2 * p.hb); !p.suspect && !r.ownLocked(id) && (next.IsZero() || t.Before(next)) {
 			next = t
 		}
 		if shortest == 0 || p.hb < shortest {
@@ -910,6 +1039,9 @@ func (r *Registry) Err() error {
 	if r.deafErr != nil {
 		errs = append(errs, fmt.Errorf("%w: bucket %q: cannot watch it: %w", ErrRegistry, r.bucket, r.deafErr))
 	}
+	if r.stuckErr != nil {
+		errs = append(errs, fmt.Errorf("%w: bucket %q: %w", ErrRegistry, r.bucket, r.stuckErr))
+	}
 	for m := range r.members {
 		if m.err != nil {
 			errs = append(errs, fmt.Errorf("%w: bucket %q: heartbeat of agent %s: %w", ErrRegistry, r.bucket, m.id, m.err))
@@ -1089,9 +1221,10 @@ func (m *Member) heartbeat() {
 			continue
 		}
 		failing++
-		if errors.Is(err, jetstream.ErrNoStreamResponse) || errors.Is(err, nats.ErrNoResponders) {
-			// Nobody stores the bucket's subjects: the bucket vanished
-			// under a watch that cannot tell.
+		if m.r.nc.Status() == nats.CONNECTED {
+			// The bucket may have vanished under a watch that cannot tell.
+			// Not only ErrNoStreamResponse says so: at short heartbeats the
+			// client's retries outlast the put's timeout.
 			select {
 			case m.r.recheck <- struct{}{}:
 			default:
