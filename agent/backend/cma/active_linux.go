@@ -4,6 +4,7 @@ package cma
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -47,6 +48,15 @@ type peer struct {
 	qmu   sync.Mutex
 	q     []byte        // frames queued for the writer
 	qwake chan struct{} // one token: q may hold frames
+	// Notification bytes queued or being written, of which qnew are in q:
+	// Notify waits for room under maxQueuedNotify (queueNotify). qroom is
+	// closed when the writer sent some.
+	qnote, qnew int
+	qroom       chan struct{}
+
+	// departed is set, under b.mu, when PeerDeparted names the peer while
+	// its probe runs: the connection is failed as soon as it is up.
+	departed error
 
 	seq     atomic.Uint64
 	mu      sync.Mutex
@@ -55,7 +65,14 @@ type peer struct {
 	// peer failed, the connection is closed only when it drops to zero:
 	// the exposing side releases a connection's leases when it closes, so
 	// closing it earlier would let a copy touch revoked memory.
-	holding  int
+	holding int
+	// Lease requests sent and not yet ended, at most limit (what the
+	// exposing side announced it holds per connection): windows beyond it
+	// wait in parked, in order, and are requested as ends make room, so
+	// that an honest copier never goes over the exposing side's limit.
+	inflight int
+	limit    int
+	parked   []*window
 	err      error
 	broken   atomic.Bool // set with err: frames are no longer sent
 	failOnce sync.Once
@@ -66,7 +83,7 @@ type peer struct {
 // one its metadata names, and probes permission with a trial
 // process_vm_readv of bytes the peer published in its handshake answer. It
 // runs on a goroutine of its own, which becomes the connection's reader. A
-// failed verdict stands until it expires (peerFor), whatever the failure:
+// failed verdict stands until it expires (peerWith), whatever the failure:
 // a peer that is gone or silent would cost every transfer a timeout.
 func (p *peer) connect() {
 	err := p.dial()
@@ -164,6 +181,10 @@ func (p *peer) dial() error {
 	if in.status != stOK || in.self != p.id || in.pid != p.ci.pid {
 		return fmt.Errorf("the socket of peer %s (pid %d) answers as agent %s of pid %d, status %d: %w", p.id, p.ci.pid, in.self, in.pid, in.status, agent.ErrRemoteLost)
 	}
+	p.limit = int(in.leases)
+	if p.limit == 0 {
+		p.limit = maxLeases // an agent that predates the field holds that many
+	}
 	if err := b.probePeer(int(p.ci.pid), in); err != nil {
 		return fmt.Errorf("peer %s: %w", p.id, err)
 	}
@@ -239,7 +260,7 @@ func (p *peer) read() {
 	// fails the peer, which closes it once they returned (shut).
 	b.mu.Lock()
 	delete(b.conns, p.c)
-	closed := b.closed
+	closed, departed := b.closed, p.departed
 	if !closed {
 		if b.live == nil {
 			b.live = map[*peer]struct{}{}
@@ -252,8 +273,13 @@ func (p *peer) read() {
 		delete(b.live, p)
 		b.mu.Unlock()
 	}()
-	if closed {
+	switch {
+	case closed:
 		p.fail(agent.ErrClosed)
+	case departed != nil:
+		// Departed while probed: listed nowhere a transfer or a departure
+		// finds it, so nothing would ever close it.
+		p.fail(fmt.Errorf("cma: peer %s departed while it was probed: %w", p.id, departed))
 	}
 	b.wg.Add(1)
 	go p.writer()
@@ -363,6 +389,14 @@ func (p *peer) fail(err error) {
 		p.broken.Store(true)
 		waiting := p.waiting
 		p.waiting = nil
+		parked := p.parked
+		p.parked = nil
+		for i, w := range parked {
+			if !w.parked {
+				parked[i] = nil // given up by its owner
+			}
+			w.parked = false
+		}
 		idle := p.holding == 0
 		p.mu.Unlock()
 		select {
@@ -376,6 +410,11 @@ func (p *peer) fail(err error) {
 		for _, w := range waiting {
 			if w != nil {
 				w.answer(err)
+			}
+		}
+		for _, w := range parked {
+			if w != nil {
+				w.answer(err) // never requested: holds nothing
 			}
 		}
 		if idle {
@@ -406,6 +445,12 @@ func (p *peer) send(h *header, table func(b []byte) []byte, payload []byte) {
 	if p.broken.Load() {
 		return
 	}
+	p.enqueue(h, table, payload)
+}
+
+// enqueue appends a frame to the queue and wakes the writer. The caller
+// holds p.qmu.
+func (p *peer) enqueue(h *header, table func(b []byte) []byte, payload []byte) {
 	n := len(p.q)
 	p.q = slices.Grow(p.q, hdrSize+len(payload))[:n+hdrSize]
 	h.put(p.q[n:])
@@ -423,8 +468,9 @@ func (p *peer) send(h *header, table func(b []byte) []byte, payload []byte) {
 }
 
 // writer sends the queued frames, in order, until the peer fails. The
-// queue holds at most a request and an end per window in flight and the
-// notifications of finished transfers.
+// queue holds at most a request and an end per lease request in flight
+// (limit), the notifications of finished transfers, and at most
+// maxQueuedNotify bytes of Notify's.
 func (p *peer) writer() {
 	defer p.b.wg.Done()
 	p.qmu.Lock()
@@ -442,6 +488,8 @@ func (p *peer) writer() {
 		}
 		p.qmu.Lock()
 		out, p.q = p.q, out[:0]
+		notes := p.qnew
+		p.qnew = 0
 		p.qmu.Unlock()
 		if len(out) == 0 {
 			continue
@@ -457,54 +505,117 @@ func (p *peer) writer() {
 			p.fail(fmt.Errorf("cma: write to peer %s: %w: %w", p.id, agent.ErrRemoteLost, err))
 			return
 		}
+		if notes > 0 {
+			p.qmu.Lock()
+			p.qnote -= notes
+			if p.qroom != nil {
+				close(p.qroom)
+				p.qroom = nil
+			}
+			p.qmu.Unlock()
+		}
 		if cap(out) > 1<<20 {
 			out = nil // a burst passed; do not keep its buffer
 		}
 	}
 }
 
-// notify sends a notification.
+// maxQueuedNotify bounds the bytes of notifications Notify queues for one
+// peer's connection: a peer that stops reading does not grow this process
+// without bound. A transfer's own notification is queued past it (it is
+// bounded by the transfers in flight, and the goroutine finishing a
+// transfer may be the connection's reader, which must never wait).
+const maxQueuedNotify = 4 << 20
+
+// notify queues a transfer's notification, without waiting.
 func (p *peer) notify(key agent.Key, msg []byte) error {
+	return p.queueNotify(key, msg, false)
+}
+
+// queueNotify queues a notification. If wait, it first waits, for at most
+// the timeout, until the notifications already queued leave room for it
+// under maxQueuedNotify.
+func (p *peer) queueNotify(key agent.Key, msg []byte, wait bool) error {
 	if len(msg) > p.b.cfg.maxNotify {
 		return fmt.Errorf("%w: notification of %d bytes, at most %d", agent.ErrInvalid, len(msg), p.b.cfg.maxNotify)
 	}
-	select {
-	case <-p.dead:
-		return p.failure()
-	default:
+	var timer *time.Timer
+	for {
+		p.qmu.Lock()
+		if p.broken.Load() {
+			p.qmu.Unlock()
+			return p.failure()
+		}
+		if !wait || p.qnote == 0 || p.qnote+len(msg) <= maxQueuedNotify {
+			// Queued after the ends of the transfer's leases: the exposing
+			// side handles frames in order, so the notification never
+			// overtakes them.
+			p.enqueue(&header{typ: tNotify, length: uint32(len(msg)), key: key}, nil, msg)
+			p.qnote += len(msg)
+			p.qnew += len(msg)
+			p.qmu.Unlock()
+			return nil
+		}
+		if p.qroom == nil {
+			p.qroom = make(chan struct{})
+		}
+		room, queued := p.qroom, p.qnote
+		p.qmu.Unlock()
+		if timer == nil {
+			timer = time.NewTimer(p.b.cfg.timeout)
+			defer timer.Stop()
+		}
+		select {
+		case <-room:
+		case <-p.dead:
+			return p.failure()
+		case <-timer.C:
+			return fmt.Errorf("cma: peer %s: %d bytes of notifications still queued after %v, at most %d may be: %w",
+				p.id, queued, p.b.cfg.timeout, maxQueuedNotify, agent.ErrRemoteLost)
+		}
 	}
-	// Queued after the ends of the transfer's leases: the exposing side
-	// handles frames in order, so the notification never overtakes them.
-	p.send(&header{typ: tNotify, length: uint32(len(msg)), key: key}, nil, msg)
-	return nil
 }
 
-// Notify implements agent.Backend.
+// Notify implements agent.Backend. It waits, for at most WithTimeout, while
+// maxQueuedNotify bytes of notifications to the peer are still unsent.
 func (b *Backend) Notify(info agent.Info, key agent.Key, msg []byte) error {
 	p, err := b.usable(info)
 	if err != nil {
 		return err
 	}
 	defer b.xwg.Done()
-	return p.notify(key, msg)
+	return p.queueNotify(key, msg, true)
 }
 
 // usable returns the connected peer info names and counts a user of the
-// backend in xwg, which the caller releases.
+// backend in xwg, which the caller releases. The agent chose this backend
+// because Reachable found the peer connected; if that connection ended
+// since (the peer departed, failed) and no other is up, the transfer fails
+// at once rather than wait, without the caller's context, for a new probe.
 func (b *Backend) usable(info agent.Info) (*peer, error) {
 	raw, _ := info.Conn(Name)
-	p, err := b.peerFor(info.ID, raw)
-	if err != nil {
-		return nil, err
-	}
-	<-p.ready
-	if p.verdict != nil {
-		return nil, p.verdict
-	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.closed {
 		return nil, agent.ErrClosed
+	}
+	var p *peer
+	for _, q := range b.peers[info.ID] {
+		if bytes.Equal(q.raw, raw) {
+			p = q
+			break
+		}
+	}
+	if p == nil {
+		return nil, fmt.Errorf("cma: peer %s: %w: its connection ended after cma was chosen", info.ID, agent.ErrRemoteLost)
+	}
+	select {
+	case <-p.ready:
+	default:
+		return nil, fmt.Errorf("cma: peer %s: %w: its connection ended after cma was chosen, and a new one is being probed", info.ID, agent.ErrRemoteLost)
+	}
+	if p.verdict != nil {
+		return nil, p.verdict
 	}
 	b.xwg.Add(1)
 	return p, nil
@@ -514,13 +625,15 @@ func (b *Backend) usable(info agent.Info) (*peer, error) {
 // copied by the workers, ended.
 type window struct {
 	st      *xstate
-	id      uint64
+	id      uint64 // set, under st.p.mu, when the request is queued; 0 before
 	start   cursor
 	n       uint64
 	pieces  int
 	granted chan error // the lease's answer, unless inline
 	inline  bool       // the reader handles the answer: a one-chunk transfer
 	held    bool       // granted and not yet ended; under st.p.mu
+	parked  bool       // waiting in st.p.parked for room; under st.p.mu
+	sent    time.Time  // when the request was queued; under st.p.mu
 	tasks   atomic.Int64
 }
 
@@ -611,6 +724,7 @@ func (b *Backend) drive(st *xstate) {
 		}
 		w := pending[0]
 		timer.Reset(b.cfg.timeout)
+	answer:
 		select {
 		case err := <-w.granted:
 			pending = pending[1:]
@@ -623,6 +737,10 @@ func (b *Backend) drive(st *xstate) {
 			st.Fail(x.CancelErr())
 			return
 		case <-timer.C:
+			if left := w.unanswered(); left > 0 {
+				timer.Reset(left) // parked, or sent after the timer started
+				goto answer
+			}
 			err := fmt.Errorf("cma: peer %s left a lease request unanswered for %v: %w", p.id, b.cfg.timeout, agent.ErrRemoteLost)
 			p.fail(err)
 			st.Fail(err)
@@ -632,16 +750,13 @@ func (b *Backend) drive(st *xstate) {
 }
 
 // begin registers w for its answer and queues its lease request: every
-// remote range it covers, so the exposing agent checks them all. From then
-// on whoever takes w out of p.waiting (the reader, fail, or the owner
-// abandoning it) finishes it. An error means w was not registered: the
-// peer failed, and the caller finishes w.
+// remote range it covers, so the exposing agent checks them all. If limit
+// requests are unended already, w waits in p.parked, in order, until an end
+// makes room (done); begin never waits. From then on whoever takes w out of
+// p.waiting or p.parked (the reader, fail, or the owner giving it up)
+// finishes it. An error means w was not registered: the peer failed, and
+// the caller finishes w.
 func (p *peer) begin(w *window) error {
-	st := w.st
-	acc := agent.AccessRead
-	if st.write {
-		acc = agent.AccessWrite
-	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.waiting == nil {
@@ -650,12 +765,47 @@ func (p *peer) begin(w *window) error {
 		}
 		return fmt.Errorf("cma: peer %s: %w", p.id, agent.ErrRemoteLost)
 	}
+	if p.inflight >= p.limit { // then windows parked before w go first: unpark keeps them in order
+		w.parked = true
+		p.parked = append(p.parked, w)
+		return nil
+	}
+	p.request(w)
+	return nil
+}
+
+// unpark requests parked windows while there is room. The caller holds
+// p.mu.
+func (p *peer) unpark() {
+	for p.inflight < p.limit && len(p.parked) > 0 && p.waiting != nil {
+		w := p.parked[0]
+		p.parked[0] = nil
+		p.parked = p.parked[1:]
+		if w.parked { // else given up by its owner
+			w.parked = false
+			p.request(w)
+		}
+	}
+	if len(p.parked) == 0 {
+		p.parked = nil // let a burst's backing array go
+	}
+}
+
+// request registers w for its answer and queues its lease request. The
+// caller holds p.mu, so that the request goes out before any end of it.
+func (p *peer) request(w *window) {
+	st := w.st
+	acc := agent.AccessRead
+	if st.write {
+		acc = agent.AccessWrite
+	}
 	w.id = p.seq.Add(1)
+	w.sent = time.Now()
 	p.waiting[w.id] = w
+	p.inflight++
 	if len(p.waiting) == 1 {
 		p.watch()
 	}
-	// Queued under p.mu: the request goes out before any end of it.
 	h := header{typ: tBegin, status: uint8(acc), count: uint32(w.pieces), id: w.id, key: st.x.Key}
 	p.send(&h, func(b []byte) []byte {
 		segs := st.x.Segments
@@ -672,17 +822,34 @@ func (p *peer) begin(w *window) error {
 		}
 		return b
 	}, nil)
-	return nil
 }
 
-// claim takes w's answer away from the reader, if it is still awaited, and
-// reports whether it was. A tombstone stays in p.waiting: the answer is
-// still due, and the reader then drops it.
+// unanswered returns how long w's request may still go unanswered before
+// the peer is lost: the timeout, less the time since the request was sent.
+// A parked window has not been asked for yet.
+func (w *window) unanswered() time.Duration {
+	p := w.st.p
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if w.id == 0 {
+		return p.b.cfg.timeout
+	}
+	return p.b.cfg.timeout - time.Since(w.sent)
+}
+
+// claim takes w's answer away from the reader, if it is still awaited, or
+// w out of the parked windows, and reports whether it did. A tombstone
+// stays in p.waiting: the answer is still due, and the reader then drops
+// it.
 func (w *window) claim() bool {
 	p := w.st.p
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if cur, ok := p.waiting[w.id]; ok && cur == w {
+	if w.parked {
+		w.parked = false // unpark skips it
+		return true
+	}
+	if cur, ok := p.waiting[w.id]; ok && cur == w && w.id != 0 {
 		p.waiting[w.id] = nil
 		return true
 	}
@@ -706,28 +873,39 @@ func (w *window) guard() {
 	defer st.b.wg.Done()
 	t := time.NewTimer(st.b.cfg.timeout)
 	defer t.Stop()
-	select {
-	case <-st.x.Done():
-	case <-st.x.Cancelled():
-		if w.claim() {
-			w.done(st.x.CancelErr())
+	for {
+		select {
+		case <-st.x.Done():
+		case <-st.x.Cancelled():
+			if w.claim() {
+				w.done(st.x.CancelErr())
+			}
+		case <-t.C:
+			if left := w.unanswered(); left > 0 {
+				t.Reset(left) // parked, or sent after the timer started
+				continue
+			}
+			if w.claim() {
+				err := fmt.Errorf("cma: peer %s left a lease request unanswered for %v: %w", st.p.id, st.b.cfg.timeout, agent.ErrRemoteLost)
+				st.p.fail(err)
+				w.done(err)
+			}
 		}
-	case <-t.C:
-		if w.claim() {
-			err := fmt.Errorf("cma: peer %s left a lease request unanswered for %v: %w", st.p.id, st.b.cfg.timeout, agent.ErrRemoteLost)
-			st.p.fail(err)
-			w.done(err)
-		}
+		return
 	}
 }
 
 // done ends w's lease and releases its slot and reference. It is called
-// once per window, by whoever took it out of p.waiting or never put it
-// there.
+// once per window, by whoever took it out of p.waiting or p.parked or never
+// put it there. The end is queued before the request's room is given to a
+// parked window: the exposing side, which handles frames in order, has
+// released the lease before it reads the next request.
 func (w *window) done(err error) {
 	st := w.st
 	p := st.p
-	if err == nil || !errors.Is(err, agent.ErrAccessDenied) {
+	// w.id no longer changes: whoever finishes w took it out under p.mu.
+	requested := w.id != 0
+	if requested && (err == nil || !errors.Is(err, agent.ErrAccessDenied)) {
 		p.send(&header{typ: tEnd, id: w.id}, nil, nil)
 	}
 	p.mu.Lock()
@@ -736,6 +914,10 @@ func (w *window) done(err error) {
 		w.held = false
 		p.holding--
 		last = p.holding == 0 && p.err != nil
+	}
+	if requested {
+		p.inflight--
+		p.unpark()
 	}
 	p.mu.Unlock()
 	if last {

@@ -206,13 +206,6 @@ func (b *Backend) reach(ctx context.Context, info agent.Info, key agent.Key, acc
 	return verdict
 }
 
-// peerFor returns the peer named by id and raw connection information,
-// probing it without a key if no connection, probe or standing verdict
-// exists.
-func (b *Backend) peerFor(id uuid.UUID, raw []byte) (*peer, error) {
-	return b.peerWith(id, raw, agent.Key{}, 0)
-}
-
 // peerWith returns the peer named by id and raw connection information. If
 // no connection, probe or standing verdict exists, or the verdict failed
 // for want of a key and key is another, it starts a probe presenting key
@@ -374,14 +367,21 @@ func peerCred(c *net.UnixConn) (int, error) {
 // next transfer to it connects afresh.
 func (b *Backend) PeerDeparted(id uuid.UUID, cause error) {
 	b.mu.Lock()
-	gone := slices.Clone(b.peers[id])
-	b.mu.Unlock()
-	for _, p := range gone {
+	var gone []*peer
+	for _, p := range slices.Clone(b.peers[id]) {
 		select {
 		case <-p.ready:
-			p.fail(fmt.Errorf("cma: peer %s departed: %w", id, cause))
-		default: // probing: its verdict reaches only the callers already waiting
-			b.forget(p)
+			gone = append(gone, p)
+		default:
+			// Probing: its verdict reaches only the callers already
+			// waiting, and its reader, if it connects, fails it at once
+			// (read checks departed under b.mu too).
+			p.departed = cause
+			b.drop(p)
 		}
+	}
+	b.mu.Unlock()
+	for _, p := range gone {
+		p.fail(fmt.Errorf("cma: peer %s departed: %w", id, cause))
 	}
 }

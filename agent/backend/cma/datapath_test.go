@@ -307,9 +307,18 @@ func TestStrayGrantsFailTheTransfer(t *testing.T) {
 	before := b.Stats()
 	for _, size := range []int{4096, 8 << 20} { // one chunk; several leases
 		dst := make([]byte, size)
-		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: f.info, Key: agent.NewKey(),
-			Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: uint64(size)}}}})
-		require.NoError(t, err)
+		var x *agent.Xfer
+		for try := 0; x == nil; try++ {
+			var err error
+			x, err = a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: f.info, Key: agent.NewKey(),
+				Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: uint64(size)}}}})
+			if err != nil {
+				// The strays dropped the connection between the choice of
+				// backend and Post, which then fails at once.
+				require.ErrorIs(t, err, agent.ErrRemoteLost)
+				require.Less(t, try, 100, "no Post outran the strays")
+			}
+		}
 		waitDone(t, x, 10*time.Second, "stray grants")
 		require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
 		require.ErrorContains(t, x.Err(), "awaits none")

@@ -92,7 +92,13 @@ func WithLeaseSize(n int) Option {
 // WithTimeout sets how long the backend waits for a peer to answer a
 // handshake or a lease request before it declares the peer lost
 // (agent.ErrRemoteLost). A peer that dies is noticed at once, when its
-// socket closes; the timeout is for a peer that hangs. Default: 4 s.
+// socket closes; the timeout is for a peer that hangs. It also bounds how
+// long a write waits for the peer to read, how long Notify waits for room
+// in the queue of unsent notifications (4 MiB per peer), how long a lease
+// may be held on an exposure being revoked before the exposing side drops
+// the connection, and how long it then waits for the copier to close its
+// end: Exposure.Revoke waits at most about twice the timeout, whatever a
+// peer does. Default: 4 s.
 func WithTimeout(d time.Duration) Option {
 	return optionFunc(func(c *config) error {
 		if d < 10*time.Millisecond {

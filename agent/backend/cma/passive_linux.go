@@ -16,10 +16,6 @@ import (
 	"github.com/goxfer/goxfer/agent"
 )
 
-// maxLeases bounds the leases one connection may hold at once; the copying
-// side holds two per transfer in flight.
-const maxLeases = 1024
-
 func (b *Backend) accept() {
 	defer b.wg.Done()
 	for {
@@ -119,31 +115,57 @@ func (b *Backend) release(c *net.UnixConn, pid int) {
 
 var errEvicted = errors.New("cma: handshake closed to make room for another")
 
-// frameReader is a connection that bounds how long a frame may take once
-// begun: a peer may stay idle between frames as long as it likes (the
-// copying side holds its connection open without keepalives), but one that
-// starts a frame and trickles the rest is cut after the timeout.
+// frameReader is a server's connection that bounds how long a frame may
+// take once begun: a peer may stay idle between frames as long as it likes
+// (the copying side holds its connection open without keepalives), but one
+// that starts a frame and trickles the rest is cut after the timeout. While
+// the connection holds leases, reading also wakes up to renew them when
+// they are due (server.renew), whatever the peer sends or withholds.
 type frameReader struct {
-	c       *net.UnixConn
-	timeout time.Duration
-	inFrame bool // set once the frame's first byte is in
-	armed   bool // a read deadline is set
+	s       *server
+	inFrame bool      // set once the frame's first byte is in
+	frameBy time.Time // when the frame begun must be complete; zero until a read waits for it
+	set     time.Time // the read deadline in force
 }
 
 func (r *frameReader) Read(p []byte) (int, error) {
-	if r.inFrame && !r.armed {
-		_ = r.c.SetReadDeadline(time.Now().Add(r.timeout))
-		r.armed = true
+	s := r.s
+	for {
+		var now time.Time
+		if r.inFrame || !s.renewAt.IsZero() {
+			now = time.Now()
+		}
+		if !s.renewAt.IsZero() && !now.Before(s.renewAt) {
+			if err := s.renew(now); err != nil {
+				return 0, err
+			}
+		}
+		if r.inFrame && r.frameBy.IsZero() {
+			r.frameBy = now.Add(s.b.cfg.timeout)
+		}
+		d := r.frameBy
+		if !s.renewAt.IsZero() && (d.IsZero() || s.renewAt.Before(d)) {
+			d = s.renewAt
+		}
+		if !d.Equal(r.set) {
+			_ = s.c.SetReadDeadline(d)
+			r.set = d
+		}
+		n, err := s.c.Read(p)
+		var ne net.Error
+		if n == 0 && errors.As(err, &ne) && ne.Timeout() && (r.frameBy.IsZero() || time.Now().Before(r.frameBy)) {
+			continue // renewal's deadline, not the frame's
+		}
+		return n, err
 	}
-	return r.c.Read(p)
 }
 
-// begin waits, without a deadline, for the next frame's first byte.
+// begin waits, without a deadline of its own, for the next frame's first
+// byte. Leases due are renewed first: frames already buffered need no Read.
 func (r *frameReader) begin(br *bufio.Reader) error {
-	r.inFrame = false
-	if r.armed {
-		_ = r.c.SetReadDeadline(time.Time{})
-		r.armed = false
+	r.inFrame, r.frameBy = false, time.Time{}
+	if err := r.s.renewDue(); err != nil {
+		return err
 	}
 	if _, err := br.Peek(1); err != nil {
 		return err
@@ -162,15 +184,68 @@ type server struct {
 	link    agent.Link // this connection, as the agent sees it
 	pid     int
 	ptracer bool // pid is named in the Yama ptracer exception
-	leases  map[uint64]agent.Lease
+	leases  map[uint64]held
+	renewAt time.Time // no lease is due for renewal before; zero: none held
 	out     []byte
+}
+
+// held is a lease the server granted, with what renews it.
+type held struct {
+	lease agent.Lease
+	key   agent.Key
+	acc   agent.Access
+	since time.Time // granted or last renewed
+}
+
+// errRevoking ends a connection that holds a lease on an exposure being
+// revoked (or an agent closing) for longer than the timeout.
+var errRevoking = errors.New("cma: a lease held past the timeout is being revoked")
+
+// renewDue renews the leases, if any is due.
+func (s *server) renewDue() error {
+	if s.renewAt.IsZero() {
+		return nil
+	}
+	if now := time.Now(); !now.Before(s.renewAt) {
+		return s.renew(now)
+	}
+	return nil
+}
+
+// renew replaces each lease held for the timeout by a fresh one, as tcp
+// renews a frame's. An exposure being revoked, or an agent closing, grants
+// none: revocation has then waited on this connection for up to the
+// timeout, so the connection is dropped (errRevoking) and serve releases
+// its leases once the copier closed its end, or after another timeout
+// (drain). Revoke therefore waits at most about twice WithTimeout for a
+// connection, whatever its peer does or withholds. Reads between frames
+// and grant writes wake up for renewal (frameReader, answer).
+func (s *server) renew(now time.Time) error {
+	timeout := s.b.cfg.timeout
+	var next time.Time
+	for id, h := range s.leases {
+		if now.Sub(h.since) >= timeout {
+			l, err := s.b.host.Open(s.link, h.key, h.acc)
+			if err != nil {
+				return fmt.Errorf("%w: lease %d, held since %v: %w", errRevoking, id, now.Sub(h.since).Round(time.Millisecond), err)
+			}
+			h.lease.Release()
+			h.lease, h.since = l, now
+			s.leases[id] = h
+		}
+		if at := h.since.Add(timeout); next.IsZero() || at.Before(next) {
+			next = at
+		}
+	}
+	s.renewAt = next
+	return nil
 }
 
 func (b *Backend) serve(c *net.UnixConn, pid int) {
 	defer b.wg.Done()
 	defer b.release(c, pid)
 	defer c.Close()
-	s := &server{b: b, c: c, pid: pid, leases: map[uint64]agent.Lease{}}
+	s := &server{b: b, c: c, pid: pid, leases: map[uint64]held{}}
 	if err := s.handshake(); err != nil {
 		if !b.stopping() && !errors.Is(err, errEvicted) && b.stats.dropped(err, true) {
 			b.host.Refused()
@@ -188,8 +263,8 @@ func (b *Backend) serve(c *net.UnixConn, pid int) {
 	if len(s.leases) > 0 && !closedByPeer(err) {
 		s.drain()
 	}
-	for _, l := range s.leases { // a peer gone mid-copy touches nothing more
-		l.Release()
+	for _, h := range s.leases { // a peer gone mid-copy touches nothing more
+		h.lease.Release()
 	}
 	if stopping {
 		return
@@ -275,7 +350,7 @@ func (s *server) handshake() error {
 		out.status = stWrong
 		err = fmt.Errorf("%w: handshake claims process %d, the socket's peer is process %d", errProtocol, in.pid, pid)
 	default:
-		out.probe, out.nonce = b.probeAddr(), *b.probe
+		out.probe, out.nonce, out.leases = b.probeAddr(), *b.probe, maxLeases
 	}
 	if err == nil && b.scope == 1 {
 		// Before the answer: the peer probes as soon as it has it. The
@@ -328,7 +403,7 @@ func (s *server) nameTracer(in handshake) uint8 {
 }
 
 func (s *server) loop() error {
-	fr := &frameReader{c: s.c, timeout: s.b.cfg.timeout}
+	fr := &frameReader{s: s}
 	br := bufio.NewReaderSize(fr, 16<<10)
 	var hdr [hdrSize]byte
 	var buf []byte
@@ -345,9 +420,12 @@ func (s *server) loop() error {
 		case tBegin:
 			err = s.begin(&f)
 		case tEnd:
-			if l, ok := s.leases[f.id]; ok {
+			if h, ok := s.leases[f.id]; ok {
 				delete(s.leases, f.id)
-				l.Release()
+				h.lease.Release()
+				if len(s.leases) == 0 {
+					s.renewAt = time.Time{}
+				}
 			}
 		case tNotify:
 			msg := make([]byte, len(f.payload))
@@ -394,7 +472,11 @@ func (s *server) begin(f *frame) error {
 			return s.answer(f.id, stDenied, fmt.Errorf("range %d: %w", i, err))
 		}
 	}
-	s.leases[f.id] = lease
+	now := time.Now()
+	if s.renewAt.IsZero() {
+		s.renewAt = now.Add(s.b.cfg.timeout)
+	}
+	s.leases[f.id] = held{lease: lease, key: f.key, acc: agent.Access(f.status), since: now}
 	if err := s.answer(f.id, stOK, nil); err != nil {
 		return err // serve releases the lease
 	}
@@ -417,7 +499,24 @@ func (s *server) answer(id uint64, status uint8, why error) error {
 	(&header{typ: tGrant, status: status, id: id, length: uint32(len(msg))}).put(b)
 	b = append(b, msg...)
 	s.out = b
-	_ = s.c.SetWriteDeadline(time.Now().Add(s.b.cfg.timeout))
-	_, err := s.c.Write(b)
-	return err
+	// The write may wait for the peer to read for the timeout, and no
+	// longer than leases stay unrenewed.
+	writeBy := time.Now().Add(s.b.cfg.timeout)
+	for {
+		d := writeBy
+		if !s.renewAt.IsZero() && s.renewAt.Before(d) {
+			d = s.renewAt
+		}
+		_ = s.c.SetWriteDeadline(d)
+		n, err := s.c.Write(b)
+		b = b[n:]
+		var ne net.Error
+		if err != nil && errors.As(err, &ne) && ne.Timeout() && time.Now().Before(writeBy) {
+			if err := s.renewDue(); err != nil {
+				return err
+			}
+			continue // renewal's deadline, not the write's
+		}
+		return err
+	}
 }

@@ -109,3 +109,30 @@ func TestReachableHonoursContext(t *testing.T) {
 	require.ErrorIs(t, err, cause)
 	require.Eventually(t, func() bool { return s.accepts.Load() == 2 }, 5*time.Second, time.Millisecond)
 }
+
+// The agent chooses cma for a transfer because Reachable found the peer
+// connected; if that connection is forgotten before Post (the peer departed)
+// Post and Notify fail at once with ErrRemoteLost rather than wait, without
+// the caller's context, for a new probe of a peer that may be frozen.
+func TestPostAfterPeerForgottenFailsFast(t *testing.T) {
+	_, ab := newAgent(t, WithTimeout(5*time.Second))
+	g := newGatedExposer(t)
+	g.gate <- struct{}{} // the first handshake is answered
+	require.NoError(t, ab.Reachable(context.Background(), g.info))
+	ab.PeerDeparted(g.info.ID, errors.New("registry: entry deleted"))
+	check := func(what string) {
+		t.Helper()
+		start := time.Now()
+		require.ErrorIs(t, ab.Notify(g.info, agent.NewKey(), []byte("x")), agent.ErrRemoteLost, what)
+		require.ErrorIs(t, ab.Post(&agent.Xfer{Op: agent.OpRead, Peer: g.info}), agent.ErrRemoteLost, what)
+		assert.Less(t, time.Since(start), time.Second, "%s: Post and Notify waited for a new probe", what)
+	}
+	check("forgotten")
+	// A new probe, which the exposer leaves unanswered, is no connection
+	// either.
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() { _ = ab.Reachable(ctx, g.info) }()
+	require.Eventually(t, func() bool { return g.accepted.Load() == 2 }, 5*time.Second, time.Millisecond)
+	check("probing")
+}

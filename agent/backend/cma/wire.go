@@ -27,7 +27,9 @@ import (
 //	  8  self    [16]byte  the sender's agent ID
 //	 24  expect  [16]byte  the agent the dialler expects (hello only)
 //	 40  pid     u32       the sender's process ID
-//	 44  -       u32
+//	 44  leases  u32       answer: the most lease requests the dialler may
+//	                       have unended on the connection (0: maxLeases,
+//	                       from an agent that predates the field)
 //	 48  probe   u64       address of the probe bytes (answer only)
 //	 56  nonce   [16]byte  hello: a key of the expected agent's exposures
 //	                       the dialler holds, or zeros; answer: what the
@@ -73,6 +75,12 @@ const (
 )
 
 var magic = [4]byte{'G', 'X', 'C', 'M'}
+
+// maxLeases bounds the leases one connection may hold at once. The exposing
+// side announces it in its handshake answer, and the copying side keeps at
+// most that many lease requests unended per connection, queueing the rest,
+// so that any number of transfers share a connection within it.
+const maxLeases = 1024
 
 // errProtocol marks a peer that broke the protocol; the connection is
 // dropped and the refusal counted.
@@ -185,6 +193,7 @@ type handshake struct {
 	ptracer       uint8
 	self, expect  uuid.UUID
 	pid           uint32
+	leases        uint32
 	probe         uint64
 	nonce         [16]byte
 }
@@ -196,7 +205,7 @@ func (h *handshake) put(b []byte) {
 	copy(b[8:24], h.self[:])
 	copy(b[24:40], h.expect[:])
 	binary.LittleEndian.PutUint32(b[40:], h.pid)
-	binary.LittleEndian.PutUint32(b[44:], 0)
+	binary.LittleEndian.PutUint32(b[44:], h.leases)
 	binary.LittleEndian.PutUint64(b[48:], h.probe)
 	copy(b[56:72], h.nonce[:])
 }
@@ -214,6 +223,7 @@ func getHandshake(b []byte) (handshake, error) {
 	copy(h.self[:], b[8:24])
 	copy(h.expect[:], b[24:40])
 	h.pid = binary.LittleEndian.Uint32(b[40:])
+	h.leases = binary.LittleEndian.Uint32(b[44:])
 	h.probe = binary.LittleEndian.Uint64(b[48:])
 	copy(h.nonce[:], b[56:72])
 	return h, nil
