@@ -114,12 +114,15 @@ type Member struct {
 // its watch (after a reconnection, or after re-creating a bucket that
 // vanished). A heartbeat that fails (while the connection is down, say) is
 // retried at the next tick; one that fails on a live connection is logged
-// at Warn level and reported by Registry.Err until one succeeds. Until
+// at Warn level, reported by Registry.Err until one succeeds, and has the
+// Registry check (at most once a second) that its bucket still exists. Until
 // Leave, every departure the Registry sees is forwarded to c.PeerDeparted,
 // so c's operations in flight with a departed peer fail with
 // connect.ErrRemoteLost within about two heartbeats. The Member must Leave
 // before c closes (Registry.Close leaves it otherwise). Join fails if the
-// first put does. Options honoured: WithHeartbeat.
+// first put does, which ctx bounds, and so does Registry.Close: a Join cut
+// short by Close fails with an error matching ErrClosed. Options honoured:
+// WithHeartbeat.
 func (r *Registry) Join(ctx context.Context, c *connect.Connector, opts ...Option) (*Member, error) {
 	o, err := newOptions(append([]Option{WithHeartbeat(r.hb)}, opts...))
 	if err != nil {

@@ -36,11 +36,16 @@ var createWithin = 5 * time.Second
 //
 // An agent departs when its entry is deleted (Member.Leave: at once) or
 // when it has not been heard for two of its heartbeats, timed on this
-// machine's clock (no clock sync needed). While the Registry's connection
-// is down it cannot hear anyone, so it declares no departures; once it is
+// machine's clock (no clock sync needed), and then either one of this
+// process's own heartbeats sent after that comes back through the watch,
+// or the store, asked after that, still holds the agent's last put heard
+// (or none): about a round trip more. While the Registry's connection is
+// down it cannot hear anyone, so it declares no departures; once it is
 // back it re-creates its watch and counts silence from then, plus its own
 // reconnect wait (nats.ReconnectWait + jitter) to let peers reconnect too.
-// It needs nothing beyond nats-server 2.9.
+// A Registry never declares its own joined Members departed. It needs
+// nothing beyond nats-server 2.9, and permission to read the bucket's keys
+// (as Resolve does).
 //
 // A Registry is safe for concurrent use. It owns one watcher goroutine, one
 // goroutine per Member (heartbeats) and one per Watch, all stopped by
@@ -391,12 +396,16 @@ func (q *presenceQueue) pop() (Presence, bool) {
 }
 
 // Err says whether presence works now: nil while the Registry hears its
-// bucket and every Member's last heartbeat succeeded, and otherwise an
-// error matching ErrRegistry that says what fails: the Registry cannot
-// watch its bucket, or its Members' heartbeats do not come back through the
-// watch (it then hears no arrivals and declares nobody departed), or a
-// Member's heartbeat failed (peers may soon declare that
-// agent departed). It is not nil for a moment around every reconnection;
+// bucket, every Member's last heartbeat succeeded and no silent agent has
+// waited eight of its heartbeats for a verdict, and otherwise an error
+// matching ErrRegistry that says what fails: the Registry cannot watch its
+// bucket (the connection is down, the bucket is gone or was created anew,
+// the watch missed puts the store holds, or its Members' heartbeats do not
+// come back through it: it then hears no arrivals and declares nobody
+// departed), or a Member's heartbeat failed (peers may soon declare that
+// agent departed), or a silent agent can be judged neither by an echo nor
+// by the store (a lag: its departure waits). It is not nil for a moment
+// around every reconnection;
 // a failure that stays (the bucket vanished and WithCreateBucket(false)
 // forbids re-creating it, permissions, JetStream down) is also logged at
 // Error level (a heartbeat failing on a live connection, at Warn level).
