@@ -984,9 +984,21 @@ func (s *stream) land(h *header, f *frame, sink bool) (released bool, err error)
 		if h.length > maxErrMsg {
 			return false, fmt.Errorf("%w: error message of %d bytes", errProtocol, h.length)
 		}
+		// The text lands in a buffer of ours, not the transfer's memory:
+		// a cancellation fencing the reader meanwhile is no reason to
+		// stop, and the stream must go on past the whole text.
 		msg := make([]byte, h.length)
-		if _, err := io.ReadFull(s.br, msg); err != nil {
-			return false, err
+		for got := 0; got < len(msg); {
+			n, err := io.ReadFull(s.br, msg[got:])
+			got += n
+			if errors.Is(err, errFenced) {
+				s.unland()
+				s.pc.arm()
+				continue
+			}
+			if err != nil {
+				return false, err
+			}
 		}
 		return false, fmt.Errorf("tcp: peer %s refused %s: %w (%s)", s.p.id, f.st.x.Op, agent.ErrAccessDenied, msg)
 	}
