@@ -395,8 +395,8 @@ func (p *peer) reserve(ip netip.Addr) error {
 	if err := p.failure(); err != nil {
 		return err
 	}
-	return fmt.Errorf("tcp: dial peer %s at %s: this agent holds %d connections to that address, none idle (tcp.WithMaxOutgoingPerIP): %w",
-		p.id, p.addr, b.cfg.maxOut, agent.ErrRemoteLost)
+	return fmt.Errorf("tcp: dial peer %s at %s: this agent holds %d connections to that address, none idle: %w",
+		p.id, p.addr, b.cfg.maxOut, ErrOutgoingLimit)
 }
 
 // unreserve uncounts p's connections. Callers hold b.mu.

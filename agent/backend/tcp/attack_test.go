@@ -466,16 +466,14 @@ func TestAttackIdleReapRacesTransfers(t *testing.T) {
 }
 
 // WithMaxOutgoingPerIP counts connections to one IP address, all agents
-// there together. An honest deployment that runs several agents behind one
-// address, each with many streams (WithStreams allows 64, so 65
-// connections a peer), can use at most 256/65 = 3 of them at once: with
-// six, concurrent transfers fail with ErrRemoteLost though every peer is
-// honest and alive (at the default 4 streams, beyond 51 agents at one IP). The docs explain why the incoming limits never bite an
-// honest peer; this outgoing one does, at the default.
-func TestAttackOutgoingLimitBitesHonestPeers(t *testing.T) {
+// there together. Sized as documented, (streams+1) × the agents at one
+// address busy at once, it never fails an honest workload: the default
+// carries six agents at 64 streams each (390 connections). Over it, the
+// transfers that find no idle connection fail with ErrOutgoingLimit,
+// which does not claim the live peer lost.
+func TestOutgoingLimitSizing(t *testing.T) {
 	watchdog(t, 2*time.Minute)
 	const peers = 6
-	active, _ := newAgent(t, WithStreams(64), WithChunkSize(64<<10))
 	type target struct {
 		a *agent.Agent
 		e *agent.Exposure
@@ -484,22 +482,73 @@ func TestAttackOutgoingLimitBitesHonestPeers(t *testing.T) {
 	var ts []target
 	for range peers {
 		p, _ := newAgent(t)
-		m := make([]byte, 16<<20)
+		m := make([]byte, 4<<20)
 		e, err := p.Expose(agent.AccessRead, []agent.Local{agent.DRAM(m)})
 		require.NoError(t, err)
 		ts = append(ts, target{p, e, m})
 	}
-	var xs []*agent.Xfer
-	for _, tg := range ts { // all at once: none idle
-		x, err := active.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: tg.a.Info(), Key: tg.e.Key(),
-			Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, len(tg.m))), Remote: agent.DRAM(tg.m).Region}}})
-		require.NoError(t, err)
-		xs = append(xs, x)
+	// all posts at once: none idle; 4 MiB in 64 KiB chunks holds every stream
+	postAll := func(active *agent.Agent) []*agent.Xfer {
+		var xs []*agent.Xfer
+		for _, tg := range ts {
+			x, err := active.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: tg.a.Info(), Key: tg.e.Key(),
+				Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, len(tg.m))), Remote: agent.DRAM(tg.m).Region}}})
+			require.NoError(t, err)
+			xs = append(xs, x)
+		}
+		for _, x := range xs {
+			<-x.Done()
+		}
+		return xs
 	}
-	for i, x := range xs {
-		<-x.Done()
-		assert.NoError(t, x.Err(), "transfer %d of %d concurrent ones to honest agents on one host", i+1, peers)
-	}
+	t.Run("default", func(t *testing.T) {
+		active, _ := newAgent(t, WithStreams(64), WithChunkSize(64<<10))
+		for i, x := range postAll(active) {
+			assert.NoError(t, x.Err(), "transfer %d of %d concurrent ones to honest agents on one host", i+1, peers)
+		}
+	})
+	t.Run("over", func(t *testing.T) {
+		// Honest peers on one address that take their time to answer, so
+		// that every transfer holds its connections while the others dial.
+		slow := func(c net.Conn) {
+			for {
+				req, table, err := readRequest(c)
+				if err != nil || req.typ != tRead {
+					return
+				}
+				time.Sleep(300 * time.Millisecond)
+				n := 0
+				for i := 8; i < len(table); i += pieceSize {
+					n += int(binary.LittleEndian.Uint64(table[i:]))
+				}
+				var hb [hdrSize]byte
+				(&header{typ: tReadResp, id: req.id, length: uint64(n)}).put(hb[:])
+				if _, err := c.Write(append(hb[:], make([]byte, n)...)); err != nil {
+					return
+				}
+			}
+		}
+		const fit = 3
+		active, _ := newAgent(t, WithStreams(8), WithMaxOutgoingPerIP(fit*9))
+		var xs []*agent.Xfer
+		for range peers {
+			x, err := active.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: fakePassive(t, uuid.New(), slow), Key: agent.NewKey(),
+				Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 4096)), Remote: agent.Region{Addr: 4096, Len: 4096}}}})
+			require.NoError(t, err)
+			xs = append(xs, x)
+		}
+		failed := 0
+		for _, x := range xs {
+			<-x.Done()
+			if err := x.Err(); err != nil {
+				failed++
+				require.ErrorIs(t, err, ErrOutgoingLimit)
+				require.NotErrorIs(t, err, agent.ErrRemoteLost, "a live peer reported lost")
+				require.ErrorContains(t, err, "WithMaxOutgoingPerIP")
+			}
+		}
+		assert.GreaterOrEqual(t, failed, peers-fit, "%d peers fit %d connections at 9 each", fit, fit*9)
+	})
 }
 
 // A busy ping restarts the wait for an answer when it claims 64 KiB more

@@ -11,6 +11,12 @@ import (
 // agent's constructor returns it from Start.
 var ErrInvalidOption = errors.New("tcp: invalid option")
 
+// ErrOutgoingLimit fails a transfer that needs a connection to an IP
+// address to which this agent already holds WithMaxOutgoingPerIP
+// connections, none of them idle. It says nothing about the peer, which
+// may well be alive: it does not match agent.ErrRemoteLost.
+var ErrOutgoingLimit = errors.New("tcp: outgoing connections per address at the limit (tcp.WithMaxOutgoingPerIP)")
+
 // Option configures a Backend.
 type Option interface{ apply(*config) error }
 
@@ -52,7 +58,7 @@ func defaults() config {
 		maxConnsPerIP:   4096,
 		maxHandshakes:   256,
 
-		maxOut: 256,
+		maxOut: 1024,
 		idle:   30 * time.Second,
 	}
 }
@@ -252,9 +258,12 @@ func WithMaxHandshakes(n int) Option {
 // any address, so a token issuer must not make this agent hoard
 // connections. When a transfer needs a new connection over the limit, the
 // agents at that address idle the longest are closed to make room; if none
-// is idle, the transfer fails with agent.ErrRemoteLost and an error naming
-// this option. Default: 256, fifty agents on one host at the default 4
-// streams, or three at 64.
+// is idle, the transfer fails with ErrOutgoingLimit, not
+// agent.ErrRemoteLost: the peer may well be alive. Each agent this agent
+// transfers with at once holds WithStreams+1 connections, so size it to
+// (streams+1) × the agents at one address busy at once, with room for
+// reconnects. Default: 1024, about two hundred busy agents at one address
+// at the default 4 streams, or fifteen at 64.
 func WithMaxOutgoingPerIP(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 2 || n > 1<<20 {
