@@ -98,6 +98,7 @@ type frame struct {
 	id    uint64
 	start cursor
 	n     uint64
+	size  uint64 // bytes on the wire: header, table and a WRITE's payload
 	typ   uint8
 }
 
@@ -736,6 +737,10 @@ func (s *stream) sendLocked(f frame, pieces int) {
 	st.mu.Unlock()
 	s.seq++
 	f.id = s.seq
+	f.size = uint64(hdrSize + pieces*pieceSize)
+	if write {
+		f.size += f.n
+	}
 	s.pending <- f // never blocks: the slot guarantees room
 
 	segs := st.x.Segments
@@ -884,7 +889,12 @@ func (s *stream) loop() error {
 	var h header
 	timeout := s.p.b.cfg.timeout
 	var since time.Time // since when keepalives came while requests waited
-	var claimed uint64  // the bytes the peer said it had received, then
+	var claimed uint64  // request bytes the peer's claims proved received, then
+	// floor is what the peer had received when its oldest pending request
+	// began (the handshake and every answered request), in the same
+	// units: no claim of progress below it counts towards the requests
+	// still waiting.
+	floor := uint64(hsSize)
 	for {
 		s.pc.arm()
 		if _, err := io.ReadFull(s.br, s.rhdr[:]); err != nil {
@@ -898,16 +908,23 @@ func (s *stream) loop() error {
 			// On a slow link a request takes a while to arrive, though:
 			// the clock does not run while we are still writing one, and
 			// starts afresh each time the peer's pings say it has received
-			// another minProgress bytes of what we sent. A ping's claim
-			// beyond what we sent, or of less progress, counts for nothing.
+			// another minProgress bytes of our requests. A ping's claim
+			// beyond what we sent, or of less progress, counts for nothing;
+			// nor do our own keepalives, whose pace the peer sets with the
+			// timeout it announces: a claim proves received at most what
+			// it counts beyond every ping we sent.
 			now := time.Now()
+			var credit uint64
+			if tx := s.w.tx.Load(); h.id <= tx {
+				credit = h.id - min(h.id, s.w.ptx.Load()) // tx first: a ping written between undercounts
+			}
 			switch {
 			case len(s.pending) == 0 || s.writing.Load():
 				since = time.Time{}
 			case since.IsZero():
-				since, claimed = now, h.id
-			case h.status == stBusy && h.id <= s.w.tx.Load() && h.id >= claimed+minProgress:
-				since, claimed = now, h.id
+				since, claimed = now, max(credit, floor)
+			case h.status == stBusy && credit >= claimed+minProgress:
+				since, claimed = now, credit
 			case now.Sub(since) > timeout:
 				return fmt.Errorf("%w: peer sends keepalives but left a request unanswered for more than %v", errStalled, timeout)
 			}
@@ -925,6 +942,7 @@ func (s *stream) loop() error {
 			return fmt.Errorf("%w: answer %d to no request", errProtocol, h.id)
 		}
 		since = time.Time{}
+		floor += f.size
 		st := f.st
 		st.mu.Lock()
 		gone := st.abandoned

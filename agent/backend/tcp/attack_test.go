@@ -551,22 +551,13 @@ func TestOutgoingLimitSizing(t *testing.T) {
 	})
 }
 
-// A busy ping restarts the wait for an answer when it claims 64 KiB more
-// received than the last claim that did, no more than we sent. But "what
-// we sent" includes our own keepalives, and the peer picks their rate: a
-// passive peer announcing a 30 ms timeout gets a 40-byte ping every 10 ms,
-// 64 KiB every ~20 s. So at a keepalive timeout above that (the docs
-// mention 20 s deployments) a peer that never answers a 56-byte READ holds
-// it forever with truthful claims, although the docs bound it by "one
-// timeout per 64 KiB of our requests still in flight": here one timeout.
-func TestAttackBusyPingsFedByOurKeepalives(t *testing.T) {
-	if testing.Short() {
-		t.Skip("takes 45s")
-	}
-	watchdog(t, 2*time.Minute)
-	const timeout = 30 * time.Second
-	var restarts atomic.Int64
-	peer := fakePassiveAnswering(t, handshake{self: uuid.New(), timeout: 30 * time.Millisecond}, func(c net.Conn) {
+// truthfulBusyPinger is a passive peer that never answers, and pings
+// "busy" every 20 ms claiming exactly the bytes it received, but a new
+// claim only once it received 64 KiB more (counted in restarts): the
+// claims that would restart the wait for its answer if our own keepalives
+// counted as progress.
+func truthfulBusyPinger(restarts *atomic.Int64) func(c net.Conn) {
+	return func(c net.Conn) {
 		var got atomic.Uint64
 		got.Store(hsSize)
 		go func() {
@@ -592,7 +583,26 @@ func TestAttackBusyPingsFedByOurKeepalives(t *testing.T) {
 			}
 			time.Sleep(20 * time.Millisecond)
 		}
-	})
+	}
+}
+
+// A busy ping restarts the wait for an answer when it claims 64 KiB more
+// received than the last claim that did, no more than we sent. But "what
+// we sent" includes our own keepalives, and the peer picks their rate: a
+// passive peer announcing a 30 ms timeout gets a 40-byte ping every 10 ms,
+// 64 KiB every ~20 s. So at a keepalive timeout above that (the docs
+// mention 20 s deployments) a peer that never answers a 56-byte READ holds
+// it forever with truthful claims, although the docs bound it by "one
+// timeout per 64 KiB of our requests still in flight": here one timeout.
+// TestBusyPingsFedByPingFlood shows the same in a second.
+func TestBusyPingsFedByOurKeepalives(t *testing.T) {
+	if testing.Short() {
+		t.Skip("takes 45s")
+	}
+	watchdog(t, 2*time.Minute)
+	const timeout = 30 * time.Second
+	var restarts atomic.Int64
+	peer := fakePassiveAnswering(t, handshake{self: uuid.New(), timeout: 30 * time.Millisecond}, truthfulBusyPinger(&restarts))
 	a, _ := newAgent(t, WithKeepalive(time.Second, timeout))
 	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
 		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 4096)), Remote: agent.Region{Addr: 4096, Len: 4096}}}})
@@ -605,4 +615,121 @@ func TestAttackBusyPingsFedByOurKeepalives(t *testing.T) {
 			timeout+timeout/2, timeout, restarts.Load())
 		x.Cancel(nil)
 	}
+}
+
+// floodPings writes n keepalives at once on every connection b dialled,
+// counted as the keepalive loop counts its own: what the loop sends to a
+// peer announcing a short timeout over minutes, in an instant.
+func floodPings(b *Backend, n int) {
+	b.mu.Lock()
+	var ps []*peer
+	for _, p := range b.peers {
+		if p.isReady() {
+			ps = append(ps, p)
+		}
+	}
+	b.mu.Unlock()
+	var ping [hdrSize]byte
+	(&header{typ: tPing}).put(ping[:])
+	buf := bytes.Repeat(ping[:], n)
+	for _, p := range ps {
+		for _, s := range p.all() {
+			s.w.wmu.Lock()
+			_ = s.w.c.SetWriteDeadline(time.Now().Add(time.Second))
+			k, _ := s.w.c.Write(buf)
+			s.w.ptx.Add(uint64(k))
+			s.w.tx.Add(uint64(k))
+			s.w.wmu.Unlock()
+		}
+	}
+}
+
+// TestBusyPingsFedByOurKeepalives in a second: the pings we send count
+// for nothing towards the progress a busy peer claims.
+func TestBusyPingsFedByPingFlood(t *testing.T) {
+	watchdog(t, time.Minute)
+	const timeout = 300 * time.Millisecond
+	var restarts atomic.Int64
+	peer := fakePassive(t, uuid.New(), truthfulBusyPinger(&restarts))
+	a, b := newAgent(t, WithStreams(1), WithKeepalive(50*time.Millisecond, timeout))
+	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
+		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 4096)), Remote: agent.Region{Addr: 4096, Len: 4096}}}})
+	require.NoError(t, err)
+	deadline := time.After(10 * timeout)
+	for {
+		floodPings(b, 2*minProgress/hdrSize)
+		select {
+		case <-x.Done():
+			require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
+			t.Logf("lost as documented after %d truthful busy claims of our pings: %v", restarts.Load(), x.Err())
+			return
+		case <-deadline:
+			x.Cancel(nil)
+			t.Fatalf("a 56-byte READ left unanswered for %v (keepalive timeout %v): the peer's %d truthful busy claims were fed by our own pings",
+				10*timeout, timeout, restarts.Load())
+		case <-time.After(timeout / 4):
+		}
+	}
+}
+
+// A busy peer's first claim sets where progress is counted from: a peer
+// that claims nothing received at first, after this agent wrote megabytes
+// of WRITEs it acknowledged, must not earn a timeout for every 64 KiB of
+// those, answered long ago, while it holds a new READ unanswered.
+func TestBusyPingsCannotClaimAnsweredBytes(t *testing.T) {
+	watchdog(t, time.Minute)
+	const timeout = 300 * time.Millisecond
+	var gotRead atomic.Bool
+	peer := fakePassive(t, uuid.New(), func(c net.Conn) {
+		var sent atomic.Uint64 // the READ's bytes arrived: claim from zero up
+		go func() {
+			var ping [hdrSize]byte
+			for claim := uint64(0); ; {
+				if gotRead.Load() {
+					claim += minProgress
+				}
+				(&header{typ: tPing, status: stBusy, id: claim}).put(ping[:])
+				if _, err := c.Write(ping[:]); err != nil {
+					return
+				}
+				sent.Add(1)
+				time.Sleep(timeout / 3)
+			}
+		}()
+		for {
+			req, table, err := readRequest(c)
+			if err != nil {
+				return
+			}
+			if req.typ == tRead {
+				gotRead.Store(true)
+				continue // never answered
+			}
+			n := 0
+			for i := 8; i < len(table); i += pieceSize {
+				n += int(binary.LittleEndian.Uint64(table[i:]))
+			}
+			if _, err := io.CopyN(io.Discard, c, int64(n)); err != nil {
+				return
+			}
+			var hb [hdrSize]byte
+			(&header{typ: tWriteAck, id: req.id}).put(hb[:])
+			if _, err := c.Write(hb[:]); err != nil {
+				return
+			}
+		}
+	})
+	a, _ := newAgent(t, WithStreams(1), WithKeepalive(50*time.Millisecond, timeout))
+	const big = 4 << 20 // 64 timeouts' worth of 64 KiB claims
+	w, err := a.Post(context.Background(), agent.Request{Op: agent.OpWrite, Peer: peer, Key: agent.NewKey(),
+		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, big)), Remote: agent.Region{Addr: 4096, Len: big}}}})
+	require.NoError(t, err)
+	doneWithin(t, w, 10*time.Second, "the WRITE")
+	require.NoError(t, w.Err())
+	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
+		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 4096)), Remote: agent.Region{Addr: 4096, Len: 4096}}}})
+	require.NoError(t, err)
+	took := doneWithin(t, x, 10*timeout, "a READ held by claims of answered bytes")
+	require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
+	t.Logf("lost after %v (timeout %v)", took, timeout)
 }

@@ -170,7 +170,8 @@ type wconn struct {
 	wmu       sync.Mutex
 	lastWrite atomic.Int64  // unix nanos
 	rx        atomic.Uint64 // bytes read, counted by the patientConn under the reader
-	tx        atomic.Uint64 // bytes written, handshake included
+	tx        atomic.Uint64 // bytes written, handshake and pings included
+	ptx       atomic.Uint64 // bytes of pings written, counted before tx
 	pingRx    uint64        // rx when the last ping was sent; keepalive loop only
 	every     atomic.Int64  // ping after this long without a write, in ns; 0 until the handshake is done
 	ping      [hdrSize]byte
@@ -266,6 +267,7 @@ func (b *Backend) keepalive() {
 				_ = w.c.SetWriteDeadline(now.Add(b.cfg.timeout))
 				if _, err := w.c.Write(ping[:]); err == nil {
 					w.lastWrite.Store(now.UnixNano())
+					w.ptx.Add(hdrSize)
 					w.tx.Add(hdrSize)
 				}
 				w.wmu.Unlock()
