@@ -72,7 +72,7 @@ type stream struct {
 	slots   chan struct{} // one token per frame awaiting its answer
 	pending chan frame    // frames awaiting answers, in order
 
-	// under w.wmu
+	// under w.wl
 	dead bool
 	err  error // why the stream died, set with dead
 	seq  uint64
@@ -189,11 +189,12 @@ func (b *Backend) Post(x *agent.Xfer) error {
 		if end.Seg == len(x.Segments) {
 			if s := p.tryStream(); s != nil {
 				// Inline only if the stream is free this instant: a small
-				// transfer never waits behind another one's frame here.
-				if s.w.wmu.TryLock() {
+				// transfer never waits behind another one's frame here,
+				// nor for the peer to take it (sendLocked).
+				if s.w.wl.tryLock() {
 					st.Add()
 					b.watch(st) // while st holds its count in b.wg
-					s.sendLocked(frame{st: st, n: n, typ: typ}, pieces)
+					s.sendLocked(frame{st: st, n: n, typ: typ}, pieces, true)
 					st.Done(nil)
 					return nil
 				}
@@ -642,15 +643,18 @@ func (p *peer) end(err error, idle bool) {
 		b.mu.Unlock()
 		var bye [hdrSize]byte
 		(&header{typ: tBye, status: stIdle}).put(bye[:])
+		// An idle connection's writer is done or about to be (finishing a
+		// ping, or a cancelled WRITE's zeros): its goodbye waits for it a
+		// little, never for a peer that does not read.
+		by := time.Now().Add(100 * time.Millisecond)
 		for _, s := range append(streams[:len(streams):len(streams)], ctrl) {
 			if s == nil {
 				continue
 			}
-			if idle {
-				s.w.wmu.Lock()
-				_ = s.w.c.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
+			if idle && s.w.wl.lockBy(by) {
+				_ = s.w.c.SetWriteDeadline(by)
 				_, _ = s.w.c.Write(bye[:])
-				s.w.wmu.Unlock()
+				s.w.wl.unlock()
 			}
 			_ = s.w.c.Close()
 		}
@@ -672,8 +676,13 @@ func (p *peer) notify(key agent.Key, msg []byte) error {
 	}
 	s := p.ctrl
 	w := s.w
-	w.wmu.Lock()
-	defer w.wmu.Unlock()
+	if !w.wl.lockOr(p.dead, p.b.stop) {
+		if err := p.failure(); err != nil {
+			return err
+		}
+		return agent.ErrClosed
+	}
+	defer w.wl.unlock()
 	if s.dead {
 		return p.failure()
 	}
@@ -681,7 +690,7 @@ func (p *peer) notify(key agent.Key, msg []byte) error {
 	h.put(s.head)
 	s.bufs = append(s.bufs[:0], s.head[:hdrSize], msg)
 	s.out = s.bufs
-	err := writeFrame(w, &s.out, p.b.cfg.timeout, nil, nil)
+	err := writeFrame(w, &s.out, p.b.cfg.timeout, nil, nil, time.Time{})
 	w.lastWrite.Store(time.Now().UnixNano())
 	if err != nil {
 		_ = w.c.Close()
@@ -702,18 +711,33 @@ func (b *Backend) Notify(info agent.Info, key agent.Key, msg []byte) error {
 }
 
 // send writes a frame holding a slot of s. Its answer, or the stream's
-// failure, releases the slot and the frame's reference.
+// failure, releases the slot and the frame's reference. Waiting for the
+// write lock, which another transfer's frame may hold at the pace of a
+// slow peer, ends when the transfer is cancelled or the peer fails: the
+// frame is then never sent.
 func (s *stream) send(f frame, pieces int) {
-	s.w.wmu.Lock()
-	s.sendLocked(f, pieces)
+	st := f.st
+	if !s.w.wl.lockOr(st.x.Cancelled(), s.p.dead) {
+		<-s.slots
+		if err := s.p.failure(); err != nil {
+			st.Done(err)
+			return
+		}
+		st.Done(st.x.CancelErr())
+		return
+	}
+	s.sendLocked(f, pieces, false)
 }
 
-// sendLocked is send with the write lock already held; it unlocks it.
-func (s *stream) sendLocked(f frame, pieces int) {
+// sendLocked is send with the write lock already held; it unlocks it, or
+// leaves that to a goroutine it starts. If inline, the caller does not wait
+// for the peer: what the socket does not take at once is written by a
+// goroutine.
+func (s *stream) sendLocked(f frame, pieces int, inline bool) {
 	w, st := s.w, f.st
 	if s.dead {
 		err := s.err
-		w.wmu.Unlock()
+		w.wl.unlock()
 		<-s.slots
 		st.Done(err)
 		return
@@ -722,7 +746,7 @@ func (s *stream) sendLocked(f frame, pieces int) {
 	st.mu.Lock()
 	if st.abandoned { // cancelled meanwhile: the frame need not go
 		st.mu.Unlock()
-		w.wmu.Unlock()
+		w.wl.unlock()
 		<-s.slots
 		st.Done(nil)
 		return
@@ -768,7 +792,27 @@ func (s *stream) sendLocked(f frame, pieces int) {
 	h.put(s.head)
 	s.out = s.bufs
 	s.writing.Store(true)
-	err := writeFrame(w, &s.out, s.p.b.cfg.timeout, &s.wfence, nil)
+	b := s.p.b
+	if inline {
+		if err := writeSoon(w, &s.out, &s.wfence); !errors.Is(err, errLater) {
+			s.wrote(st, write, err)
+			return
+		}
+		b.wg.Add(1) // Post's transfer holds a count: b.wg is not waited on yet
+		go func() {
+			defer b.wg.Done()
+			s.wrote(st, write, writeFrame(w, &s.out, b.cfg.timeout, &s.wfence, nil, time.Time{}))
+		}()
+		return
+	}
+	s.wrote(st, write, writeFrame(w, &s.out, b.cfg.timeout, &s.wfence, nil, time.Time{}))
+}
+
+// wrote ends the write of a frame of st, which ended with err, and
+// unlocks the write lock, or leaves that to the goroutine that finishes
+// the frame with zeros.
+func (s *stream) wrote(st *xstate, write bool, err error) {
+	w := s.w
 	if write {
 		s.tmu.Lock()
 		s.sending = nil
@@ -786,12 +830,13 @@ func (s *stream) sendLocked(f frame, pieces int) {
 		if fenced {
 			// The goroutine posting the frames holds the transfer too: it
 			// must not wait for the padding either. The padder takes
-			// over the write lock.
+			// over the write lock; a transfer waiting for it gives up
+			// when cancelled.
 			b := s.p.b
 			b.wg.Add(1)
 			go func() {
 				defer b.wg.Done()
-				s.finishLocked(writeFrame(w, &s.out, b.cfg.timeout, nil, nil))
+				s.finishLocked(writeFrame(w, &s.out, b.cfg.timeout, nil, nil, time.Time{}))
 			}()
 			return
 		}
@@ -806,9 +851,9 @@ func (s *stream) finishLocked(err error) {
 	s.writing.Store(false)
 	w.lastWrite.Store(time.Now().UnixNano())
 	clear(s.bufs)
-	w.wmu.Unlock()
+	w.wl.unlock()
 	if err != nil {
-		_ = w.c.Close() // the reader fails every pending frame, this one included
+		w.cut(err) // the reader fails every pending frame, this one included
 	}
 }
 
@@ -851,7 +896,7 @@ func (s *stream) read() {
 	b := s.p.b
 	defer b.wg.Done()
 	defer b.untrack(s.w)
-	err := s.loop()
+	err := s.w.reason(s.loop())
 	select {
 	case <-b.stop:
 		err = agent.ErrClosed
@@ -869,9 +914,9 @@ func (s *stream) read() {
 	_ = s.w.c.Close()
 	// From here on, frames that find the stream dead fail with err; those
 	// already pending are failed below.
-	s.w.wmu.Lock()
+	s.w.wl.lock() // its holder lets go at once: the connection is closed
 	s.dead, s.err = true, err
-	s.w.wmu.Unlock()
+	s.w.wl.unlock()
 	for {
 		select {
 		case f := <-s.pending:

@@ -146,21 +146,29 @@ func stuckReader(t *testing.T, b *Backend, expect uuid.UUID, fill int) net.Conn 
 	return c
 }
 
-// shrinkServerSide gives b's end of the connection from local the smallest
-// send buffer the kernel allows.
-func shrinkServerSide(t *testing.T, b *Backend, local net.Addr) {
+// serverSide returns b's end of the connection from local.
+func serverSide(t *testing.T, b *Backend, local net.Addr) *wconn {
 	t.Helper()
+	var found *wconn
 	require.Eventually(t, func() bool {
 		b.mu.Lock()
 		defer b.mu.Unlock()
 		for w := range b.conns {
 			if w.c.RemoteAddr().String() == local.String() {
-				require.NoError(t, w.c.SetWriteBuffer(1))
+				found = w
 				return true
 			}
 		}
 		return false
 	}, 5*time.Second, time.Millisecond)
+	return found
+}
+
+// shrinkServerSide gives b's end of the connection from local the smallest
+// send buffer the kernel allows.
+func shrinkServerSide(t *testing.T, b *Backend, local net.Addr) {
+	t.Helper()
+	require.NoError(t, serverSide(t, b, local).c.SetWriteBuffer(1))
 }
 
 // The keepalive loop pings every connection from one goroutine, each ping
@@ -195,6 +203,71 @@ func TestAttackNonReaderStallsKeepalives(t *testing.T) {
 	}
 	d := delta(hb.Stats(), before)
 	assert.Zero(t, d.Timeouts, "the honest peer cut the victim's connections for silence: %+v", d)
+	assert.NotZero(t, vb.Stats().Timeouts, "the stranger that took no keepalive was not cut as a timeout")
+}
+
+// A lease lasts one keepalive timeout, waiting for the connection's writer
+// included: a READ that arrives while a keepalive is stuck in a socket its
+// peer does not read (the peer holds a key, and reads nothing) holds its
+// lease no longer than that, so Revoke returns within one timeout.
+func TestRevokeBoundedBehindStuckKeepalive(t *testing.T) {
+	watchdog(t, time.Minute)
+	const timeout = 500 * time.Millisecond
+	victim, vb := newAgent(t, WithKeepalive(50*time.Millisecond, timeout))
+	src := make([]byte, 4096)
+	e, err := victim.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
+	require.NoError(t, err)
+	c := stuckReader(t, vb, victim.ID(), 0)
+	w := serverSide(t, vb, c.LocalAddr())
+	// Our pings to it every 10 ms fill the socket; once the count of bytes
+	// written stops, a ping is stuck.
+	for last, still := w.tx.Load(), 0; still < 3; {
+		time.Sleep(10 * time.Millisecond)
+		if n := w.tx.Load(); n != last {
+			last, still = n, 0
+		} else {
+			still++
+		}
+	}
+	_, err = c.Write(frameBytes(header{typ: tRead, count: 1, id: 1, key: e.Key()}, [][2]uint64{{agent.DRAM(src).Addr, 4096}}, nil))
+	require.NoError(t, err)
+	time.Sleep(50 * time.Millisecond) // read, its lease taken, waiting for the writer
+	start := time.Now()
+	e.Revoke()
+	took := time.Since(start)
+	t.Logf("Revoke took %v (keepalive timeout %v)", took, timeout)
+	assert.Less(t, took, timeout+200*time.Millisecond, "a READ waiting behind a stuck keepalive held its lease past one timeout")
+}
+
+// Post writes a small transfer's frame on the caller's goroutine when the
+// stream is free, but never waits for the peer to take it: against a peer
+// that reads nothing, with the socket full, Post returns at once (what the
+// socket did not take goes from a goroutine), and so do Cancel and Close.
+func TestInlinePostNeverWaitsForThePeer(t *testing.T) {
+	watchdog(t, time.Minute)
+	peer := nonReader(t)
+	a, _ := newAgent(t, WithStreams(1), WithInflight(64), WithKeepalive(time.Second, 30*time.Second))
+	var xs []*agent.Xfer
+	var slowest time.Duration
+	for range 64 { // 4 MiB: more than the socket buffers hold
+		start := time.Now()
+		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpWrite, Peer: peer, Key: agent.NewKey(),
+			Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, inlineMax)), Remote: agent.Region{Addr: 4096, Len: inlineMax}}}})
+		require.NoError(t, err)
+		slowest = max(slowest, time.Since(start))
+		xs = append(xs, x)
+	}
+	t.Logf("slowest Post: %v", slowest)
+	assert.Less(t, slowest, time.Second, "Post waited for a peer that reads nothing")
+	for _, x := range xs {
+		x.Cancel(nil)
+	}
+	for _, x := range xs {
+		doneWithin(t, x, 2*time.Second, "a cancelled inline WRITE")
+	}
+	start := time.Now()
+	require.NoError(t, a.Close())
+	assert.Less(t, time.Since(start), 2*time.Second, "Close waited for a peer that reads nothing")
 }
 
 // pat is the exposed READ source's byte at offset i: position-dependent,
@@ -634,12 +707,12 @@ func floodPings(b *Backend, n int) {
 	buf := bytes.Repeat(ping[:], n)
 	for _, p := range ps {
 		for _, s := range p.all() {
-			s.w.wmu.Lock()
+			s.w.wl.lock()
 			_ = s.w.c.SetWriteDeadline(time.Now().Add(time.Second))
 			k, _ := s.w.c.Write(buf)
 			s.w.ptx.Add(uint64(k))
 			s.w.tx.Add(uint64(k))
-			s.w.wmu.Unlock()
+			s.w.wl.unlock()
 		}
 	}
 }

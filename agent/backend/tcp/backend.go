@@ -167,21 +167,37 @@ type wconn struct {
 	ip        netip.Addr // an accepted connection's remote address; zero for ours
 	peer      peerAddr   // an accepted connection's peer, once counted in byPeer
 	evicted   bool       // closed to make room for another handshake; under Backend.mu
-	wmu       sync.Mutex
-	lastWrite atomic.Int64  // unix nanos
-	rx        atomic.Uint64 // bytes read, counted by the patientConn under the reader
-	tx        atomic.Uint64 // bytes written, handshake and pings included
-	ptx       atomic.Uint64 // bytes of pings written, counted before tx
-	pingRx    uint64        // rx when the last ping was sent; keepalive loop only
-	every     atomic.Int64  // ping after this long without a write, in ns; 0 until the handshake is done
+	wl        wlock
+	why       atomic.Pointer[error] // why the connection was cut (cut)
+	lastWrite atomic.Int64          // unix nanos
+	rx        atomic.Uint64         // bytes read, counted by the patientConn under the reader
+	tx        atomic.Uint64         // bytes written, handshake and pings included
+	ptx       atomic.Uint64         // bytes of pings written, counted before tx
+	pingRx    uint64                // rx when the last ping was sent; keepalive loop only
+	every     atomic.Int64          // ping after this long without a write, in ns; 0 until the handshake is done
 	ping      [hdrSize]byte
 }
 
 func newWconn(c *net.TCPConn) *wconn {
-	w := &wconn{c: c}
+	w := &wconn{c: c, wl: newWlock()}
 	(&header{typ: tPing}).put(w.ping[:])
 	w.lastWrite.Store(time.Now().UnixNano())
 	return w
+}
+
+// cut closes w because of err, which its reader reports, and counts, in
+// place of the error the close gives it.
+func (w *wconn) cut(err error) {
+	w.why.CompareAndSwap(nil, &err)
+	_ = w.c.Close()
+}
+
+// reason returns why w was cut, or err if it was not.
+func (w *wconn) reason(err error) error {
+	if why := w.why.Load(); why != nil {
+		return *why
+	}
+	return err
 }
 
 // setPingEvery sets how often w pings when idle and wakes the keepalive
@@ -223,7 +239,10 @@ func (b *Backend) untrack(w *wconn) {
 
 // keepalive pings connections that have not written for their ping
 // interval. It wakes every half of the shortest one, so an idle connection
-// pings at most 1.5 of its intervals apart.
+// pings at most 1.5 of its intervals apart. It never waits for a peer: a
+// connection busy writing needs no ping (its writer is bounded by the
+// timeout on its own), and a ping that the socket does not take at once is
+// finished by a goroutine of its own (finishPing).
 func (b *Backend) keepalive() {
 	defer b.wg.Done()
 	t := time.NewTimer(b.cfg.interval / 2)
@@ -253,31 +272,61 @@ func (b *Backend) keepalive() {
 		reaped := b.reapable(now)
 		b.mu.Unlock()
 		for _, w := range idle {
-			if w.wmu.TryLock() { // busy connections are not idle
-				// A ping tells a peer whose request is still arriving that
-				// it is arriving, and how much of it: on a slow link it
-				// must not take the wait for its answer as a stall, and a
-				// claim of progress can be checked against what it sent.
-				ping := w.ping
-				rx := w.rx.Load()
-				binary.LittleEndian.PutUint64(ping[8:], rx)
-				if rx != w.pingRx {
-					w.pingRx, ping[1] = rx, stBusy
-				}
-				_ = w.c.SetWriteDeadline(now.Add(b.cfg.timeout))
-				if _, err := w.c.Write(ping[:]); err == nil {
-					w.lastWrite.Store(now.UnixNano())
-					w.ptx.Add(hdrSize)
-					w.tx.Add(hdrSize)
-				}
-				w.wmu.Unlock()
+			if !w.wl.tryLock() { // busy connections are not idle
+				continue
+			}
+			// A ping tells a peer whose request is still arriving that it
+			// is arriving, and how much of it: on a slow link it must not
+			// take the wait for its answer as a stall, and a claim of
+			// progress can be checked against what it sent.
+			ping := w.ping
+			rx := w.rx.Load()
+			binary.LittleEndian.PutUint64(ping[8:], rx)
+			if rx != w.pingRx {
+				w.pingRx, ping[1] = rx, stBusy
+			}
+			n, err := tryWrite(w.c, ping[:])
+			w.ptx.Add(uint64(n))
+			w.tx.Add(uint64(n))
+			switch {
+			case err != nil:
+				w.wl.unlock()
+				w.cut(err)
+			case n == hdrSize:
+				w.lastWrite.Store(now.UnixNano())
+				w.wl.unlock()
+			default: // the socket is full, or took part of the ping
+				b.wg.Add(1)
+				go b.finishPing(w, append([]byte(nil), ping[n:]...))
 			}
 		}
 		for _, p := range reaped {
-			p.retire()
+			b.wg.Add(1)
+			go func() { // its goodbyes may wait a little for a writer
+				defer b.wg.Done()
+				p.retire()
+			}()
 		}
 		t.Reset(tick)
 	}
+}
+
+// finishPing writes the rest of a ping that the socket did not take at
+// once, holding w's write lock, which it releases. A peer that takes no
+// byte of it within the keepalive timeout reads nothing, and a ping cut
+// short would break the framing: the connection is cut, a timeout.
+func (b *Backend) finishPing(w *wconn, rest []byte) {
+	defer b.wg.Done()
+	defer w.wl.unlock()
+	_ = w.c.SetWriteDeadline(time.Now().Add(b.cfg.timeout))
+	n, err := w.c.Write(rest)
+	w.ptx.Add(uint64(n))
+	w.tx.Add(uint64(n))
+	if err != nil {
+		w.cut(fmt.Errorf("tcp: the peer took no keepalive for %v: %w", b.cfg.timeout, err))
+		return
+	}
+	w.lastWrite.Store(time.Now().UnixNano())
 }
 
 // Close implements agent.Backend: it stops listening, says goodbye on and
@@ -306,10 +355,9 @@ func (b *Backend) Close() error {
 	var bye [hdrSize]byte
 	(&header{typ: tBye}).put(bye[:])
 	for _, w := range conns {
-		if w.wmu.TryLock() { // a connection busy writing just closes
-			_ = w.c.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
-			_, _ = w.c.Write(bye[:])
-			w.wmu.Unlock()
+		if w.wl.tryLock() { // a connection busy writing just closes
+			_, _ = tryWrite(w.c, bye[:]) // a goodbye cut short is still a goodbye: the connection closes
+			w.wl.unlock()
 		}
 		_ = w.c.Close()
 	}

@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"os"
 	"time"
 
 	"github.com/google/uuid"
@@ -128,8 +129,10 @@ type server struct {
 	link agent.Link
 	hdr  [hdrSize]byte
 
-	// The lease of the frame being served, and what renews it (renew).
+	// The lease of the frame being served, when it was taken, and what
+	// renews it (renew).
 	lease   agent.Lease
+	leased  time.Time
 	key     agent.Key
 	acc     agent.Access
 	renewFn func() bool
@@ -152,7 +155,7 @@ func (b *Backend) serve(w *wconn) {
 		}
 		return
 	}
-	err := s.loop()
+	err := w.reason(s.loop())
 	if b.stopping() {
 		return // our own shutdown closed it
 	}
@@ -279,14 +282,14 @@ func (s *server) handshake() error {
 	}
 	out := handshake{status: status, self: b.id, timeout: b.cfg.timeout, maxPieces: b.cfg.maxPieces, maxFrame: b.cfg.maxFrame}
 	out.put(hs[:])
-	s.w.wmu.Lock()
+	s.w.wl.lock() // no ping before the answer: nobody else writes yet
 	_, werr := s.w.c.Write(hs[:])
 	if err == nil && werr == nil {
 		// Only now: the keepalive loop leaves connections without a ping
 		// interval alone, and must not ping before the answer.
 		b.setPingEvery(s.w, pingEvery(b.cfg.interval, in.timeout))
 	}
-	s.w.wmu.Unlock()
+	s.w.wl.unlock()
 	if err != nil {
 		return err
 	}
@@ -399,7 +402,7 @@ func (s *server) access(h *header) error {
 	if err != nil {
 		denied = err
 	} else {
-		s.lease, s.key, s.acc = lease, h.key, acc
+		s.lease, s.key, s.acc, s.leased = lease, h.key, acc, time.Now()
 		defer s.dropLease()
 		for i := 0; i < n; i += pieceSize {
 			mem, err := lease.Slice(binary.LittleEndian.Uint64(table[i:]), binary.LittleEndian.Uint64(table[i+8:]))
@@ -481,14 +484,24 @@ func (s *server) answer(typ uint8, id uint64, denied error, data [][]byte) error
 	}
 	s.bufs = append(s.bufs, data...)
 	w := s.w
-	w.wmu.Lock()
-	defer w.wmu.Unlock()
-	s.out = s.bufs // WriteTo consumes its receiver; s.bufs keeps the backing array
+	timeout := s.b.cfg.timeout
 	var renew func() bool
+	var first time.Time // the end of the first timeout granted
 	if data != nil {
-		renew = s.renewFn // as for a WRITE's payload: a revocation waits for one timeout at most
+		// As for a WRITE's payload: a revocation waits for one timeout at
+		// most, counted from when the lease was taken, waiting for the
+		// write lock included. Its holder is a keepalive the peer does
+		// not take (finishPing): the peer is not reading.
+		renew, first = s.renewFn, s.leased.Add(timeout)
+		if !w.wl.lockBy(first) {
+			return fmt.Errorf("tcp: READ answer waited for the connection's writer until its lease ran out: %w", os.ErrDeadlineExceeded)
+		}
+	} else {
+		w.wl.lock()
 	}
-	err := writeFrame(w, &s.out, s.b.cfg.timeout, nil, renew)
+	defer w.wl.unlock()
+	s.out = s.bufs // WriteTo consumes its receiver; s.bufs keeps the backing array
+	err := writeFrame(w, &s.out, timeout, nil, renew, first)
 	w.lastWrite.Store(time.Now().UnixNano())
 	clear(s.bufs[:cap(s.bufs)])
 	return err

@@ -115,13 +115,47 @@ func (p *patientConn) Read(b []byte) (int, error) {
 	}
 }
 
+// errLater ends a write the socket did not take at once (writeSoon).
+var errLater = errors.New("tcp: socket full")
+
+// inlineWait is the longest Post waits for the socket to take a small
+// transfer's frame, written on the caller's goroutine; a goroutine writes
+// the rest.
+const inlineWait = time.Millisecond
+
+// writeSoon writes out to w, whose write lock the caller holds, for at most
+// inlineWait. It returns errLater, leaving the rest in out, if the socket
+// did not take it all by then.
+func writeSoon(w *wconn, out *net.Buffers, f *fence) error {
+	if f.deadline(w.c.SetWriteDeadline, time.Now().Add(inlineWait)) {
+		return errFenced
+	}
+	n, err := out.WriteTo(w.c)
+	w.tx.Add(uint64(n))
+	switch {
+	case err == nil:
+		return nil
+	case !isTimeout(err):
+		return err
+	case f.isRaised():
+		return errFenced
+	default:
+		return errLater
+	}
+}
+
 // writeFrame writes out to w, whose write lock the caller holds, under the
 // same rule: each timeout that passes with at least minProgress bytes
-// written grants another, if renew (when set) allows it. It returns once
-// out is written, the peer fell behind, or f (when set) was raised.
-func writeFrame(w *wconn, out *net.Buffers, timeout time.Duration, f *fence, renew func() bool) error {
+// written grants another, if renew (when set) allows it. The first ends at
+// first if set, else a timeout from now. It returns once out is written,
+// the peer fell behind, or f (when set) was raised.
+func writeFrame(w *wconn, out *net.Buffers, timeout time.Duration, f *fence, renew func() bool, first time.Time) error {
 	for {
-		d := time.Now().Add(timeout)
+		d := first
+		if d.IsZero() {
+			d = time.Now().Add(timeout)
+		}
+		first = time.Time{}
 		if f == nil {
 			_ = w.c.SetWriteDeadline(d)
 		} else if f.deadline(w.c.SetWriteDeadline, d) {

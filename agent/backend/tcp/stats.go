@@ -25,8 +25,9 @@ import (
 //     (WithMaxPieces), or a notification's size (64 KiB).
 //   - Timeouts: connections cut because a peer was silent or too slow: a
 //     handshake not complete within the keepalive timeout, a frame or an
-//     answer moving less than 64 KiB in a timeout, or a request of ours
-//     left unanswered that long while the peer kept pinging.
+//     answer moving less than 64 KiB in a timeout, a keepalive it took no
+//     byte of in a timeout, or a request of ours left unanswered that long
+//     while the peer kept pinging.
 //   - Denied: requests answered "access denied", the connection kept: an
 //     unknown, revoked or forged key, the wrong access kind, a piece outside
 //     the exposed regions or across two of them.
