@@ -5,6 +5,7 @@ import (
 	"errors"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/google/uuid"
 	"github.com/stretchr/testify/assert"
@@ -111,4 +112,48 @@ func TestParts(t *testing.T) {
 			}
 		})
 	}
+}
+
+func TestAfterCancel(t *testing.T) {
+	a := newTestAgent(t)
+	post := func() *Xfer {
+		x, err := a.Post(context.Background(), Request{Op: OpRead, Peer: Info{ID: uuid.New()},
+			Segments: []Segment{{Local: DRAM(make([]byte, 8)), Remote: Region{Addr: 0x1000, Len: 8}}}})
+		require.NoError(t, err)
+		return x
+	}
+	t.Run("runs once on cancel", func(t *testing.T) {
+		x := post()
+		ran := make(chan struct{}, 2)
+		stop := x.AfterCancel(func() { ran <- struct{}{} })
+		x.Cancel(nil)
+		x.Cancel(nil)
+		<-ran
+		assert.False(t, stop(), "stop after f started")
+		assert.Empty(t, ran, "f ran twice")
+		x.Finish(x.CancelErr())
+	})
+	t.Run("stopped never runs", func(t *testing.T) {
+		x := post()
+		ran := make(chan struct{}, 1)
+		stop := x.AfterCancel(func() { ran <- struct{}{} })
+		assert.True(t, stop())
+		assert.False(t, stop(), "a second stop")
+		x.Cancel(nil)
+		x.Finish(x.CancelErr())
+		select {
+		case <-ran:
+			t.Fatal("f ran after stop")
+		case <-time.After(20 * time.Millisecond):
+		}
+	})
+	t.Run("already cancelled runs at once", func(t *testing.T) {
+		x := post()
+		x.Cancel(nil)
+		ran := make(chan struct{})
+		stop := x.AfterCancel(func() { close(ran) })
+		<-ran
+		assert.False(t, stop())
+		x.Finish(x.CancelErr())
+	})
 }

@@ -81,6 +81,10 @@ type Xfer struct {
 	cancelOnce sync.Once
 	cause      atomic.Pointer[error]
 
+	afterMu   sync.Mutex
+	after     map[*afterCancel]struct{} // nil once cancelled
+	cancelled bool                      // under afterMu
+
 	done     chan struct{}
 	doneOnce sync.Once
 	err      error
@@ -118,6 +122,7 @@ func (x *Xfer) Cancel(cause error) {
 		}
 		x.cause.Store(&err)
 		close(x.cancel)
+		x.runAfter()
 	})
 }
 
@@ -127,7 +132,48 @@ func (x *Xfer) abort(err error) {
 	x.cancelOnce.Do(func() {
 		x.cause.Store(&err)
 		close(x.cancel)
+		x.runAfter()
 	})
+}
+
+type afterCancel struct{ f func() }
+
+// AfterCancel arranges for f to run in its own goroutine once the transfer
+// is cancelled (at once if it already is), as context.AfterFunc does: a
+// backend learns of cancellation without a goroutine per transfer waiting
+// for it. stop unregisters f and reports whether it did so before f was
+// started; after a false, f has started or will. Safe for concurrent use.
+func (x *Xfer) AfterCancel(f func()) (stop func() bool) {
+	a := &afterCancel{f: f}
+	x.afterMu.Lock()
+	if x.cancelled {
+		x.afterMu.Unlock()
+		go f()
+		return func() bool { return false }
+	}
+	if x.after == nil {
+		x.after = make(map[*afterCancel]struct{}, 1)
+	}
+	x.after[a] = struct{}{}
+	x.afterMu.Unlock()
+	return func() bool {
+		x.afterMu.Lock()
+		defer x.afterMu.Unlock()
+		_, ok := x.after[a]
+		delete(x.after, a)
+		return ok
+	}
+}
+
+func (x *Xfer) runAfter() {
+	x.afterMu.Lock()
+	x.cancelled = true
+	fs := x.after
+	x.after = nil
+	x.afterMu.Unlock()
+	for a := range fs {
+		go a.f()
+	}
 }
 
 // Cancelled is closed when the transfer has been cancelled. Backends select

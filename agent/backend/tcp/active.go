@@ -114,23 +114,30 @@ type xstate struct {
 	mu        sync.Mutex
 	abandoned bool // cancelled: answers still to come land nowhere
 	queued    int  // frames sent whose answers have not begun to land
+
+	unwatch func() bool // set by watch before any frame is sent
 }
 
 // finished runs after the transfer's Finish.
 func (st *xstate) finished() {
+	if st.unwatch() {
+		st.b.wg.Done() // the abandoning goroutine will never run
+	}
 	st.p.release()
 	st.b.wg.Done()
 }
 
-// watch waits for the transfer to finish, abandoning it if it is
-// cancelled first. Cancelling must not wait for a peer's answer: a hostile
-// peer may never give one.
+// watch arranges for st to be abandoned if it is cancelled before it
+// finishes: cancelling must not wait for a peer's answer, since a hostile
+// peer may never give one. No goroutine waits meanwhile; a cancelled
+// transfer gets one (agent.Xfer.AfterCancel). Call it while st holds its
+// count in b.wg, before any frame is sent.
 func (st *xstate) watch() {
-	select {
-	case <-st.x.Done():
-	case <-st.x.Cancelled():
+	st.b.wg.Add(1) // the abandoning goroutine's, given back by finished if it never runs
+	st.unwatch = st.x.AfterCancel(func() {
+		defer st.b.wg.Done()
 		st.abandon(st.x.CancelErr())
-	}
+	})
 }
 
 // abandon finishes the transfer with err without waiting for the answers
@@ -180,6 +187,7 @@ func (b *Backend) Post(x *agent.Xfer) error {
 	}
 	st := &xstate{b: b, x: x, p: p}
 	st.Init(x, p.notify, st.finished)
+	st.watch()
 	typ := uint8(tRead)
 	if x.Op == agent.OpWrite {
 		typ = tWrite
@@ -193,7 +201,6 @@ func (b *Backend) Post(x *agent.Xfer) error {
 				// nor for the peer to take it (sendLocked).
 				if s.w.wl.tryLock() {
 					st.Add()
-					b.watch(st) // while st holds its count in b.wg
 					s.sendLocked(frame{st: st, n: n, typ: typ}, pieces, true)
 					st.Done(nil)
 					return nil
@@ -204,18 +211,7 @@ func (b *Backend) Post(x *agent.Xfer) error {
 	}
 	b.wg.Add(1)
 	go b.drive(st, typ)
-	b.watch(st)
 	return nil
-}
-
-// watch starts st's watcher: a goroutine apart from the one posting
-// frames, which may be blocked writing one.
-func (b *Backend) watch(st *xstate) {
-	b.wg.Add(1)
-	go func() {
-		defer b.wg.Done()
-		st.watch()
-	}()
 }
 
 // drive posts a transfer's frames, waiting for free slots.
