@@ -25,6 +25,10 @@ const maxDeparted = 4096
 // tests).
 var createWithin = 5 * time.Second
 
+// bindTries is how many times OpenRegistry asks JetStream for the bucket
+// when it does not answer within its API timeout.
+const bindTries = 3
+
 // Registry is an agent presence registry kept in a JetStream key-value
 // bucket: Connectors that Join publish their connect.AgentInfo under their
 // agent ID and heartbeat it, and every Registry watches the bucket, so it
@@ -200,6 +204,14 @@ func OpenRegistry(ctx context.Context, nc *nats.Conn, opts ...Option) (*Registry
 
 func bindBucket(ctx context.Context, nc *nats.Conn, js jetstream.JetStream, o options) (jetstream.KeyValue, error) {
 	kv, err := js.KeyValue(ctx, o.bucket)
+	// A JetStream API left unanswered for its timeout (5 s) is busy, for
+	// example creating the bucket for a peer that started at the same
+	// moment on a slow disk, or refusing us silently for lack of
+	// permission: ask again a bounded number of times, within ctx.
+	for try := 1; try < bindTries && errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil; try++ {
+		o.logger.Warn("goxfer/nats: binding the registry bucket: no answer from JetStream; asking again", "bucket", o.bucket, "attempt", try+1, "of", bindTries)
+		kv, err = js.KeyValue(ctx, o.bucket)
+	}
 	if err == nil {
 		return kv, nil
 	}
