@@ -3,6 +3,7 @@ package agent
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 )
@@ -82,8 +83,9 @@ type Xfer struct {
 	cause      atomic.Pointer[error]
 
 	afterMu   sync.Mutex
-	after     map[*afterCancel]struct{} // nil once cancelled
-	cancelled bool                      // under afterMu
+	after     []*afterCancel // registered, not yet started; under afterMu
+	afterBuf  [1]*afterCancel
+	cancelled bool // under afterMu
 
 	done     chan struct{}
 	doneOnce sync.Once
@@ -136,7 +138,10 @@ func (x *Xfer) abort(err error) {
 	})
 }
 
-type afterCancel struct{ f func() }
+type afterCancel struct {
+	x *Xfer
+	f func()
+}
 
 // AfterCancel arranges for f to run in its own goroutine once the transfer
 // is cancelled (at once if it already is), as context.AfterFunc does: a
@@ -144,25 +149,35 @@ type afterCancel struct{ f func() }
 // for it. stop unregisters f and reports whether it did so before f was
 // started; after a false, f has started or will. Safe for concurrent use.
 func (x *Xfer) AfterCancel(f func()) (stop func() bool) {
-	a := &afterCancel{f: f}
+	a := &afterCancel{x: x, f: f}
 	x.afterMu.Lock()
 	if x.cancelled {
 		x.afterMu.Unlock()
 		go f()
-		return func() bool { return false }
+		a.x = nil
+		return a.stop
 	}
 	if x.after == nil {
-		x.after = make(map[*afterCancel]struct{}, 1)
+		x.after = x.afterBuf[:0]
 	}
-	x.after[a] = struct{}{}
+	x.after = append(x.after, a)
 	x.afterMu.Unlock()
-	return func() bool {
-		x.afterMu.Lock()
-		defer x.afterMu.Unlock()
-		_, ok := x.after[a]
-		delete(x.after, a)
-		return ok
+	return a.stop
+}
+
+func (a *afterCancel) stop() bool {
+	x := a.x
+	if x == nil {
+		return false
 	}
+	x.afterMu.Lock()
+	defer x.afterMu.Unlock()
+	i := slices.Index(x.after, a)
+	if i < 0 {
+		return false
+	}
+	x.after = slices.Delete(x.after, i, i+1)
+	return true
 }
 
 func (x *Xfer) runAfter() {
@@ -171,7 +186,7 @@ func (x *Xfer) runAfter() {
 	fs := x.after
 	x.after = nil
 	x.afterMu.Unlock()
-	for a := range fs {
+	for _, a := range fs {
 		go a.f()
 	}
 }
