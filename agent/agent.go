@@ -310,13 +310,19 @@ func (a *Agent) Post(ctx context.Context, r Request) (*Xfer, error) {
 }
 
 func (a *Agent) xferDone(x *Xfer) {
-	a.xferMu.Lock()
-	_, ok := a.xfers[x]
-	delete(a.xfers, x)
-	a.xferMu.Unlock()
-	if ok {
+	if a.untrack(x) {
 		a.xferWG.Done()
 	}
+}
+
+// untrack removes x from the transfers in flight and reports whether it
+// was there; the caller then owes xferWG one Done.
+func (a *Agent) untrack(x *Xfer) bool {
+	a.xferMu.Lock()
+	defer a.xferMu.Unlock()
+	_, ok := a.xfers[x]
+	delete(a.xfers, x)
+	return ok
 }
 
 // Notify sends a standalone notification to peer under key, best effort. It

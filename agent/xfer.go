@@ -210,11 +210,18 @@ func (x *Xfer) CancelErr() error {
 func (x *Xfer) Finish(err error) {
 	x.doneOnce.Do(func() {
 		x.err = err
+		// Out of Stats().InFlight before anyone can see it finish (OnDone
+		// wakes connect's waiters), so that a caller that saw it finish
+		// never counts it; still counted by Close, which must not return
+		// before Done is closed.
+		tracked := x.a.untrack(x)
 		if x.onDone != nil {
 			x.onDone(x, err)
 		}
 		close(x.done)
-		x.a.xferDone(x)
+		if tracked {
+			x.a.xferWG.Done()
+		}
 	})
 }
 
