@@ -74,6 +74,7 @@ type Stats struct {
 type Agent struct {
 	id       uuid.UUID
 	backends []Backend
+	stops    []context.CancelCauseFunc // per backend: ends its Host.Context
 	conns    []ConnInfo
 	log      *slog.Logger
 
@@ -85,7 +86,7 @@ type Agent struct {
 	exps  map[Key]*Exposure
 
 	xferMu sync.Mutex
-	xfers  map[*Xfer]struct{}
+	xfers  map[*transfer]struct{}
 	xferWG sync.WaitGroup
 
 	closed   atomic.Bool
@@ -117,18 +118,21 @@ func New(opts ...Option) (*Agent, error) {
 		log:      o.logger.With("agent", o.id.String()[:8]),
 		regs:     make(map[regKey]regEntry),
 		exps:     make(map[Key]*Exposure),
-		xfers:    make(map[*Xfer]struct{}),
+		xfers:    make(map[*transfer]struct{}),
 	}
 	seen := map[string]bool{}
 	for _, b := range a.backends {
 		if seen[b.Name()] {
-			closeAll(a.backends)
+			a.stopBackends()
 			return nil, fmt.Errorf("%w: backend %q given twice", ErrInvalid, b.Name())
 		}
 		seen[b.Name()] = true
-		ci, err := b.Start(a)
+		ctx, stop := context.WithCancelCause(context.Background())
+		a.stops = append(a.stops, stop)
+		h := &host{a: a, log: a.log.With("backend", b.Name()), ctx: ctx}
+		ci, err := b.Start(h)
 		if err != nil {
-			closeAll(a.backends)
+			a.stopBackends()
 			return nil, fmt.Errorf("start backend %s: %w", b.Name(), err)
 		}
 		a.conns = append(a.conns, ConnInfo{Backend: b.Name(), Data: ci})
@@ -142,10 +146,25 @@ func closeAll(bs []Backend) {
 	}
 }
 
+// stopBackends ends each backend's lifetime context, then closes it.
+func (a *Agent) stopBackends() []error {
+	var errs []error
+	for i, b := range a.backends {
+		if i < len(a.stops) {
+			a.stops[i](ErrClosed)
+		}
+		if err := b.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("close backend %s: %w", b.Name(), err))
+		}
+	}
+	return errs
+}
+
 // ID returns the agent's identity.
 func (a *Agent) ID() uuid.UUID { return a.id }
 
-// Logger returns the agent's logger, for its backends.
+// Logger returns the agent's logger (WithLogger), with the agent's
+// identity attached.
 func (a *Agent) Logger() *slog.Logger { return a.log }
 
 // Info returns the agent's public metadata. The result is a fresh copy.
@@ -245,9 +264,10 @@ func (a *Agent) noteFallback(peer uuid.UUID, chosen string, why []error) {
 // Post validates r, picks a backend and starts the transfer without waiting
 // for it. ctx bounds only the start: choosing a backend may connect to the
 // peer (cma probes whether it may read the peer's memory); once Post
-// returns, cancel the transfer with Xfer.Cancel. The segments' local memory
-// must stay alive and untouched until the returned transfer is Done. Safe
-// for concurrent use.
+// returns, cancel the transfer with [Xfer.Cancel]. The segments' local
+// memory must stay alive and untouched until the returned transfer is Done;
+// r.Segments must not be changed until then either. Safe for concurrent
+// use.
 func (a *Agent) Post(ctx context.Context, r Request) (*Xfer, error) {
 	if a.isClosed() {
 		return nil, ErrClosed
@@ -289,63 +309,61 @@ func (a *Agent) Post(ctx context.Context, r Request) (*Xfer, error) {
 	if err != nil {
 		return nil, err
 	}
-	x := &Xfer{
-		Op: r.Op, Peer: peer, Key: r.Key, Segments: r.Segments, Notify: r.Notify,
+	t := &transfer{
 		a: a, backend: b.Name(), bytes: total, onDone: r.OnDone,
 		cancel: make(chan struct{}), done: make(chan struct{}),
 	}
+	t.x.t = t
+	t.w = Work{Op: r.Op, Peer: peer, Key: r.Key, Segments: r.Segments, Notify: r.Notify, t: t}
 	a.xferMu.Lock()
 	if a.isClosed() {
 		a.xferMu.Unlock()
 		return nil, ErrClosed
 	}
-	a.xfers[x] = struct{}{}
+	a.xfers[t] = struct{}{}
 	a.xferWG.Add(1)
 	a.xferMu.Unlock()
-	if err := b.Post(x); err != nil {
-		a.xferDone(x)
+	if err := b.Post(&t.w); err != nil {
+		if a.untrack(t) {
+			a.xferWG.Done()
+		}
 		return nil, err
 	}
-	return x, nil
+	return &t.x, nil
 }
 
-func (a *Agent) xferDone(x *Xfer) {
-	if a.untrack(x) {
-		a.xferWG.Done()
-	}
-}
-
-// untrack removes x from the transfers in flight and reports whether it
+// untrack removes t from the transfers in flight and reports whether it
 // was there; the caller then owes xferWG one Done.
-func (a *Agent) untrack(x *Xfer) bool {
+func (a *Agent) untrack(t *transfer) bool {
 	a.xferMu.Lock()
 	defer a.xferMu.Unlock()
-	_, ok := a.xfers[x]
-	delete(a.xfers, x)
+	_, ok := a.xfers[t]
+	delete(a.xfers, t)
 	return ok
 }
 
-// Notify sends a standalone notification to peer under key, best effort. It
-// may block while the backend connects to the peer.
-func (a *Agent) Notify(peer Info, key Key, msg []byte) error {
+// Notify sends a standalone notification to peer under key, best effort.
+// It may block while the backend connects to the peer: ctx bounds that,
+// and the error then wraps context.Cause(ctx). Safe for concurrent use.
+func (a *Agent) Notify(ctx context.Context, peer Info, key Key, msg []byte) error {
 	if a.isClosed() {
 		return ErrClosed
 	}
 	if peer.ID == uuid.Nil {
 		return fmt.Errorf("%w: notification names no peer", ErrInvalid)
 	}
-	b, err := a.choose(context.Background(), peer, Key{}, 0, "", nil)
+	b, err := a.choose(ctx, peer, Key{}, 0, "", nil)
 	if err != nil {
 		return err
 	}
-	return b.Notify(peer, key, msg)
+	return b.Notify(ctx, peer, key, msg)
 }
 
-// Deliver implements Host. It is the agent's notification dispatcher: a
-// lookup by key and a non-blocking send to the exposure's small queue, on
-// the caller's goroutine, with no hand-off. Notifications for no known key,
-// or that find the queue full, are counted dropped.
-func (a *Agent) Deliver(l Link, key Key, msg []byte) bool {
+// deliver is the agent's notification dispatcher (Host.Deliver): a lookup
+// by key and a non-blocking send to the exposure's small queue, on the
+// caller's goroutine, with no hand-off. Notifications for no known key, or
+// that find the queue full, are counted dropped.
+func (a *Agent) deliver(l Link, key Key, msg []byte) bool {
 	if a.isClosed() {
 		return false
 	}
@@ -365,10 +383,10 @@ func (a *Agent) Deliver(l Link, key Key, msg []byte) bool {
 	return true
 }
 
-// LinkLost implements Host: every exposure l presented the key of hears
+// linkLost is Host.LinkLost: every exposure l presented the key of hears
 // that its peer is lost. Exposures l never reached hear nothing, whatever
 // agent l claimed to be: only what a peer really used can report its loss.
-func (a *Agent) LinkLost(l Link, cause error) {
+func (a *Agent) linkLost(l Link, cause error) {
 	if l.Peer == uuid.Nil || l.id == 0 {
 		return
 	}
@@ -418,15 +436,15 @@ func (a *Agent) PeerDeparted(peer uuid.UUID, cause error) {
 		cause = fmt.Errorf("%w: %w", ErrRemoteLost, cause)
 	}
 	a.xferMu.Lock()
-	var xs []*Xfer
-	for x := range a.xfers {
-		if x.Peer.ID == peer {
-			xs = append(xs, x)
+	var ts []*transfer
+	for t := range a.xfers {
+		if t.w.Peer.ID == peer {
+			ts = append(ts, t)
 		}
 	}
 	a.xferMu.Unlock()
-	for _, x := range xs {
-		x.abort(cause)
+	for _, t := range ts {
+		t.abort(cause)
 	}
 	for _, b := range a.backends {
 		if d, ok := b.(Departer); ok {
@@ -435,9 +453,6 @@ func (a *Agent) PeerDeparted(peer uuid.UUID, cause error) {
 	}
 	a.peerLost(peer, cause)
 }
-
-// Refused implements Host.
-func (a *Agent) Refused() { a.refused.Add(1) }
 
 func (a *Agent) send(e *Exposure, ev Event) {
 	select {
@@ -459,13 +474,13 @@ func (a *Agent) Close() error {
 	}
 	a.xferMu.Lock()
 	a.closed.Store(true)
-	xs := make([]*Xfer, 0, len(a.xfers))
-	for x := range a.xfers {
-		xs = append(xs, x)
+	ts := make([]*transfer, 0, len(a.xfers))
+	for t := range a.xfers {
+		ts = append(ts, t)
 	}
 	a.xferMu.Unlock()
-	for _, x := range xs {
-		x.Cancel(ErrClosed)
+	for _, t := range ts {
+		t.x.Cancel(ErrClosed)
 	}
 	a.xferWG.Wait()
 
@@ -479,12 +494,6 @@ func (a *Agent) Close() error {
 		e.Revoke()
 	}
 
-	var errs []error
-	for _, b := range a.backends {
-		if err := b.Close(); err != nil {
-			errs = append(errs, fmt.Errorf("close backend %s: %w", b.Name(), err))
-		}
-	}
-	a.closeErr = errors.Join(errs...)
+	a.closeErr = errors.Join(a.stopBackends()...)
 	return a.closeErr
 }

@@ -21,7 +21,7 @@ import (
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 // stubBackend lets an agent start without moving any byte; tests drive the
-// agent through its Host methods as a backend would.
+// agent through the methods behind its Host as a backend would.
 type stubBackend struct {
 	name string
 
@@ -30,13 +30,13 @@ type stubBackend struct {
 	deregisters int
 }
 
-func (b *stubBackend) Name() string                          { return b.name }
-func (b *stubBackend) Start(Host) ([]byte, error)            { return []byte(b.name), nil }
-func (b *stubBackend) Supports(k MemKind) bool               { return k == KindDRAM }
-func (b *stubBackend) Reachable(context.Context, Info) error { return nil }
-func (b *stubBackend) Post(x *Xfer) error                    { x.Finish(nil); return nil }
-func (b *stubBackend) Notify(Info, Key, []byte) error        { return nil }
-func (b *stubBackend) Close() error                          { return nil }
+func (b *stubBackend) Name() string                                    { return b.name }
+func (b *stubBackend) Start(Host) ([]byte, error)                      { return []byte(b.name), nil }
+func (b *stubBackend) Supports(k MemKind) bool                         { return k == KindDRAM }
+func (b *stubBackend) Reachable(context.Context, Info) error           { return nil }
+func (b *stubBackend) Post(w *Work) error                              { w.Finish(nil); return nil }
+func (b *stubBackend) Notify(context.Context, Info, Key, []byte) error { return nil }
+func (b *stubBackend) Close() error                                    { return nil }
 
 // registrarBackend is a stubBackend that needs memory registered.
 type registrarBackend struct{ stubBackend }
@@ -200,7 +200,7 @@ func TestRevokeWaitsForLeases(t *testing.T) {
 
 	var leases []Lease
 	for range 3 {
-		l, err := a.Open(NewLink(peer), e.Key(), AccessWrite)
+		l, err := a.open(NewLink(peer), e.Key(), AccessWrite)
 		require.NoError(t, err)
 		leases = append(leases, l)
 	}
@@ -213,7 +213,7 @@ func TestRevokeWaitsForLeases(t *testing.T) {
 	}()
 	// Revoke refuses new leases at once...
 	require.Eventually(t, func() bool {
-		l, err := a.Open(NewLink(peer), e.Key(), AccessWrite)
+		l, err := a.open(NewLink(peer), e.Key(), AccessWrite)
 		if err == nil {
 			l.Release() // Revoke has not begun yet
 		}
@@ -282,7 +282,7 @@ func TestOpenRefusalsAreCounted(t *testing.T) {
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			before := a.Stats().Refused
-			l, err := a.Open(NewLink(peer), c.key, c.acc)
+			l, err := a.open(NewLink(peer), c.key, c.acc)
 			require.ErrorIs(t, err, ErrAccessDenied)
 			require.Zero(t, l, "a refused Open grants no lease")
 			assert.Equal(t, before+1, a.Stats().Refused)
@@ -290,7 +290,7 @@ func TestOpenRefusalsAreCounted(t *testing.T) {
 	}
 	assert.Equal(t, uuid.Nil, e.Peer(), "a refused lease binds nothing")
 
-	l, err := a.Open(NewLink(peer), e.Key(), AccessRead)
+	l, err := a.open(NewLink(peer), e.Key(), AccessRead)
 	require.NoError(t, err)
 	defer l.Release()
 	assert.Equal(t, AccessRead, l.Access())
@@ -318,7 +318,7 @@ func TestOpenRefusalsAreCounted(t *testing.T) {
 	assert.Equal(t, 20, cap(mem), "a slice must not reach past what was asked")
 
 	before := a.Stats().Refused
-	a.Refused()
+	a.refused.Add(1)
 	assert.Equal(t, before+1, a.Stats().Refused, "Host.Refused counts")
 }
 
@@ -329,7 +329,7 @@ func TestOpenOnClosingAgentReportsLoss(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, a.Close())
 	before := a.Stats().Refused
-	_, err = a.Open(NewLink(uuid.New()), e.Key(), AccessRead)
+	_, err = a.open(NewLink(uuid.New()), e.Key(), AccessRead)
 	require.ErrorIs(t, err, ErrRemoteLost, "a closed agent is lost to its peers, not refusing them")
 	assert.Equal(t, before, a.Stats().Refused, "a closing agent's refusals are no abuse")
 }
@@ -342,12 +342,12 @@ func TestDispatch(t *testing.T) {
 
 	t.Run("unknown key is dropped", func(t *testing.T) {
 		before := a.Stats().DroppedNotifications
-		require.True(t, a.Deliver(NewLink(peer), NewKey(), []byte("nobody")))
+		require.True(t, a.deliver(NewLink(peer), NewKey(), []byte("nobody")))
 		assert.Equal(t, before+1, a.Stats().DroppedNotifications)
 	})
 	t.Run("known key", func(t *testing.T) {
 		msg := []byte("done")
-		require.True(t, a.Deliver(NewLink(peer), e.Key(), msg))
+		require.True(t, a.deliver(NewLink(peer), e.Key(), msg))
 		select {
 		case ev := <-e.Events():
 			assert.Equal(t, Event{Kind: EventNotify, From: peer, Msg: msg}, ev)
@@ -359,7 +359,7 @@ func TestDispatch(t *testing.T) {
 	t.Run("full queue drops", func(t *testing.T) {
 		before := a.Stats().DroppedNotifications
 		for range eventBuffer + 3 {
-			require.True(t, a.Deliver(NewLink(peer), e.Key(), []byte("x")))
+			require.True(t, a.deliver(NewLink(peer), e.Key(), []byte("x")))
 		}
 		assert.Equal(t, before+3, a.Stats().DroppedNotifications)
 		assert.Len(t, e.Events(), eventBuffer)
@@ -372,7 +372,7 @@ func TestDispatch(t *testing.T) {
 		require.NoError(t, err)
 		r.Revoke()
 		before := a.Stats().DroppedNotifications
-		require.True(t, a.Deliver(NewLink(peer), r.Key(), []byte("late")))
+		require.True(t, a.deliver(NewLink(peer), r.Key(), []byte("late")))
 		assert.Equal(t, before+1, a.Stats().DroppedNotifications)
 		assert.Empty(t, r.Events())
 	})
@@ -388,18 +388,18 @@ func TestLinkLostReachesOnlyTheExposuresItUsed(t *testing.T) {
 	}
 	byLease, byNotify, others, unbound := mk(), mk(), mk(), mk()
 	link, otherLink := NewLink(lost), NewLink(other)
-	l, err := a.Open(link, byLease.Key(), AccessRead)
+	l, err := a.open(link, byLease.Key(), AccessRead)
 	require.NoError(t, err)
 	l.Release()
-	require.True(t, a.Deliver(link, byNotify.Key(), nil))
-	l, err = a.Open(otherLink, others.Key(), AccessRead)
+	require.True(t, a.deliver(link, byNotify.Key(), nil))
+	l, err = a.open(otherLink, others.Key(), AccessRead)
 	require.NoError(t, err)
 	l.Release()
 	<-byNotify.Events()
 
 	cause := errors.New("connection reset")
-	a.LinkLost(link, cause)
-	a.LinkLost(otherLink, nil)
+	a.linkLost(link, cause)
+	a.linkLost(otherLink, nil)
 	for _, e := range []*Exposure{byLease, byNotify} {
 		require.Len(t, e.Events(), 1)
 		ev := <-e.Events()
@@ -412,7 +412,7 @@ func TestLinkLostReachesOnlyTheExposuresItUsed(t *testing.T) {
 	assert.ErrorIs(t, ev.Err, ErrRemoteLost, "LinkLost with a nil cause reports ErrRemoteLost")
 	assert.Empty(t, unbound.Events())
 
-	a.LinkLost(link, cause)
+	a.linkLost(link, cause)
 	assert.Empty(t, byLease.Events(), "a link is lost once")
 }
 
@@ -427,18 +427,18 @@ func TestStrangerClaimingAPeersIDCannotFailItsExposures(t *testing.T) {
 	e, err := a.Expose(AccessRead, []Local{DRAM(make([]byte, 8))})
 	require.NoError(t, err)
 	used := NewLink(peer)
-	l, err := a.Open(used, e.Key(), AccessRead)
+	l, err := a.open(used, e.Key(), AccessRead)
 	require.NoError(t, err)
 	l.Release()
 
 	stranger := NewLink(peer) // same claimed ID, another channel
-	_, err = a.Open(stranger, NewKey(), AccessRead)
+	_, err = a.open(stranger, NewKey(), AccessRead)
 	require.ErrorIs(t, err, ErrAccessDenied)
-	require.True(t, a.Deliver(stranger, NewKey(), []byte("forged")))
-	a.LinkLost(stranger, errors.New("stranger hung up"))
+	require.True(t, a.deliver(stranger, NewKey(), []byte("forged")))
+	a.linkLost(stranger, errors.New("stranger hung up"))
 	assert.Empty(t, e.Events(), "a link that never presented the key reported the peer lost")
 
-	a.LinkLost(used, nil)
+	a.linkLost(used, nil)
 	require.Len(t, e.Events(), 1, "the link the peer used reports its loss")
 }
 
@@ -448,8 +448,8 @@ func TestLinkLostOfNilPeerReachesNoUnboundExposure(t *testing.T) {
 	a := newTestAgent(t)
 	e, err := a.Expose(AccessRead, []Local{DRAM(make([]byte, 8))})
 	require.NoError(t, err)
-	a.LinkLost(NewLink(uuid.Nil), nil)
-	a.LinkLost(Link{}, nil)
+	a.linkLost(NewLink(uuid.Nil), nil)
+	a.linkLost(Link{}, nil)
 	assert.Empty(t, e.Events())
 }
 
@@ -460,9 +460,9 @@ func TestDeliverAfterClose(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, a.Close())
 	for range 100 {
-		require.False(t, a.Deliver(NewLink(uuid.New()), e.Key(), []byte("late")), "Deliver on a closed agent")
+		require.False(t, a.deliver(NewLink(uuid.New()), e.Key(), []byte("late")), "Deliver on a closed agent")
 	}
-	a.LinkLost(NewLink(uuid.New()), nil) // must not block
+	a.linkLost(NewLink(uuid.New()), nil) // must not block
 }
 
 func TestCloseWaitsForLeasesAndRefusesUse(t *testing.T) {
@@ -471,7 +471,7 @@ func TestCloseWaitsForLeasesAndRefusesUse(t *testing.T) {
 	buf := make([]byte, 64)
 	e, err := a.Expose(AccessRead, []Local{DRAM(buf)})
 	require.NoError(t, err)
-	l, err := a.Open(NewLink(uuid.New()), e.Key(), AccessRead)
+	l, err := a.open(NewLink(uuid.New()), e.Key(), AccessRead)
 	require.NoError(t, err)
 
 	closed := make(chan error, 1)
@@ -494,7 +494,7 @@ func TestCloseWaitsForLeasesAndRefusesUse(t *testing.T) {
 	assert.ErrorIs(t, err, ErrClosed)
 	_, err = a.Register(DRAM(buf))
 	assert.ErrorIs(t, err, ErrClosed)
-	assert.ErrorIs(t, a.Notify(Info{ID: uuid.New()}, e.Key(), nil), ErrClosed)
+	assert.ErrorIs(t, a.Notify(context.Background(), Info{ID: uuid.New()}, e.Key(), nil), ErrClosed)
 }
 
 func TestPostValidates(t *testing.T) {
@@ -587,10 +587,10 @@ func TestRegionSetIsSorted(t *testing.T) {
 // with the cancel error, as a real backend would.
 type heldBackend struct{ stubBackend }
 
-func (b *heldBackend) Post(x *Xfer) error {
+func (b *heldBackend) Post(w *Work) error {
 	go func() {
-		<-x.Cancelled()
-		x.Finish(x.CancelErr())
+		<-w.Cancelled()
+		w.Finish(w.CancelErr())
 	}()
 	return nil
 }
@@ -609,7 +609,7 @@ func TestPeerDepartedAbortsItsTransfers(t *testing.T) {
 	e, err := a.Expose(AccessRead, []Local{DRAM(buf)})
 	require.NoError(t, err)
 	defer e.Revoke()
-	a.Deliver(NewLink(gone.ID), e.Key(), []byte("bind")) // e is now bound to gone
+	a.deliver(NewLink(gone.ID), e.Key(), []byte("bind")) // e is now bound to gone
 	<-e.Events()
 
 	a.PeerDeparted(gone.ID, errors.New("registry: no heartbeat for 2s"))

@@ -35,17 +35,17 @@ func TestAttackExposureBindsOnePeer(t *testing.T) {
 	require.NoError(t, err)
 	p, q := NewLink(uuid.New()), NewLink(uuid.New())
 
-	l, err := a.Open(p, e.Key(), AccessWrite)
+	l, err := a.open(p, e.Key(), AccessWrite)
 	require.NoError(t, err)
 	l.Release()
-	l, err = a.Open(q, e.Key(), AccessWrite)
+	l, err = a.open(q, e.Key(), AccessWrite)
 	require.NoError(t, err)
 	l.Release()
-	require.True(t, a.Deliver(q, e.Key(), []byte("from q")))
+	require.True(t, a.deliver(q, e.Key(), []byte("from q")))
 	require.Equal(t, p.Peer, e.Peer())
 	require.Equal(t, []EventKind{EventNotify}, drainKinds(e))
 
-	a.LinkLost(q, nil)
+	a.linkLost(q, nil)
 	a.PeerDeparted(q.Peer, nil)
 	require.Empty(t, drainKinds(e), "the loss of a second key holder reached an exposure bound to another peer")
 	e.mu.Lock()
@@ -53,9 +53,9 @@ func TestAttackExposureBindsOnePeer(t *testing.T) {
 	e.mu.Unlock()
 
 	e.Revoke()
-	a.LinkLost(p, nil)
+	a.linkLost(p, nil)
 	a.PeerDeparted(p.Peer, nil)
-	assert.False(t, a.Deliver(p, e.Key(), []byte("late")) && len(e.Events()) > 0, "a revoked exposure got a notification")
+	assert.False(t, a.deliver(p, e.Key(), []byte("late")) && len(e.Events()) > 0, "a revoked exposure got a notification")
 	assert.Empty(t, drainKinds(e), "a revoked exposure heard a loss")
 }
 
@@ -71,7 +71,7 @@ func TestAttackStrangerStormNeverReachesExposure(t *testing.T) {
 	require.NoError(t, err)
 	peer := uuid.New()
 	used := NewLink(peer)
-	l, err := a.Open(used, e.Key(), AccessRead)
+	l, err := a.open(used, e.Key(), AccessRead)
 	require.NoError(t, err)
 	l.Release()
 	require.Equal(t, peer, e.Peer())
@@ -81,20 +81,20 @@ func TestAttackStrangerStormNeverReachesExposure(t *testing.T) {
 		wg.Go(func() { // strangers
 			for range 500 {
 				s := NewLink(peer)
-				if _, err := a.Open(s, NewKey(), AccessRead); !errors.Is(err, ErrAccessDenied) {
+				if _, err := a.open(s, NewKey(), AccessRead); !errors.Is(err, ErrAccessDenied) {
 					t.Errorf("a stranger's Open: %v", err)
 				}
-				if _, err := a.Open(s, e.Key(), AccessWrite); !errors.Is(err, ErrAccessDenied) {
+				if _, err := a.open(s, e.Key(), AccessWrite); !errors.Is(err, ErrAccessDenied) {
 					t.Errorf("a wrong-access Open: %v", err)
 				}
-				a.Deliver(s, NewKey(), []byte("forged"))
-				a.LinkLost(s, errors.New("stranger hung up"))
+				a.deliver(s, NewKey(), []byte("forged"))
+				a.linkLost(s, errors.New("stranger hung up"))
 			}
 		})
 	}
 	wg.Go(func() { // the peer keeps using its link
 		for range 500 {
-			l, err := a.Open(used, e.Key(), AccessRead)
+			l, err := a.open(used, e.Key(), AccessRead)
 			if err != nil {
 				t.Errorf("the peer's Open: %v", err)
 				return
@@ -112,7 +112,7 @@ func TestAttackStrangerStormNeverReachesExposure(t *testing.T) {
 				t.Errorf("Expose: %v", err)
 				return
 			}
-			l, err := a.Open(NewLink(peer), o.Key(), AccessRead)
+			l, err := a.open(NewLink(peer), o.Key(), AccessRead)
 			if err == nil {
 				l.Release()
 			}
@@ -126,8 +126,8 @@ func TestAttackStrangerStormNeverReachesExposure(t *testing.T) {
 	require.Equal(t, []uint64{used.id}, e.links, "the exposure's links grew")
 	e.mu.Unlock()
 
-	a.LinkLost(used, nil)
-	a.LinkLost(used, nil)
+	a.linkLost(used, nil)
+	a.linkLost(used, nil)
 	require.Equal(t, []EventKind{EventPeerLost}, drainKinds(e), "the peer's own loss is heard, once")
 	e.mu.Lock()
 	require.Empty(t, e.links, "a lost link stays bound")

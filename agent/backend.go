@@ -2,43 +2,81 @@ package agent
 
 import (
 	"context"
+
 	"github.com/google/uuid"
 )
 
-// Backend moves bytes between agents. It is the contract every transport
-// implements (in-process copy, TCP, cross-memory attach, UCX); later
-// capabilities arrive as optional interfaces such as Registrar.
+// Backend moves bytes between agents: the contract every transport
+// implements (in-process copy, TCP, cross-memory attach, UCX). The agent
+// calls it; users of the agent never do.
 //
-// Implementations must be safe for concurrent use. A Backend serves one
-// agent: Start is called once, before any other method, and Close once, last.
+// # Implementing a backend
+//
+// Required: the methods below. Implementations must be safe for concurrent
+// use. A Backend serves one agent: Start is called once, before any other
+// method, and Close once, last; between the two every other method may be
+// called from any goroutine.
+//
+// The backend sees the agent only through the Host given to Start: the
+// local agent's identity and logger, a lifetime context, and the four calls
+// through which remote accesses reach local memory (Host.Open for a lease,
+// Host.Deliver for a notification, Host.LinkLost for a broken channel,
+// Host.Refused for a malformed request). The backend sees a transfer only
+// through its *Work: what to move, where, and the calls that end it
+// (Work.Finish, or Parts for a transfer moved in parts).
+//
+// Optional interfaces, each checked with a type assertion when the agent
+// needs it; a backend that lacks one is not asked and loses nothing else:
+//
+//   - [Registrar]: memory must be prepared (pinned, registered with a NIC)
+//     before use. Without it, Agent.Register records the region only.
+//   - [KeyedReacher]: whether the peer is reachable depends on the key the
+//     transfer presents (cma under Yama ptrace_scope 1). Without it, the
+//     agent calls Reachable and the key is not shown to the backend.
+//   - [Departer]: the backend keeps state per peer (connections) that
+//     Agent.PeerDeparted should drop at once. Without it, the transfers
+//     are aborted by the agent and the backend notices the peer's loss by
+//     its own means (timeouts, a closed socket).
+//   - [Counting]: the backend counts what its peers did wrong. Without it,
+//     Agent.Stats has no entry for the backend.
+//
+// Options a backend takes are validated when they are applied; an invalid
+// one yields an error wrapping [ErrInvalidOption], prefixed with the
+// backend's name.
 type Backend interface {
 	// Name is the backend's short, stable name ("mem", "tcp"); it names the
 	// backend in connection metadata, errors and operation reports.
 	Name() string
 	// Start binds the backend to its agent and returns the connection
 	// information remote agents need to reach it (for example a listen
-	// address). It may start goroutines, which Close stops.
+	// address). It may start goroutines, which Close stops; h.Context is
+	// cancelled when the agent begins to close the backend. The backend
+	// keeps h for its lifetime.
 	Start(h Host) (connInfo []byte, err error)
-	// Supports reports whether the backend can move memory of kind k.
+	// Supports reports whether the backend can move memory of kind k. It
+	// must not block.
 	Supports(k MemKind) bool
 	// Reachable reports whether the backend can reach the remote agent
-	// described by info. A nil error means yes; otherwise the error says
-	// why not, and the agent tries the next backend. Most backends judge
-	// from info alone; one that must do I/O to know (cma's trial read)
-	// returns when ctx is done, with an error wrapping context.Cause(ctx).
+	// described by info: a nil error means yes; otherwise the error says
+	// why not, and the agent tries the next backend. A backend may do I/O
+	// to know (cma connects and makes a trial read): it must then return
+	// once ctx is done, with an error wrapping context.Cause(ctx), and
+	// should cache its verdict.
 	Reachable(ctx context.Context, info Info) error
-	// Post starts x and returns without waiting for it. The backend must call
-	// x.Finish exactly once, after which it no longer touches x's local
-	// memory. If x.Notify is non-nil the backend delivers it to the remote
-	// agent under x.Key after every byte of x is in place and before calling
-	// x.Finish(nil). An error from Post means x was not started and Finish
-	// must not be called.
-	Post(x *Xfer) error
+	// Post starts w and returns without waiting for it. The backend must
+	// call w.Finish exactly once (directly or through Parts), after which
+	// it no longer touches w's local memory. If w.Notify is non-nil the
+	// backend delivers it to the remote agent under w.Key after every byte
+	// of w is in place and before calling w.Finish(nil). An error from Post
+	// means w was not started and Finish must not be called.
+	Post(w *Work) error
 	// Notify sends msg to the remote agent under key, best effort, without
-	// waiting for the remote to process it.
-	Notify(peer Info, key Key, msg []byte) error
-	// Close stops the backend and its goroutines. Transfers still in flight
-	// finish with an error.
+	// waiting for the remote to process it. It may block while connecting
+	// to the peer, and returns once ctx is done, with an error wrapping
+	// context.Cause(ctx).
+	Notify(ctx context.Context, peer Info, key Key, msg []byte) error
+	// Close stops the backend and its goroutines. The agent has finished
+	// every transfer it posted before calling Close.
 	Close() error
 }
 
@@ -101,33 +139,6 @@ type KeyedReacher interface {
 // rather than closed its connections. Transfers posted later reconnect.
 type Departer interface {
 	PeerDeparted(peer uuid.UUID, cause error)
-}
-
-// Host is the agent as its backends see it: the only way a backend reaches
-// back into the agent. Its methods are safe for concurrent use.
-type Host interface {
-	// ID is the local agent's identity.
-	ID() uuid.UUID
-	// Open grants the peer on link l a lease on the exposure named by key
-	// for access acc.
-	// Every byte the backend touches on a remote agent's behalf must be
-	// reached through Lease.Slice while the lease is held, and the lease
-	// released promptly: revocation waits for outstanding leases. Refused
-	// accesses return an error wrapping ErrAccessDenied and are counted.
-	Open(l Link, key Key, acc Access) (Lease, error)
-	// Deliver hands a notification that arrived on link l to the exposure
-	// owning key. It never blocks, and returns false once the agent is
-	// closed.
-	Deliver(l Link, key Key, msg []byte) bool
-	// LinkLost reports that link l broke or ended: the exposures whose key
-	// was presented on l hear that their peer is lost. Report every link
-	// that ends for a reason other than this agent's own choice (a reaped
-	// idle connection is no loss); links that never presented a key are
-	// ignored, so reporting them is harmless.
-	LinkLost(l Link, cause error)
-	// Refused counts an access the backend refused before it could name an
-	// exposure (malformed requests, frames from unidentified peers).
-	Refused()
 }
 
 // Info is an agent's public metadata: its identity and, per backend, the

@@ -22,4 +22,9 @@ var (
 	// ErrInvalid reports malformed arguments: mismatched segment lengths,
 	// unregistered memory, an unknown peer.
 	ErrInvalid = errors.New("goxfer: invalid argument")
+	// ErrInvalidOption reports an option value a backend cannot use. Every
+	// backend's option errors wrap it, prefixed with the backend's name
+	// ("tcp: streams must be in [1, 64], got 0"); connect wraps it in its
+	// own ErrInvalidOption.
+	ErrInvalidOption = errors.New("goxfer: invalid option")
 )

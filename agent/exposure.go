@@ -168,8 +168,8 @@ func (e *Exposure) unbind(l Link) bool {
 // Link names one channel through which a remote agent reaches this one:
 // a backend's connection, session or endpoint. Peer is the agent the
 // channel's handshake named; it is a claim, not a proof, since agent IDs
-// are public. Backends make one Link per channel with NewLink, pass it to
-// Host.Open and Host.Deliver for everything that arrives on the channel,
+// are public. Backends make one Link per channel with [NewLink], pass it to
+// [Host.Open] and [Host.Deliver] for everything that arrives on the channel,
 // and report the channel's end with Host.LinkLost. An exposure hears of a
 // lost peer only through the links that presented its key, so a stranger
 // claiming a peer's ID cannot fail that peer's operations by hanging up.
@@ -234,8 +234,8 @@ func (l *Lease) Release() {
 	e.mu.Unlock()
 }
 
-// Open implements Host.
-func (a *Agent) Open(l Link, key Key, acc Access) (Lease, error) {
+// open is Host.Open.
+func (a *Agent) open(l Link, key Key, acc Access) (Lease, error) {
 	a.expMu.RLock()
 	e := a.exps[key]
 	a.expMu.RUnlock()

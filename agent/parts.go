@@ -13,13 +13,13 @@ import (
 //     if every part went through;
 //   - the notification, if any, goes out only once every part is done and
 //     successful, and its failure fails the transfer;
-//   - Xfer.Finish is called exactly once, after the last part.
+//   - Work.Finish is called exactly once, after the last part.
 //
 // A backend embeds or allocates one per transfer and calls Init before
 // sharing it. The zero value is not usable. Methods are safe for concurrent
 // use.
 type Parts struct {
-	x        *Xfer
+	w        *Work
 	notify   func(key Key, msg []byte) error
 	finished func()
 	refs     atomic.Int64
@@ -28,18 +28,18 @@ type Parts struct {
 	err error
 }
 
-// Init prepares p for x with one reference, held by the caller (usually
+// Init prepares p for w with one reference, held by the caller (usually
 // the goroutine that posts the parts), which it drops with Done like any
-// part's. notify delivers x.Notify to the peer; it is not called when
-// x.Notify is nil. finished, if not nil, runs after x.Finish, for example
+// part's. notify delivers w.Notify to the peer; it is not called when
+// w.Notify is nil. finished, if not nil, runs after w.Finish, for example
 // to mark a backend's goroutine or transfer done.
-func (p *Parts) Init(x *Xfer, notify func(key Key, msg []byte) error, finished func()) {
-	p.x, p.notify, p.finished = x, notify, finished
+func (p *Parts) Init(w *Work, notify func(key Key, msg []byte) error, finished func()) {
+	p.w, p.notify, p.finished = w, notify, finished
 	p.refs.Store(1)
 }
 
-// Xfer returns the transfer p finishes.
-func (p *Parts) Xfer() *Xfer { return p.x }
+// Work returns the transfer p finishes.
+func (p *Parts) Work() *Work { return p.w }
 
 // Add counts one more part in flight; each Add is matched by one Done.
 func (p *Parts) Add() { p.refs.Add(1) }
@@ -64,7 +64,7 @@ func (p *Parts) Failed() bool {
 
 // Done ends one part, with err if it failed. The last Done finishes the
 // transfer on the calling goroutine: it sends the notification, if any,
-// and calls Xfer.Finish.
+// and calls Work.Finish.
 func (p *Parts) Done(err error) {
 	if err != nil {
 		p.Fail(err)
@@ -81,16 +81,16 @@ func (p *Parts) finish() {
 	p.mu.Lock()
 	err := p.err
 	p.mu.Unlock()
-	x := p.x
+	w := p.w
 	if err == nil {
 		select {
-		case <-x.Cancelled():
-			err = x.CancelErr()
+		case <-w.Cancelled():
+			err = w.CancelErr()
 		default:
 		}
 	}
-	if err == nil && x.Notify != nil {
-		err = p.notify(x.Key, x.Notify)
+	if err == nil && w.Notify != nil {
+		err = p.notify(w.Key, w.Notify)
 	}
-	x.Finish(err)
+	w.Finish(err)
 }

@@ -15,21 +15,21 @@ import (
 // capturingBackend hands every posted transfer to the test.
 type capturingBackend struct {
 	stubBackend
-	posted chan *Xfer
+	posted chan *Work
 }
 
-func (b *capturingBackend) Post(x *Xfer) error { b.posted <- x; return nil }
+func (b *capturingBackend) Post(w *Work) error { b.posted <- w; return nil }
 
 func TestParts(t *testing.T) {
-	b := &capturingBackend{stubBackend{name: "parts"}, make(chan *Xfer, 1)}
+	b := &capturingBackend{stubBackend{name: "parts"}, make(chan *Work, 1)}
 	a := newTestAgent(t, b)
 	peer := Info{ID: uuid.New(), Conns: []ConnInfo{{Backend: "parts"}}}
 	buf := make([]byte, 64)
-	post := func(notify []byte) *Xfer {
-		_, err := a.Post(context.Background(), Request{Op: OpWrite, Peer: peer, Notify: notify,
+	post := func(notify []byte) (*Xfer, *Work) {
+		x, err := a.Post(context.Background(), Request{Op: OpWrite, Peer: peer, Notify: notify,
 			Segments: []Segment{{Local: DRAM(buf), Remote: Region{Addr: 0x1000, Len: 64}}}})
 		require.NoError(t, err)
-		return <-b.posted
+		return x, <-b.posted
 	}
 	type sent struct {
 		key Key
@@ -79,12 +79,12 @@ func TestParts(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			x := post(tc.notify)
+			x, w := post(tc.notify)
 			var mu sync.Mutex
 			var notes []sent
 			finished := 0
 			var p Parts
-			p.Init(x, func(k Key, msg []byte) error {
+			p.Init(w, func(k Key, msg []byte) error {
 				mu.Lock()
 				defer mu.Unlock()
 				select {
@@ -95,7 +95,7 @@ func TestParts(t *testing.T) {
 				notes = append(notes, sent{k, string(msg)})
 				return tc.notifyErr
 			}, func() { finished++ })
-			assert.Same(t, x, p.Xfer())
+			assert.Same(t, w, p.Work())
 			assert.False(t, p.Failed())
 			tc.run(&p, x)
 			<-x.Done()
@@ -106,7 +106,7 @@ func TestParts(t *testing.T) {
 			}
 			assert.Equal(t, 1, finished)
 			if tc.notified {
-				assert.Equal(t, []sent{{x.Key, "done"}}, notes)
+				assert.Equal(t, []sent{{w.Key, "done"}}, notes)
 			} else {
 				assert.Empty(t, notes)
 			}
@@ -124,23 +124,25 @@ func TestAfterCancel(t *testing.T) {
 	}
 	t.Run("runs once on cancel", func(t *testing.T) {
 		x := post()
+		w := &x.t.w
 		ran := make(chan struct{}, 2)
-		stop := x.AfterCancel(func() { ran <- struct{}{} })
+		stop := w.AfterCancel(func() { ran <- struct{}{} })
 		x.Cancel(nil)
 		x.Cancel(nil)
 		<-ran
 		assert.False(t, stop(), "stop after f started")
 		assert.Empty(t, ran, "f ran twice")
-		x.Finish(x.CancelErr())
+		w.Finish(w.CancelErr())
 	})
 	t.Run("stopped never runs", func(t *testing.T) {
 		x := post()
+		w := &x.t.w
 		ran := make(chan struct{}, 1)
-		stop := x.AfterCancel(func() { ran <- struct{}{} })
+		stop := w.AfterCancel(func() { ran <- struct{}{} })
 		assert.True(t, stop())
 		assert.False(t, stop(), "a second stop")
 		x.Cancel(nil)
-		x.Finish(x.CancelErr())
+		w.Finish(w.CancelErr())
 		select {
 		case <-ran:
 			t.Fatal("f ran after stop")
@@ -149,11 +151,12 @@ func TestAfterCancel(t *testing.T) {
 	})
 	t.Run("already cancelled runs at once", func(t *testing.T) {
 		x := post()
+		w := &x.t.w
 		x.Cancel(nil)
 		ran := make(chan struct{})
-		stop := x.AfterCancel(func() { close(ran) })
+		stop := w.AfterCancel(func() { close(ran) })
 		<-ran
 		assert.False(t, stop())
-		x.Finish(x.CancelErr())
+		w.Finish(w.CancelErr())
 	})
 }

@@ -3,9 +3,12 @@ package agent
 import (
 	"errors"
 	"fmt"
+	"iter"
 	"slices"
 	"sync"
 	"sync/atomic"
+
+	"github.com/google/uuid"
 )
 
 // Op is the direction of a one-sided transfer.
@@ -64,14 +67,29 @@ type Request struct {
 	OnDone func(x *Xfer, err error)
 }
 
-// Xfer is a transfer in flight: the agent's handle for the caller, and the
-// work item a backend executes. Its methods are safe for concurrent use.
-type Xfer struct {
+// Xfer is the caller's handle on a transfer posted with Agent.Post: wait
+// for it, read its outcome, cancel it. Its methods are safe for concurrent
+// use.
+type Xfer struct{ t *transfer }
+
+// Work is a transfer as the backend that moves it sees it: what to move and
+// where, and the calls that end it. The fields are set by the agent before
+// Backend.Post and must not be changed. Methods are safe for concurrent use.
+type Work struct {
 	Op       Op
 	Peer     Info
 	Key      Key
 	Segments []Segment
 	Notify   []byte
+
+	t *transfer
+}
+
+// transfer is one posted transfer; the caller's handle and the backend's
+// work item point into it, so the pair costs one allocation.
+type transfer struct {
+	x Xfer
+	w Work
 
 	a       *Agent
 	backend string
@@ -92,21 +110,27 @@ type Xfer struct {
 	err      error
 }
 
+// Op returns the transfer's direction.
+func (x *Xfer) Op() Op { return x.t.w.Op }
+
+// Peer returns the remote agent's identity.
+func (x *Xfer) Peer() uuid.UUID { return x.t.w.Peer.ID }
+
 // Bytes returns the total length of the transfer's segments.
-func (x *Xfer) Bytes() uint64 { return x.bytes }
+func (x *Xfer) Bytes() uint64 { return x.t.bytes }
 
 // Backend returns the name of the backend moving the transfer's bytes.
-func (x *Xfer) Backend() string { return x.backend }
+func (x *Xfer) Backend() string { return x.t.backend }
 
 // Done is closed when the transfer has finished, successfully or not, and
 // its backend no longer touches its local memory.
-func (x *Xfer) Done() <-chan struct{} { return x.done }
+func (x *Xfer) Done() <-chan struct{} { return x.t.done }
 
 // Err returns the transfer's outcome once Done is closed, and nil before.
 func (x *Xfer) Err() error {
 	select {
-	case <-x.done:
-		return x.err
+	case <-x.t.done:
+		return x.t.err
 	default:
 		return nil
 	}
@@ -117,113 +141,127 @@ func (x *Xfer) Err() error {
 // the backend has let go of the local memory. Cancelling a finished transfer
 // does nothing.
 func (x *Xfer) Cancel(cause error) {
-	x.cancelOnce.Do(func() {
+	t := x.t
+	t.cancelOnce.Do(func() {
 		err := ErrCancelled
 		if cause != nil && !errors.Is(cause, ErrCancelled) {
 			err = fmt.Errorf("%w: %w", ErrCancelled, cause)
 		}
-		x.cause.Store(&err)
-		close(x.cancel)
-		x.runAfter()
+		t.cause.Store(&err)
+		close(t.cancel)
+		t.runAfter()
 	})
 }
 
 // abort cancels the transfer with err as its outcome, not joined to
 // ErrCancelled: the transfer did not stop by anyone's choice.
-func (x *Xfer) abort(err error) {
-	x.cancelOnce.Do(func() {
-		x.cause.Store(&err)
-		close(x.cancel)
-		x.runAfter()
+func (t *transfer) abort(err error) {
+	t.cancelOnce.Do(func() {
+		t.cause.Store(&err)
+		close(t.cancel)
+		t.runAfter()
 	})
 }
 
 type afterCancel struct {
-	x *Xfer
+	t *transfer
 	f func()
 }
+
+// Bytes returns the total length of the transfer's segments.
+func (w *Work) Bytes() uint64 { return w.t.bytes }
 
 // AfterCancel arranges for f to run in its own goroutine once the transfer
 // is cancelled (at once if it already is), as context.AfterFunc does: a
 // backend learns of cancellation without a goroutine per transfer waiting
 // for it. stop unregisters f and reports whether it did so before f was
-// started; after a false, f has started or will. Safe for concurrent use.
-func (x *Xfer) AfterCancel(f func()) (stop func() bool) {
-	a := &afterCancel{x: x, f: f}
-	x.afterMu.Lock()
-	if x.cancelled {
-		x.afterMu.Unlock()
+// started; after a false, f has started or will.
+func (w *Work) AfterCancel(f func()) (stop func() bool) {
+	t := w.t
+	a := &afterCancel{t: t, f: f}
+	t.afterMu.Lock()
+	if t.cancelled {
+		t.afterMu.Unlock()
 		go f()
-		a.x = nil
+		a.t = nil
 		return a.stop
 	}
-	if x.after == nil {
-		x.after = x.afterBuf[:0]
+	if t.after == nil {
+		t.after = t.afterBuf[:0]
 	}
-	x.after = append(x.after, a)
-	x.afterMu.Unlock()
+	t.after = append(t.after, a)
+	t.afterMu.Unlock()
 	return a.stop
 }
 
 func (a *afterCancel) stop() bool {
-	x := a.x
-	if x == nil {
+	t := a.t
+	if t == nil {
 		return false
 	}
-	x.afterMu.Lock()
-	defer x.afterMu.Unlock()
-	i := slices.Index(x.after, a)
+	t.afterMu.Lock()
+	defer t.afterMu.Unlock()
+	i := slices.Index(t.after, a)
 	if i < 0 {
 		return false
 	}
-	x.after = slices.Delete(x.after, i, i+1)
+	t.after = slices.Delete(t.after, i, i+1)
 	return true
 }
 
-func (x *Xfer) runAfter() {
-	x.afterMu.Lock()
-	x.cancelled = true
-	fs := x.after
-	x.after = nil
-	x.afterMu.Unlock()
+func (t *transfer) runAfter() {
+	t.afterMu.Lock()
+	t.cancelled = true
+	fs := t.after
+	t.after = nil
+	t.afterMu.Unlock()
 	for _, a := range fs {
 		go a.f()
 	}
 }
 
-// Cancelled is closed when the transfer has been cancelled. Backends select
-// on it between chunks.
-func (x *Xfer) Cancelled() <-chan struct{} { return x.cancel }
+// Cancelled is closed when the transfer has been cancelled (Xfer.Cancel,
+// Agent.Close, Agent.PeerDeparted). Backends select on it between chunks,
+// or use AfterCancel.
+func (w *Work) Cancelled() <-chan struct{} { return w.t.cancel }
 
 // CancelErr returns the error a backend should finish a cancelled transfer
-// with: ErrCancelled joined with the cause given to Cancel, or the error of
-// an agent that aborted the transfer (Agent.PeerDeparted).
-func (x *Xfer) CancelErr() error {
-	if p := x.cause.Load(); p != nil {
+// with: ErrCancelled joined with the cause given to Xfer.Cancel, or the
+// error of an agent that aborted the transfer (Agent.PeerDeparted).
+func (w *Work) CancelErr() error {
+	if p := w.t.cause.Load(); p != nil {
 		return *p
 	}
 	return ErrCancelled
 }
 
-// Finish records the transfer's outcome and releases waiters. Backends call
-// it exactly once; later calls are ignored.
-func (x *Xfer) Finish(err error) {
-	x.doneOnce.Do(func() {
-		x.err = err
+// Done is closed once Finish has been called.
+func (w *Work) Done() <-chan struct{} { return w.t.done }
+
+// Finish records the transfer's outcome and releases its waiters: the
+// backend has let go of the local memory. Backends call it exactly once
+// (Parts does for transfers moved in parts); later calls are ignored.
+func (w *Work) Finish(err error) {
+	t := w.t
+	t.doneOnce.Do(func() {
+		t.err = err
 		// Out of Stats().InFlight before anyone can see it finish (OnDone
 		// wakes connect's waiters), so that a caller that saw it finish
 		// never counts it; still counted by Close, which must not return
 		// before Done is closed.
-		tracked := x.a.untrack(x)
-		if x.onDone != nil {
-			x.onDone(x, err)
+		tracked := t.a.untrack(t)
+		if t.onDone != nil {
+			t.onDone(&t.x, err)
 		}
-		close(x.done)
+		close(t.done)
 		if tracked {
-			x.a.xferWG.Done()
+			t.a.xferWG.Done()
 		}
 	})
 }
+
+// Pieces yields the pieces of w's n bytes that start at c; see [Pieces].
+func (w *Work) Pieces(c Cursor, n uint64) iter.Seq[Piece] { return Pieces(w.Segments, c, n) }
 
 // Cursor is a position in a transfer's segments: byte Off of segment Seg.
 // Backends cut a transfer into spans (frames, leases, chunks) between two
@@ -247,4 +285,47 @@ func Span(segs []Segment, c Cursor, maxBytes uint64, maxPieces int) (end Cursor,
 		}
 	}
 	return c, n, pieces
+}
+
+// Piece is one contiguous part of one segment: Len bytes at offset Off of
+// segment Seg.
+type Piece struct {
+	Seg *Segment
+	Off uint64
+	Len uint64
+}
+
+// Local returns the piece's local bytes (nil for memory Go cannot address,
+// such as VRAM).
+func (p Piece) Local() []byte {
+	if p.Seg.Local.Mem == nil {
+		return nil
+	}
+	return p.Seg.Local.Mem[p.Off : p.Off+p.Len : p.Off+p.Len]
+}
+
+// LocalAddr returns the address of the piece's local bytes.
+func (p Piece) LocalAddr() uint64 { return p.Seg.Local.Addr + p.Off }
+
+// RemoteAddr returns the address of the piece's remote bytes.
+func (p Piece) RemoteAddr() uint64 { return p.Seg.Remote.Addr + p.Off }
+
+// Pieces yields, in order, the pieces of the n bytes of segs that start at
+// c, as Span cut them: every backend walks a span this way to build its
+// frames, I/O vectors or requests. n must not run past the last segment.
+// Breaking out of the loop early is allowed.
+func Pieces(segs []Segment, c Cursor, n uint64) iter.Seq[Piece] {
+	return func(yield func(Piece) bool) {
+		for n > 0 {
+			sg := &segs[c.Seg]
+			take := min(sg.Local.Len-c.Off, n)
+			if !yield(Piece{Seg: sg, Off: c.Off, Len: take}) {
+				return
+			}
+			n -= take
+			if c.Off += take; c.Off == sg.Local.Len {
+				c.Seg, c.Off = c.Seg+1, 0
+			}
+		}
+	}
 }

@@ -83,7 +83,7 @@ func TestAttackTurnStormDecidesOnce(t *testing.T) {
 		closers := 1 + rand.IntN(2)
 		var cwg sync.WaitGroup
 		notify := func() {
-			require.NoError(t, peer.a.Notify(md.peer, md.key, doneNotice))
+			require.NoError(t, peer.a.Notify(context.Background(), md.peer, md.key, doneNotice))
 			reported.Store(true)
 		}
 		if i%2 == 0 {
@@ -237,13 +237,13 @@ func TestAttackTCPStrangerKeepsALostPeerAlive(t *testing.T) {
 	md := pop.Metadata()
 	// The peer presents the key: a message of a code this version does not
 	// know binds the exposure and decides nothing.
-	require.NoError(t, peer.a.Notify(md.peer, md.key, []byte{0xee, 'x'}))
+	require.NoError(t, peer.a.Notify(context.Background(), md.peer, md.key, []byte{0xee, 'x'}))
 	require.Eventually(t, func() bool { return pop.Status() == StatusInProgress }, hangGuard, time.Millisecond)
 
 	// The stranger has no key. It connects claiming the peer's ID and sends
 	// a notification to a key of its own invention (dropped).
 	stranger := newConnector(t, WithBackends(tcp.New()), WithAgentID(peer.a.ID()))
-	require.NoError(t, stranger.a.Notify(md.peer, agent.NewKey(), []byte{0xee, 'y'}))
+	require.NoError(t, stranger.a.Notify(context.Background(), md.peer, agent.NewKey(), []byte{0xee, 'y'}))
 
 	// The real peer goes away in an orderly way (it says goodbye).
 	require.NoError(t, peer.Close())

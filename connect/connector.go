@@ -11,8 +11,6 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/goxfer/goxfer/agent"
-	"github.com/goxfer/goxfer/agent/backend/cma"
-	"github.com/goxfer/goxfer/agent/backend/tcp"
 )
 
 // Connector creates the four kinds of operation over one shared transfer
@@ -63,8 +61,8 @@ func NewConnector(opts ...Option) (*Connector, error) {
 		aopts = append(aopts, agent.WithID(o.id))
 	}
 	a, err := agent.New(aopts...)
-	if errors.Is(err, tcp.ErrInvalidOption) || errors.Is(err, cma.ErrInvalidOption) {
-		return nil, fmt.Errorf("%w: %w", ErrInvalidOption, err)
+	if errors.Is(err, ErrInvalidOption) {
+		return nil, err
 	}
 	if err != nil {
 		return nil, fmt.Errorf("connect: start agent: %w", err)

@@ -7,7 +7,7 @@ import (
 	"github.com/goxfer/goxfer/agent"
 )
 
-// Sentinel errors, matched with errors.Is. The first five are the agent's own
+// Sentinel errors, matched with errors.Is. The first six are the agent's own
 // sentinels re-exported, so an error from any layer (connect, agent, a
 // backend) matches the same value.
 var (
@@ -26,6 +26,10 @@ var (
 	// ErrNoBackend reports that no backend both sides share can move the
 	// memory involved, or that the forced backend is not configured.
 	ErrNoBackend = agent.ErrNoBackend
+	// ErrInvalidOption reports an invalid or conflicting Option given to
+	// NewConnector, or to a backend (WithTCPOptions, WithCMAOptions,
+	// WithUCX): every backend's option errors wrap this one value.
+	ErrInvalidOption = agent.ErrInvalidOption
 
 	// ErrKindMismatch reports metadata of the wrong kind: a READ token given
 	// to BeginWrite, or a WRITE token given to BeginRead.
@@ -36,9 +40,6 @@ var (
 	// ErrInvalidMetadata reports a token that cannot be decoded: not
 	// base64url, truncated, damaged, of another version, or malformed.
 	ErrInvalidMetadata = errors.New("connect: invalid metadata")
-	// ErrInvalidOption reports an invalid or conflicting Option given to
-	// NewConnector.
-	ErrInvalidOption = errors.New("connect: invalid option")
 	// ErrInvalidDescriptor reports a descriptor that names no memory: an
 	// empty buffer, a zero Descriptor, a null pointer or an invalid Device.
 	ErrInvalidDescriptor = errors.New("connect: invalid descriptor")

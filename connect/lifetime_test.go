@@ -1,6 +1,7 @@
 package connect
 
 import (
+	"context"
 	"errors"
 	"runtime"
 	"sync"
@@ -28,7 +29,7 @@ func lifetimeRounds(full int) int {
 // before Notify returns: queued, or handed to a Wait blocked on the queue.
 func reportDone(t *testing.T, from *Connector, md Metadata) {
 	t.Helper()
-	require.NoError(t, from.a.Notify(md.peer, md.key, doneNotice))
+	require.NoError(t, from.a.Notify(context.Background(), md.peer, md.key, doneNotice))
 }
 
 // A completion the peer reported before Close must survive a Close racing a
@@ -189,7 +190,7 @@ func TestRepeatedWaitsReturnFirstOutcome(t *testing.T) {
 			wg.Go(func() { errs[k] = op.Wait(ctx) })
 		}
 		runtime.Gosched()
-		require.NoError(t, peer.a.Notify(md.peer, md.key, encodeNotice(noticeCancelled, "changed its mind")))
+		require.NoError(t, peer.a.Notify(context.Background(), md.peer, md.key, encodeNotice(noticeCancelled, "changed its mind")))
 		reportDone(t, peer, md) // too late: the cancellation came first
 		require.NoError(t, op.Close())
 		wg.Wait()

@@ -49,7 +49,7 @@ func pair(t *testing.T, backend string) (passive, active *Connector) {
 // stallPair returns Connectors whose transfers never progress until they are
 // cancelled, to catch operations in flight deterministically. Notifications
 // still travel over mem.
-func stallPair(t *testing.T) (passive, active *Connector, stalled <-chan *agent.Xfer) {
+func stallPair(t *testing.T) (passive, active *Connector, stalled <-chan *agent.Work) {
 	t.Helper()
 	s := newStall()
 	passive = newConnector(t, WithBackends(mem.New(), newStall()))
@@ -59,7 +59,7 @@ func stallPair(t *testing.T) (passive, active *Connector, stalled <-chan *agent.
 
 // stall is a backend whose transfers wait until cancelled or closed.
 type stall struct {
-	posted chan *agent.Xfer
+	posted chan *agent.Work
 	stop   chan struct{}
 
 	mu     sync.Mutex
@@ -68,7 +68,7 @@ type stall struct {
 }
 
 func newStall() *stall {
-	return &stall{posted: make(chan *agent.Xfer, 64), stop: make(chan struct{})}
+	return &stall{posted: make(chan *agent.Work, 64), stop: make(chan struct{})}
 }
 
 func (s *stall) Name() string                     { return "stall" }
@@ -82,7 +82,7 @@ func (s *stall) Reachable(_ context.Context, info agent.Info) error {
 	return nil
 }
 
-func (s *stall) Post(x *agent.Xfer) error {
+func (s *stall) Post(x *agent.Work) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
@@ -105,7 +105,7 @@ func (s *stall) Post(x *agent.Xfer) error {
 	return nil
 }
 
-func (s *stall) Notify(agent.Info, agent.Key, []byte) error {
+func (s *stall) Notify(context.Context, agent.Info, agent.Key, []byte) error {
 	return errors.New("stall: no notifications")
 }
 

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/google/uuid"
 
@@ -491,6 +492,10 @@ func (o *activeOp) finish(x *agent.Xfer, err error) {
 	}()
 }
 
+// tellPeerTimeout bounds telling the peer of a failure: the notice may
+// need a new connection to a peer that is slow to answer.
+const tellPeerTimeout = 10 * time.Second
+
 // tellPeer tells the passive side, best effort, that the operation failed or
 // was cancelled, so that its Wait returns instead of waiting for a
 // completion that will never come.
@@ -502,7 +507,9 @@ func (o *activeOp) tellPeer(err error) {
 	if errors.Is(err, ErrCancelled) || errors.Is(err, ErrClosed) {
 		code = noticeCancelled
 	}
-	if nerr := o.c.a.Notify(o.peer, o.key, encodeNotice(code, err.Error())); nerr != nil {
+	ctx, cancel := context.WithTimeout(context.Background(), tellPeerTimeout)
+	defer cancel()
+	if nerr := o.c.a.Notify(ctx, o.peer, o.key, encodeNotice(code, err.Error())); nerr != nil {
 		o.c.log.Debug("connect: could not tell the peer about a failed transfer", "op", o.name, "peer", o.peer.ID, "err", nerr)
 	}
 }

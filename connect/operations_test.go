@@ -525,7 +525,7 @@ func TestPeerLost(t *testing.T) {
 			md := pop.Metadata()
 			// A message of a code this version does not know: the peer binds
 			// the exposure, nothing more.
-			require.NoError(t, activeConn.a.Notify(md.peer, md.key, []byte{0xee, 'x'}))
+			require.NoError(t, activeConn.a.Notify(context.Background(), md.peer, md.key, []byte{0xee, 'x'}))
 			require.Eventually(t, func() bool { return pop.Status() == StatusInProgress }, hangGuard, time.Millisecond)
 			require.NoError(t, activeConn.Close())
 
@@ -568,7 +568,7 @@ func TestKeepaliveKeepsIdlePeer(t *testing.T) {
 
 			pop := expose(t, passive, KindWrite, buffers([]int{64}, 1))
 			md := pop.Metadata()
-			require.NoError(t, activeConn.a.Notify(md.peer, md.key, []byte{0xee, 'x'}))
+			require.NoError(t, activeConn.a.Notify(context.Background(), md.peer, md.key, []byte{0xee, 'x'}))
 			require.Eventually(t, func() bool { return pop.Status() == StatusInProgress }, hangGuard, time.Millisecond)
 
 			silence := 4 * ka.timeout
@@ -629,7 +629,7 @@ func TestMalformedNotificationsIgnored(t *testing.T) {
 	pop := expose(t, passive, KindRead, src)
 	md := pop.Metadata()
 	for _, msg := range [][]byte{{}, {0}, {4, 'x'}, {0xff}} {
-		require.NoError(t, activeConn.a.Notify(md.peer, md.key, msg))
+		require.NoError(t, activeConn.a.Notify(context.Background(), md.peer, md.key, msg))
 	}
 	assert.Equal(t, StatusInProgress, pop.Status(), "the peer is known, nothing is decided")
 
@@ -645,7 +645,7 @@ func TestPeerReportsFailure(t *testing.T) {
 	passive, activeConn := pair(t, "mem")
 	pop := expose(t, passive, KindRead, buffers([]int{64}, 1))
 	md := pop.Metadata()
-	require.NoError(t, activeConn.a.Notify(md.peer, md.key, encodeNotice(noticeFailed, "disk on fire\n")))
+	require.NoError(t, activeConn.a.Notify(context.Background(), md.peer, md.key, encodeNotice(noticeFailed, "disk on fire\n")))
 	err := pop.Wait(ctx)
 	require.ErrorIs(t, err, errPeerFailed)
 	assert.NotErrorIs(t, err, ErrCancelled)
@@ -708,11 +708,11 @@ func TestOptions(t *testing.T) {
 		opts []Option
 		want string
 	}{
-		{"no backends", []Option{WithBackends()}, "connect: invalid option: WithBackends needs at least one backend"},
-		{"nil backend", []Option{WithBackends(nil)}, "connect: invalid option: WithBackends: backend 0 is nil"},
-		{"empty name", []Option{WithBackend("")}, "connect: invalid option: WithBackend needs a backend name"},
-		{"unknown backend", []Option{WithBackends(mem.New()), WithBackend("rdma")}, `connect: invalid option: WithBackend("rdma"): the backends are ["mem"]`},
-		{"nil logger", []Option{WithLogger(nil)}, "connect: invalid option: WithLogger needs a logger"},
+		{"no backends", []Option{WithBackends()}, "goxfer: invalid option: WithBackends needs at least one backend"},
+		{"nil backend", []Option{WithBackends(nil)}, "goxfer: invalid option: WithBackends: backend 0 is nil"},
+		{"empty name", []Option{WithBackend("")}, "goxfer: invalid option: WithBackend needs a backend name"},
+		{"unknown backend", []Option{WithBackends(mem.New()), WithBackend("rdma")}, `goxfer: invalid option: WithBackend("rdma"): the backends are ["mem"]`},
+		{"nil logger", []Option{WithLogger(nil)}, "goxfer: invalid option: WithLogger needs a logger"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -725,10 +725,10 @@ func TestOptions(t *testing.T) {
 
 	_, err := NewConnector(WithBackends(mem.New()), WithTCPOptions(tcp.WithStreams(2)))
 	require.ErrorIs(t, err, ErrInvalidOption)
-	assert.EqualError(t, err, "connect: invalid option: WithTCPOptions configures a default backend, which WithBackends replaces")
+	assert.EqualError(t, err, "goxfer: invalid option: WithTCPOptions configures a default backend, which WithBackends replaces")
 	_, err = NewConnector(quiet, WithTCPOptions(tcp.WithStreams(0)))
 	require.ErrorIs(t, err, ErrInvalidOption)
-	require.ErrorIs(t, err, tcp.ErrInvalidOption)
+	require.ErrorIs(t, err, agent.ErrInvalidOption)
 
 	c, err := NewConnector(quiet, WithTCPOptions(tcp.WithStreams(2)), WithTCPOptions(tcp.WithKeepalive(time.Second, 3*time.Second)))
 	require.NoError(t, err)
@@ -740,12 +740,12 @@ func TestOptions(t *testing.T) {
 	assert.Equal(t, []string{"mem", "tcp"}, c.a.Backends())
 	require.NoError(t, c.Close())
 	_, err = NewConnector(quiet, WithoutCMA(), WithCMAOptions(cma.WithWorkers(2)))
-	assert.EqualError(t, err, "connect: invalid option: WithCMAOptions configures the cma backend, which WithoutCMA leaves out")
+	assert.EqualError(t, err, "goxfer: invalid option: WithCMAOptions configures the cma backend, which WithoutCMA leaves out")
 	_, err = NewConnector(quiet, WithBackends(mem.New()), WithoutCMA())
 	require.ErrorIs(t, err, ErrInvalidOption)
 	_, err = NewConnector(quiet, WithCMAOptions(cma.WithWorkers(-1)))
 	require.ErrorIs(t, err, ErrInvalidOption)
-	require.ErrorIs(t, err, cma.ErrInvalidOption)
+	require.ErrorIs(t, err, agent.ErrInvalidOption)
 
 	// A backend that fails to start fails the Connector, naming it.
 	_, err = NewConnector(quiet, WithBackends(mem.New(), mem.New()))

@@ -129,8 +129,8 @@ func WithAgentID(id uuid.UUID) Option {
 // tcp.WithListenAddr(":0") to accept peers on other hosts: by default it
 // listens on loopback only. It conflicts with WithBackends, which replaces
 // the defaults. The option may be given more than once; options accumulate.
-// Invalid TCP options fail NewConnector with an error matching both
-// ErrInvalidOption and tcp.ErrInvalidOption.
+// Invalid TCP options fail NewConnector with an error matching
+// ErrInvalidOption.
 //
 // Default: the tcp package's defaults (listen on 127.0.0.1:0, 4 streams,
 // keepalive every second, peer lost after 4 silent seconds).
@@ -145,7 +145,7 @@ func WithTCPOptions(opts ...tcp.Option) Option {
 // cma.WithWorkers(4). It conflicts with WithBackends, which replaces the
 // defaults, and with WithoutCMA. The option may be given more than once;
 // options accumulate. Invalid cma options fail NewConnector with an error
-// matching both ErrInvalidOption and cma.ErrInvalidOption.
+// matching ErrInvalidOption.
 //
 // Default: the cma package's defaults (GOMAXPROCS copy workers up to 8,
 // 16 MiB leases, a 4 s timeout, PR_SET_PTRACER where Yama needs it).

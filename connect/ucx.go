@@ -1,8 +1,6 @@
 package connect
 
 import (
-	"fmt"
-
 	"github.com/goxfer/goxfer/agent/backend/ucx"
 )
 
@@ -19,13 +17,13 @@ import (
 // UCX is compiled in only with the build tag ucx (against libucx-dev, UCX
 // 1.13+); without it NewConnector fails with an error wrapping
 // ucx.ErrNotBuiltIn. Invalid UCX options fail NewConnector with an error
-// matching both ErrInvalidOption and ucx.ErrInvalidOption.
+// matching ErrInvalidOption.
 //
 // Default: no UCX backend.
 func WithUCX(opts ...ucx.Option) Option {
 	return optionFunc(func(o *options) error {
 		if err := ucx.CheckOptions(opts...); err != nil {
-			return fmt.Errorf("%w: %w", ErrInvalidOption, err)
+			return err
 		}
 		o.ucx = append(o.ucx, opts...)
 		if o.ucx == nil {

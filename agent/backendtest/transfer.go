@@ -131,7 +131,7 @@ func testNotify(t *testing.T, cfg Config) {
 		t.Run("Standalone/"+m.name, func(t *testing.T) {
 			pb, _ := side(t, p, []int{4 << 10})
 			e := expose(t, p, agent.AccessWrite, pb)
-			require.NoError(t, a.Notify(p.Info(), e.Key(), m.msg))
+			require.NoError(t, a.Notify(context.Background(), p.Info(), e.Key(), m.msg))
 			ev := waitEvent(t, e, hangGuard)
 			require.Equal(t, agent.EventNotify, ev.Kind, "event %+v", ev)
 			assert.Equal(t, a.ID(), ev.From)
@@ -141,7 +141,7 @@ func testNotify(t *testing.T, cfg Config) {
 	}
 	t.Run("Standalone/UnknownKey", func(t *testing.T) {
 		before := p.Stats().DroppedNotifications
-		require.NoError(t, a.Notify(p.Info(), agent.NewKey(), []byte("nobody listens")))
+		require.NoError(t, a.Notify(context.Background(), p.Info(), agent.NewKey(), []byte("nobody listens")))
 		eventually(t, func() bool { return p.Stats().DroppedNotifications > before }, "the passive agent counts a notification for an unknown key as dropped")
 	})
 	t.Run("Standalone/Revoked", func(t *testing.T) {
@@ -149,7 +149,7 @@ func testNotify(t *testing.T, cfg Config) {
 		e := expose(t, p, agent.AccessRead, pb)
 		e.Revoke()
 		before := p.Stats().DroppedNotifications
-		require.NoError(t, a.Notify(p.Info(), e.Key(), []byte("too late")))
+		require.NoError(t, a.Notify(context.Background(), p.Info(), e.Key(), []byte("too late")))
 		eventually(t, func() bool { return p.Stats().DroppedNotifications > before }, "the passive agent counts a notification for a revoked key as dropped")
 		noEvent(t, e)
 	})

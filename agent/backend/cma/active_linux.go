@@ -578,7 +578,10 @@ func (p *peer) queueNotify(key agent.Key, msg []byte, wait bool) error {
 
 // Notify implements agent.Backend. It waits, for at most WithTimeout, while
 // maxQueuedNotify bytes of notifications to the peer are still unsent.
-func (b *Backend) Notify(info agent.Info, key agent.Key, msg []byte) error {
+func (b *Backend) Notify(ctx context.Context, info agent.Info, key agent.Key, msg []byte) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("cma: notify peer %s: %w", info.ID, context.Cause(ctx))
+	}
 	p, err := b.usable(info)
 	if err != nil {
 		return err
@@ -643,14 +646,14 @@ type xstate struct {
 	agent.Parts
 	b     *Backend
 	p     *peer
-	x     *agent.Xfer
+	x     *agent.Work
 	write bool
 	slots chan struct{} // one per lease requested or held
 }
 
 // Post implements agent.Backend. Post starts a driver goroutine that
 // requests leases (two ahead) and hands their spans to the copy workers.
-func (b *Backend) Post(x *agent.Xfer) error {
+func (b *Backend) Post(x *agent.Work) error {
 	p, err := b.usable(x.Peer)
 	if err != nil {
 		return err

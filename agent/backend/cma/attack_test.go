@@ -646,7 +646,7 @@ func TestAttackNotifyQueueUnbounded(t *testing.T) {
 	key := agent.NewKey()
 	// As the agent does before every Notify: choose the backend, connecting.
 	require.NoError(t, ab.Reachable(context.Background(), f.info))
-	require.NoError(t, ab.Notify(f.info, key, msg))
+	require.NoError(t, ab.Notify(context.Background(), f.info, key, msg))
 	ab.mu.Lock()
 	p := ab.peers[f.info.ID][0]
 	ab.mu.Unlock()
@@ -656,7 +656,7 @@ func TestAttackNotifyQueueUnbounded(t *testing.T) {
 	start := time.Now()
 	for time.Since(start) < 2*time.Second && maxQueued < limit {
 		sent++
-		if ab.Notify(f.info, key, msg) == nil {
+		if ab.Notify(context.Background(), f.info, key, msg) == nil {
 			accepted++
 		}
 		p.qmu.Lock()

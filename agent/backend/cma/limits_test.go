@@ -59,7 +59,7 @@ func legitRead(t testing.TB, active, passive *agent.Agent, exp *agent.Exposure, 
 func TestLimitOptions(t *testing.T) {
 	for _, o := range []Option{WithMaxConnsPerProcess(0), WithMaxHandshakes(0)} {
 		_, err := agent.New(agent.WithBackends(New(o)))
-		require.ErrorIs(t, err, ErrInvalidOption)
+		require.ErrorIs(t, err, agent.ErrInvalidOption)
 	}
 }
 

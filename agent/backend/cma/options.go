@@ -1,15 +1,12 @@
 package cma
 
 import (
-	"errors"
 	"fmt"
 	"runtime"
 	"time"
-)
 
-// ErrInvalidOption reports an option value the backend cannot use. The
-// agent's constructor returns it from Start.
-var ErrInvalidOption = errors.New("cma: invalid option")
+	"github.com/goxfer/goxfer/agent"
+)
 
 // Option configures a Backend.
 type Option interface{ apply(*config) error }
@@ -54,7 +51,7 @@ func defaults() config {
 func WithWorkers(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 1 || n > 64 {
-			return fmt.Errorf("%w: workers must be in [1, 64], got %d", ErrInvalidOption, n)
+			return fmt.Errorf("%w: cma: workers must be in [1, 64], got %d", agent.ErrInvalidOption, n)
 		}
 		c.workers = n
 		return nil
@@ -67,7 +64,7 @@ func WithWorkers(n int) Option {
 func WithChunkSize(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 4<<10 || n > 256<<20 {
-			return fmt.Errorf("%w: chunk size must be in [4 KiB, 256 MiB], got %d", ErrInvalidOption, n)
+			return fmt.Errorf("%w: cma: chunk size must be in [4 KiB, 256 MiB], got %d", agent.ErrInvalidOption, n)
 		}
 		c.chunk = n
 		return nil
@@ -82,7 +79,7 @@ func WithChunkSize(n int) Option {
 func WithLeaseSize(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 64<<10 || n > 1<<30 {
-			return fmt.Errorf("%w: lease size must be in [64 KiB, 1 GiB], got %d", ErrInvalidOption, n)
+			return fmt.Errorf("%w: cma: lease size must be in [64 KiB, 1 GiB], got %d", agent.ErrInvalidOption, n)
 		}
 		c.lease = n
 		return nil
@@ -102,7 +99,7 @@ func WithLeaseSize(n int) Option {
 func WithTimeout(d time.Duration) Option {
 	return optionFunc(func(c *config) error {
 		if d < 10*time.Millisecond {
-			return fmt.Errorf("%w: timeout must be at least 10ms, got %v", ErrInvalidOption, d)
+			return fmt.Errorf("%w: cma: timeout must be at least 10ms, got %v", agent.ErrInvalidOption, d)
 		}
 		c.timeout = d
 		return nil
@@ -137,7 +134,7 @@ func WithPtracer(on bool) Option {
 func WithMaxConnsPerProcess(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 1 || n > 1<<20 {
-			return fmt.Errorf("%w: connections per process must be in [1, 1048576], got %d", ErrInvalidOption, n)
+			return fmt.Errorf("%w: cma: connections per process must be in [1, 1048576], got %d", agent.ErrInvalidOption, n)
 		}
 		c.maxConnsPerProc = n
 		return nil
@@ -154,7 +151,7 @@ func WithMaxConnsPerProcess(n int) Option {
 func WithMaxHandshakes(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 1 || n > 1<<20 {
-			return fmt.Errorf("%w: handshakes in progress must be in [1, 1048576], got %d", ErrInvalidOption, n)
+			return fmt.Errorf("%w: cma: handshakes in progress must be in [1, 1048576], got %d", agent.ErrInvalidOption, n)
 		}
 		c.maxHandshakes = n
 		return nil

@@ -44,10 +44,12 @@ func (b *Backend) Start(agent.Host) ([]byte, error) { return nil, b.optErr }
 func (b *Backend) Reachable(context.Context, agent.Info) error { return errUnsupported }
 
 // Post implements agent.Backend.
-func (b *Backend) Post(*agent.Xfer) error { return errUnsupported }
+func (b *Backend) Post(*agent.Work) error { return errUnsupported }
 
 // Notify implements agent.Backend.
-func (b *Backend) Notify(agent.Info, agent.Key, []byte) error { return errUnsupported }
+func (b *Backend) Notify(context.Context, agent.Info, agent.Key, []byte) error {
+	return errUnsupported
+}
 
 // Close implements agent.Backend.
 func (b *Backend) Close() error { return nil }

@@ -123,8 +123,8 @@ func TestPostAfterPeerForgottenFailsFast(t *testing.T) {
 	check := func(what string) {
 		t.Helper()
 		start := time.Now()
-		require.ErrorIs(t, ab.Notify(g.info, agent.NewKey(), []byte("x")), agent.ErrRemoteLost, what)
-		require.ErrorIs(t, ab.Post(&agent.Xfer{Op: agent.OpRead, Peer: g.info}), agent.ErrRemoteLost, what)
+		require.ErrorIs(t, ab.Notify(context.Background(), g.info, agent.NewKey(), []byte("x")), agent.ErrRemoteLost, what)
+		require.ErrorIs(t, ab.Post(&agent.Work{Op: agent.OpRead, Peer: g.info}), agent.ErrRemoteLost, what)
 		assert.Less(t, time.Since(start), time.Second, "%s: Post and Notify waited for a new probe", what)
 	}
 	check("forgotten")

@@ -97,7 +97,7 @@ func lookup(id uuid.UUID) *Backend {
 
 // Post implements agent.Backend. Small transfers complete before Post
 // returns; larger ones run on a goroutine the backend owns.
-func (b *Backend) Post(x *agent.Xfer) error {
+func (b *Backend) Post(x *agent.Work) error {
 	b.mu.Lock()
 	if b.closed {
 		b.mu.Unlock()
@@ -113,12 +113,12 @@ func (b *Backend) Post(x *agent.Xfer) error {
 	return nil
 }
 
-func (b *Backend) run(x *agent.Xfer) {
+func (b *Backend) run(x *agent.Work) {
 	defer b.wg.Done()
 	x.Finish(b.copy(x))
 }
 
-func (b *Backend) copy(x *agent.Xfer) error {
+func (b *Backend) copy(x *agent.Work) error {
 	remote := lookup(x.Peer.ID)
 	if remote == nil {
 		return fmt.Errorf("mem: peer %s: %w", x.Peer.ID, agent.ErrRemoteLost)
@@ -176,7 +176,7 @@ func (b *Backend) met(remote *Backend) {
 }
 
 // Notify implements agent.Backend.
-func (b *Backend) Notify(peer agent.Info, key agent.Key, msg []byte) error {
+func (b *Backend) Notify(_ context.Context, peer agent.Info, key agent.Key, msg []byte) error {
 	remote := lookup(peer.ID)
 	if remote == nil {
 		return fmt.Errorf("mem: peer %s: %w", peer.ID, agent.ErrRemoteLost)

@@ -42,7 +42,7 @@ func TestPostToClosedPeer(t *testing.T) {
 	require.ErrorIs(t, err, agent.ErrNoBackend)
 	require.ErrorIs(t, err, agent.ErrRemoteLost)
 	require.Nil(t, x)
-	require.ErrorIs(t, a.Notify(p.Info(), e.Key(), []byte("x")), agent.ErrNoBackend)
+	require.ErrorIs(t, a.Notify(context.Background(), p.Info(), e.Key(), []byte("x")), agent.ErrNoBackend)
 }
 
 // An agent whose mem backend fails to start, because another agent of this

@@ -108,7 +108,7 @@ type frame struct {
 type xstate struct {
 	agent.Parts
 	b *Backend
-	x *agent.Xfer
+	x *agent.Work
 	p *peer
 
 	mu        sync.Mutex
@@ -180,7 +180,7 @@ func (s *stream) fenceFor(st *xstate) {
 }
 
 // Post implements agent.Backend.
-func (b *Backend) Post(x *agent.Xfer) error {
+func (b *Backend) Post(x *agent.Work) error {
 	p, err := b.peerFor(x.Peer)
 	if err != nil {
 		return err
@@ -459,7 +459,7 @@ func (p *peer) tryStream() *stream {
 }
 
 // acquire takes a slot on some stream, waiting if all are busy.
-func (p *peer) acquire(x *agent.Xfer) (*stream, error) {
+func (p *peer) acquire(x *agent.Work) (*stream, error) {
 	select {
 	case <-x.Cancelled():
 		return nil, x.CancelErr()
@@ -696,7 +696,10 @@ func (p *peer) notify(key agent.Key, msg []byte) error {
 }
 
 // Notify implements agent.Backend.
-func (b *Backend) Notify(info agent.Info, key agent.Key, msg []byte) error {
+func (b *Backend) Notify(ctx context.Context, info agent.Info, key agent.Key, msg []byte) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("tcp: notify peer %s: %w", info.ID, context.Cause(ctx))
+	}
 	p, err := b.peerFor(info)
 	if err != nil {
 		return err

@@ -92,7 +92,7 @@ func TestInvalidOptions(t *testing.T) {
 	for _, o := range []Option{WithStreams(0), WithStreams(65), WithKeepalive(time.Second, time.Second),
 		WithChunkSize(1), WithInflight(0), WithListenAddr("nope"), WithAdvertiseAddr("")} {
 		_, err := agent.New(agent.WithBackends(New(o)))
-		require.ErrorIs(t, err, ErrInvalidOption)
+		require.ErrorIs(t, err, agent.ErrInvalidOption)
 	}
 }
 

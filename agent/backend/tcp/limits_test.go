@@ -28,7 +28,7 @@ func TestLimitOptions(t *testing.T) {
 		{WithStreams(16), WithMaxConnsPerPeer(16)}, // no room for the control connection
 	} {
 		_, err := agent.New(agent.WithBackends(New(o...)))
-		require.ErrorIs(t, err, ErrInvalidOption)
+		require.ErrorIs(t, err, agent.ErrInvalidOption)
 	}
 	a, err := agent.New(agent.WithBackends(New(WithChunkSize(64<<10), WithMaxFrameSize(64<<10), WithMaxPieces(16),
 		WithStreams(1), WithMaxConnsPerPeer(2), WithMaxConnsPerIP(2), WithMaxHandshakes(1))))

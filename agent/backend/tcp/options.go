@@ -5,11 +5,9 @@ import (
 	"fmt"
 	"net"
 	"time"
-)
 
-// ErrInvalidOption reports an option value the backend cannot use. The
-// agent's constructor returns it from Start.
-var ErrInvalidOption = errors.New("tcp: invalid option")
+	"github.com/goxfer/goxfer/agent"
+)
 
 // ErrOutgoingLimit fails a transfer that needs a connection to an IP
 // address to which this agent already holds WithMaxOutgoingPerIP
@@ -66,16 +64,16 @@ func defaults() config {
 // check reports options that conflict with each other.
 func (c *config) check() error {
 	if c.chunk > c.maxFrame {
-		return fmt.Errorf("%w: chunk size %d exceeds the max frame size %d: this agent's own frames would be refused by its peers; lower WithChunkSize or raise WithMaxFrameSize", ErrInvalidOption, c.chunk, c.maxFrame)
+		return fmt.Errorf("%w: tcp: chunk size %d exceeds the max frame size %d: this agent's own frames would be refused by its peers; lower WithChunkSize or raise WithMaxFrameSize", agent.ErrInvalidOption, c.chunk, c.maxFrame)
 	}
 	if c.maxConnsPerPeer > c.maxConnsPerIP {
-		return fmt.Errorf("%w: %d connections per peer exceed the %d allowed per address", ErrInvalidOption, c.maxConnsPerPeer, c.maxConnsPerIP)
+		return fmt.Errorf("%w: tcp: %d connections per peer exceed the %d allowed per address", agent.ErrInvalidOption, c.maxConnsPerPeer, c.maxConnsPerIP)
 	}
 	if c.maxOut < c.streams+1 {
-		return fmt.Errorf("%w: %d outgoing connections per address cannot carry %d streams and a control connection", ErrInvalidOption, c.maxOut, c.streams)
+		return fmt.Errorf("%w: tcp: %d outgoing connections per address cannot carry %d streams and a control connection", agent.ErrInvalidOption, c.maxOut, c.streams)
 	}
 	if c.maxConnsPerPeer < c.streams+1 {
-		return fmt.Errorf("%w: %d connections per peer cannot carry a peer's %d streams and its control connection", ErrInvalidOption, c.maxConnsPerPeer, c.streams)
+		return fmt.Errorf("%w: tcp: %d connections per peer cannot carry a peer's %d streams and its control connection", agent.ErrInvalidOption, c.maxConnsPerPeer, c.streams)
 	}
 	return nil
 }
@@ -87,7 +85,7 @@ func (c *config) check() error {
 func WithListenAddr(addr string) Option {
 	return optionFunc(func(c *config) error {
 		if _, _, err := net.SplitHostPort(addr); err != nil {
-			return fmt.Errorf("%w: listen address %q: %v", ErrInvalidOption, addr, err)
+			return fmt.Errorf("%w: tcp: listen address %q: %v", agent.ErrInvalidOption, addr, err)
 		}
 		c.listen = addr
 		return nil
@@ -102,7 +100,7 @@ func WithListenAddr(addr string) Option {
 func WithAdvertiseAddr(addr string) Option {
 	return optionFunc(func(c *config) error {
 		if _, _, err := net.SplitHostPort(addr); err != nil {
-			return fmt.Errorf("%w: advertise address %q: %v", ErrInvalidOption, addr, err)
+			return fmt.Errorf("%w: tcp: advertise address %q: %v", agent.ErrInvalidOption, addr, err)
 		}
 		c.advertise = addr
 		return nil
@@ -115,7 +113,7 @@ func WithAdvertiseAddr(addr string) Option {
 func WithStreams(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 1 || n > 64 {
-			return fmt.Errorf("%w: streams must be in [1, 64], got %d", ErrInvalidOption, n)
+			return fmt.Errorf("%w: tcp: streams must be in [1, 64], got %d", agent.ErrInvalidOption, n)
 		}
 		c.streams = n
 		return nil
@@ -130,7 +128,7 @@ func WithStreams(n int) Option {
 func WithKeepalive(interval, timeout time.Duration) Option {
 	return optionFunc(func(c *config) error {
 		if interval <= 0 || timeout < 2*interval {
-			return fmt.Errorf("%w: keepalive interval %v and timeout %v: need interval > 0 and timeout >= 2*interval", ErrInvalidOption, interval, timeout)
+			return fmt.Errorf("%w: tcp: keepalive interval %v and timeout %v: need interval > 0 and timeout >= 2*interval", agent.ErrInvalidOption, interval, timeout)
 		}
 		c.interval, c.timeout = interval, timeout
 		return nil
@@ -142,7 +140,7 @@ func WithKeepalive(interval, timeout time.Duration) Option {
 func WithChunkSize(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 4<<10 || n > 16<<20 {
-			return fmt.Errorf("%w: chunk size must be in [4 KiB, 16 MiB], got %d", ErrInvalidOption, n)
+			return fmt.Errorf("%w: tcp: chunk size must be in [4 KiB, 16 MiB], got %d", agent.ErrInvalidOption, n)
 		}
 		c.chunk = n
 		return nil
@@ -154,7 +152,7 @@ func WithChunkSize(n int) Option {
 func WithInflight(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 1 || n > 256 {
-			return fmt.Errorf("%w: in-flight frames must be in [1, 256], got %d", ErrInvalidOption, n)
+			return fmt.Errorf("%w: tcp: in-flight frames must be in [1, 256], got %d", agent.ErrInvalidOption, n)
 		}
 		c.inflight = n
 		return nil
@@ -171,7 +169,7 @@ func WithInflight(n int) Option {
 func WithMaxFrameSize(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 4<<10 || n > 256<<20 {
-			return fmt.Errorf("%w: max frame size must be in [4 KiB, 256 MiB], got %d", ErrInvalidOption, n)
+			return fmt.Errorf("%w: tcp: max frame size must be in [4 KiB, 256 MiB], got %d", agent.ErrInvalidOption, n)
 		}
 		c.maxFrame = n
 		return nil
@@ -187,7 +185,7 @@ func WithMaxFrameSize(n int) Option {
 func WithMaxPieces(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 16 || n > 65535 {
-			return fmt.Errorf("%w: max pieces must be in [16, 65535], got %d", ErrInvalidOption, n)
+			return fmt.Errorf("%w: tcp: max pieces must be in [16, 65535], got %d", agent.ErrInvalidOption, n)
 		}
 		c.maxPieces = n
 		return nil
@@ -209,7 +207,7 @@ func WithMaxPieces(n int) Option {
 func WithMaxConnsPerPeer(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 2 || n > 1<<20 {
-			return fmt.Errorf("%w: connections per peer must be in [2, 1048576], got %d", ErrInvalidOption, n)
+			return fmt.Errorf("%w: tcp: connections per peer must be in [2, 1048576], got %d", agent.ErrInvalidOption, n)
 		}
 		c.maxConnsPerPeer = n
 		return nil
@@ -226,7 +224,7 @@ func WithMaxConnsPerPeer(n int) Option {
 func WithMaxConnsPerIP(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 2 || n > 1<<20 {
-			return fmt.Errorf("%w: connections per address must be in [2, 1048576], got %d", ErrInvalidOption, n)
+			return fmt.Errorf("%w: tcp: connections per address must be in [2, 1048576], got %d", agent.ErrInvalidOption, n)
 		}
 		c.maxConnsPerIP = n
 		return nil
@@ -246,7 +244,7 @@ func WithMaxConnsPerIP(n int) Option {
 func WithMaxHandshakes(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 1 || n > 1<<20 {
-			return fmt.Errorf("%w: handshakes in progress must be in [1, 1048576], got %d", ErrInvalidOption, n)
+			return fmt.Errorf("%w: tcp: handshakes in progress must be in [1, 1048576], got %d", agent.ErrInvalidOption, n)
 		}
 		c.maxHandshakes = n
 		return nil
@@ -267,7 +265,7 @@ func WithMaxHandshakes(n int) Option {
 func WithMaxOutgoingPerIP(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 2 || n > 1<<20 {
-			return fmt.Errorf("%w: outgoing connections per address must be in [2, 1048576], got %d", ErrInvalidOption, n)
+			return fmt.Errorf("%w: tcp: outgoing connections per address must be in [2, 1048576], got %d", agent.ErrInvalidOption, n)
 		}
 		c.maxOut = n
 		return nil
@@ -281,7 +279,7 @@ func WithMaxOutgoingPerIP(n int) Option {
 func WithIdleTimeout(d time.Duration) Option {
 	return optionFunc(func(c *config) error {
 		if d <= 0 {
-			return fmt.Errorf("%w: idle timeout must be positive, got %v", ErrInvalidOption, d)
+			return fmt.Errorf("%w: tcp: idle timeout must be positive, got %v", agent.ErrInvalidOption, d)
 		}
 		c.idle = d
 		return nil

@@ -44,7 +44,7 @@ type rkeyEntry struct {
 
 // xstate is one transfer.
 type xstate struct {
-	x        *agent.Xfer
+	x        *agent.Work
 	p        *outPeer
 	write    bool
 	next     cursor // first byte not yet leased

@@ -295,7 +295,7 @@ func (b *Backend) takeCommands(into []command) []command {
 
 // Post implements agent.Backend: the progress thread connects to the peer
 // if need be and drives the transfer.
-func (b *Backend) Post(x *agent.Xfer) error {
+func (b *Backend) Post(x *agent.Work) error {
 	for i, s := range x.Segments {
 		if !b.Supports(s.Local.Kind) || !b.Supports(s.Remote.Kind) {
 			return fmt.Errorf("%w: segment %d: ucx does not support %v memory here", agent.ErrInvalid, i, s.Local.Kind)
@@ -309,7 +309,7 @@ func (b *Backend) Post(x *agent.Xfer) error {
 
 // Notify implements agent.Backend. The notification is queued for the
 // progress thread, which sends it once connected to the peer.
-func (b *Backend) Notify(peer agent.Info, key agent.Key, msg []byte) error {
+func (b *Backend) Notify(_ context.Context, peer agent.Info, key agent.Key, msg []byte) error {
 	if len(msg) > b.cfg.maxNotify {
 		return fmt.Errorf("%w: notification of %d bytes, at most %d", agent.ErrInvalid, len(msg), b.cfg.maxNotify)
 	}

@@ -5,6 +5,7 @@ package ucx
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"sync"
 	"testing"
 	"time"
@@ -25,7 +26,9 @@ type stuckHost struct {
 	release chan struct{}
 }
 
-func (h *stuckHost) ID() uuid.UUID { return h.id }
+func (h *stuckHost) ID() uuid.UUID            { return h.id }
+func (h *stuckHost) Logger() *slog.Logger     { return slog.Default() }
+func (h *stuckHost) Context() context.Context { return context.Background() }
 func (h *stuckHost) Open(agent.Link, agent.Key, agent.Access) (agent.Lease, error) {
 	<-h.release
 	return agent.Lease{}, agent.ErrRemoteLost

@@ -45,10 +45,6 @@ const Name = "ucx"
 // tag: the backend exists only as a placeholder whose Start fails.
 var ErrNotBuiltIn = errors.New("ucx: not built in: rebuild with -tags ucx against libucx-dev (UCX 1.13+)")
 
-// ErrInvalidOption reports an option value the backend cannot use. The
-// agent's constructor returns it from Start.
-var ErrInvalidOption = errors.New("ucx: invalid option")
-
 // ErrNotAllocated reports a Free of memory the backend did not allocate,
 // or has freed already.
 var ErrNotAllocated = errors.New("ucx: not allocated by this backend, or freed already")

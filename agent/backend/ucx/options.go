@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"strings"
 	"time"
+
+	"github.com/goxfer/goxfer/agent"
 )
 
 // Option configures a Backend.
@@ -45,7 +47,7 @@ func WithTransports(tls string) Option {
 	return optionFunc(func(c *config) error {
 		tls = strings.TrimSpace(tls)
 		if tls == "" || strings.ContainsAny(tls, " \t\n=") {
-			return fmt.Errorf("%w: transports %q: want a UCX_TLS list such as \"tcp,self\"", ErrInvalidOption, tls)
+			return fmt.Errorf("%w: ucx: transports %q: want a UCX_TLS list such as \"tcp,self\"", agent.ErrInvalidOption, tls)
 		}
 		c.tls = tls
 		return nil
@@ -61,7 +63,7 @@ func WithConfig(key, value string) Option {
 	return optionFunc(func(c *config) error {
 		key = strings.TrimPrefix(strings.TrimSpace(key), "UCX_")
 		if key == "" || strings.ContainsAny(key, " \t\n=") || strings.ToUpper(key) != key {
-			return fmt.Errorf("%w: configuration key %q: want an upper-case UCX variable name", ErrInvalidOption, key)
+			return fmt.Errorf("%w: ucx: configuration key %q: want an upper-case UCX variable name", agent.ErrInvalidOption, key)
 		}
 		if key == "TLS" {
 			return WithTransports(value).apply(c)
@@ -81,7 +83,7 @@ func WithConfig(key, value string) Option {
 func WithTimeout(d time.Duration) Option {
 	return optionFunc(func(c *config) error {
 		if d < 100*time.Millisecond {
-			return fmt.Errorf("%w: timeout must be at least 100ms, got %v", ErrInvalidOption, d)
+			return fmt.Errorf("%w: ucx: timeout must be at least 100ms, got %v", agent.ErrInvalidOption, d)
 		}
 		c.timeout = d
 		return nil
@@ -96,7 +98,7 @@ func WithTimeout(d time.Duration) Option {
 func WithLeaseSize(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 64<<10 || n > 1<<30 {
-			return fmt.Errorf("%w: lease size must be in [64 KiB, 1 GiB], got %d", ErrInvalidOption, n)
+			return fmt.Errorf("%w: ucx: lease size must be in [64 KiB, 1 GiB], got %d", agent.ErrInvalidOption, n)
 		}
 		c.lease = n
 		return nil
@@ -129,7 +131,7 @@ func WithGetReads(on bool) Option {
 func WithInlineSize(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 0 || n > maxInline {
-			return fmt.Errorf("%w: inline size must be in [0, %d], got %d", ErrInvalidOption, maxInline, n)
+			return fmt.Errorf("%w: ucx: inline size must be in [0, %d], got %d", agent.ErrInvalidOption, maxInline, n)
 		}
 		c.inline = n
 		return nil
@@ -154,7 +156,7 @@ func WithSysvBesidePosix(on bool) Option {
 }
 
 // CheckOptions reports invalid options as New's backend would from Start,
-// without creating anything: an error wrapping ErrInvalidOption, or nil.
+// without creating anything: an error wrapping agent.ErrInvalidOption, or nil.
 func CheckOptions(opts ...Option) error {
 	_, err := newConfig(opts)
 	return err
@@ -166,7 +168,7 @@ func newConfig(opts []Option) (config, error) {
 	var errs []error
 	for _, o := range opts {
 		if o == nil {
-			errs = append(errs, fmt.Errorf("%w: nil option", ErrInvalidOption))
+			errs = append(errs, fmt.Errorf("%w: ucx: nil option", agent.ErrInvalidOption))
 			continue
 		}
 		if err := o.apply(&c); err != nil {

@@ -39,10 +39,10 @@ func TestOptions(t *testing.T) {
 				require.NoError(t, err)
 				return
 			}
-			require.ErrorIs(t, err, ucx.ErrInvalidOption)
+			require.ErrorIs(t, err, agent.ErrInvalidOption)
 			// The agent's constructor reports it, built in or not.
 			_, err = agent.New(agent.WithBackends(ucx.New(c.opt)))
-			require.ErrorIs(t, err, ucx.ErrInvalidOption)
+			require.ErrorIs(t, err, agent.ErrInvalidOption)
 		})
 	}
 }

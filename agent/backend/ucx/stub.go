@@ -13,7 +13,7 @@ import (
 
 // Backend is the UCX backend. This binary was built without the ucx build
 // tag, so it is a placeholder: Start fails with an error wrapping
-// ErrNotBuiltIn (or ErrInvalidOption for invalid options), and an agent
+// ErrNotBuiltIn (or agent.ErrInvalidOption for invalid options), and an agent
 // given it fails to start. Safe for concurrent use.
 type Backend struct{ optErr error }
 
@@ -41,10 +41,12 @@ func (b *Backend) Start(agent.Host) ([]byte, error) {
 func (b *Backend) Reachable(context.Context, agent.Info) error { return ErrNotBuiltIn }
 
 // Post implements agent.Backend.
-func (b *Backend) Post(*agent.Xfer) error { return ErrNotBuiltIn }
+func (b *Backend) Post(*agent.Work) error { return ErrNotBuiltIn }
 
 // Notify implements agent.Backend.
-func (b *Backend) Notify(agent.Info, agent.Key, []byte) error { return ErrNotBuiltIn }
+func (b *Backend) Notify(context.Context, agent.Info, agent.Key, []byte) error {
+	return ErrNotBuiltIn
+}
 
 // Close implements agent.Backend.
 func (b *Backend) Close() error { return nil }
