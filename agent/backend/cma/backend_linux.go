@@ -3,8 +3,6 @@
 package cma
 
 import (
-	"bytes"
-	"context"
 	"crypto/rand"
 	"errors"
 	"fmt"
@@ -65,12 +63,6 @@ type Backend struct {
 	retry time.Duration // how long a failed verdict stands: retryFailed
 	swept time.Time     // when expired verdicts were last dropped
 }
-
-// retryFailed is how long a peer's failed verdict (unreachable, silent,
-// not permitted) stands before a transfer probes it again: a peer that
-// never answers costs one WithTimeout per period, not one per transfer,
-// and a peer whose permissions change is tried again within it.
-const retryFailed = 30 * time.Second
 
 // New returns a cross-memory-attach backend for one agent. Invalid options
 // are reported by Start, that is by the agent's constructor.
@@ -146,144 +138,6 @@ func ptraceScope() int {
 }
 
 func (b *Backend) probeAddr() uint64 { return uint64(uintptr(unsafe.Pointer(b.probe))) }
-
-// Reachable implements agent.Backend. The peer must publish cma connection
-// information with this host's identity (same boot, PID and network
-// namespaces) and must let this process read its memory. The first call for
-// a peer connects to it and proves that with a trial process_vm_readv; the
-// verdict is cached, so later calls cost a map lookup. That probe does local
-// I/O, bounded by WithTimeout and run by the backend, not the caller: every
-// caller, the first included, waits for the verdict only until its ctx ends,
-// and then returns an error wrapping context.Cause(ctx). A failed verdict
-// stands for 30 s: a peer that accepts and never answers costs one
-// WithTimeout per 30 s, not one per call. Permission cannot be judged from
-// the metadata alone, and judging it later would be too late to fall back.
-//
-// Under Yama mode 1 the peer lets this process read it only once it names
-// it its ptracer, which it does only for a process that presents a key of
-// one of its exposures: the agent calls ReachableWithKey for transfers.
-func (b *Backend) Reachable(ctx context.Context, info agent.Info) error {
-	return b.reach(ctx, info, agent.Key{}, 0)
-}
-
-// ReachableWithKey implements agent.KeyedReacher: Reachable for a transfer
-// under key with access acc. The probe's handshake presents the key, so
-// that under Yama mode 1 the peer may name this process its ptracer. A
-// verdict that failed for want of a valid key does not stand against a call
-// with another key.
-func (b *Backend) ReachableWithKey(ctx context.Context, info agent.Info, key agent.Key, acc agent.Access) error {
-	return b.reach(ctx, info, key, acc)
-}
-
-func (b *Backend) reach(ctx context.Context, info agent.Info, key agent.Key, acc agent.Access) error {
-	raw, ok := info.Conn(Name)
-	if !ok {
-		return errors.New("peer has no cma backend")
-	}
-	if b.ln == nil {
-		return errors.New("cma backend not started")
-	}
-	if len(raw) >= 9 && [8]byte(raw[1:9]) != b.self.host {
-		return errors.New("peer runs on another host, or in another PID or network namespace")
-	}
-	// At most a few rounds: a probe started by a caller with another key,
-	// or none, may fail where this caller's key would pass.
-	var verdict error
-	for range 3 {
-		p, err := b.peerWith(info.ID, raw, key, acc)
-		if err != nil {
-			return err
-		}
-		select {
-		case <-p.ready:
-		case <-ctx.Done():
-			return fmt.Errorf("probe of peer %s still running: %w", info.ID, context.Cause(ctx))
-		}
-		if verdict = p.verdict; verdict == nil || !p.keyMayHelp(key) {
-			break
-		}
-	}
-	return verdict
-}
-
-// peerWith returns the peer named by id and raw connection information. If
-// no connection, probe or standing verdict exists, or the verdict failed
-// for want of a key and key is another, it starts a probe presenting key
-// on a goroutine of the backend's; callers wait on the peer's ready
-// channel.
-func (b *Backend) peerWith(id uuid.UUID, raw []byte, key agent.Key, acc agent.Access) (*peer, error) {
-	b.mu.Lock()
-	if b.closed {
-		b.mu.Unlock()
-		return nil, agent.ErrClosed
-	}
-	for _, p := range b.peers[id] {
-		if bytes.Equal(p.raw, raw) {
-			if !p.expired(b.retry) && !p.keyMayHelp(key) {
-				b.mu.Unlock()
-				return p, nil
-			}
-			b.drop(p)
-			break
-		}
-	}
-	b.sweep()
-	ci, err := parseConnInfo(raw)
-	if err != nil {
-		b.mu.Unlock()
-		return nil, err
-	}
-	// Peers are keyed by identity and socket together: a token that claims a
-	// known agent's identity at another socket gets a connection of its own
-	// and never redirects anyone else's transfers.
-	p := &peer{b: b, id: id, raw: bytes.Clone(raw), ci: ci, key: key, acc: acc, ready: make(chan struct{}), dead: make(chan struct{}), waiting: map[uint64]*window{}}
-	b.peers[id] = append(b.peers[id], p)
-	b.wg.Add(1) // connect's, then the reader's
-	b.mu.Unlock()
-	go p.connect()
-	return p, nil
-}
-
-// sweep drops the expired verdicts of every peer, once per retry period,
-// so that peers no transfer names again do not pile up. The caller holds
-// b.mu.
-func (b *Backend) sweep() {
-	if time.Since(b.swept) < b.retry {
-		return
-	}
-	b.swept = time.Now()
-	for _, ps := range b.peers {
-		for _, p := range ps {
-			if p.expired(b.retry) {
-				b.drop(p)
-			}
-		}
-	}
-}
-
-// forget removes p from the peers, so that the next transfer connects
-// afresh.
-func (b *Backend) forget(p *peer) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	b.drop(p)
-}
-
-// drop removes p from the peers. The caller holds b.mu.
-func (b *Backend) drop(p *peer) {
-	ps := b.peers[p.id]
-	for i, q := range ps {
-		if q == p {
-			ps = append(ps[:i:i], ps[i+1:]...)
-			break
-		}
-	}
-	if len(ps) == 0 {
-		delete(b.peers, p.id)
-	} else {
-		b.peers[p.id] = ps
-	}
-}
 
 func (b *Backend) track(c *net.UnixConn) bool {
 	b.mu.Lock()

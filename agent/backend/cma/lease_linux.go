@@ -1,0 +1,222 @@
+//go:build linux
+
+package cma
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"time"
+
+	"github.com/goxfer/goxfer/agent"
+)
+
+// window is a span of a transfer covered by one lease: requested, granted,
+// copied by the workers, ended.
+type window struct {
+	st      *xstate
+	id      uint64 // set, under st.p.mu, when the request is queued; 0 before
+	start   cursor
+	n       uint64
+	pieces  int
+	granted chan error // the lease's answer, unless inline
+	inline  bool       // the reader handles the answer: a one-chunk transfer
+	held    bool       // granted and not yet ended; under st.p.mu
+	parked  bool       // waiting in st.p.parked for room; under st.p.mu
+	sent    time.Time  // when the request was queued; under st.p.mu
+	tasks   atomic.Int64
+}
+
+// begin registers w for its answer and queues its lease request: every
+// remote range it covers, so the exposing agent checks them all. If limit
+// requests are unended already, w waits in p.parked, in order, until an end
+// makes room (done); begin never waits. From then on whoever takes w out of
+// p.waiting or p.parked (the reader, fail, or the owner giving it up)
+// finishes it. An error means w was not registered: the peer failed, and
+// the caller finishes w.
+func (p *peer) begin(w *window) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.waiting == nil {
+		if p.err != nil {
+			return p.err
+		}
+		return fmt.Errorf("cma: peer %s: %w", p.id, agent.ErrRemoteLost)
+	}
+	if p.inflight >= p.limit { // then windows parked before w go first: unpark keeps them in order
+		w.parked = true
+		p.parked = append(p.parked, w)
+		return nil
+	}
+	p.request(w)
+	return nil
+}
+
+// unpark requests parked windows while there is room. The caller holds
+// p.mu.
+func (p *peer) unpark() {
+	for p.inflight < p.limit && len(p.parked) > 0 && p.waiting != nil {
+		w := p.parked[0]
+		p.parked[0] = nil
+		p.parked = p.parked[1:]
+		if w.parked { // else given up by its owner
+			w.parked = false
+			p.request(w)
+		}
+	}
+	if len(p.parked) == 0 {
+		p.parked = nil // let a burst's backing array go
+	}
+}
+
+// request registers w for its answer and queues its lease request. The
+// caller holds p.mu, so that the request goes out before any end of it.
+func (p *peer) request(w *window) {
+	st := w.st
+	acc := agent.AccessRead
+	if st.write {
+		acc = agent.AccessWrite
+	}
+	w.id = p.seq.Add(1)
+	w.sent = time.Now()
+	p.waiting[w.id] = w
+	p.inflight++
+	if len(p.waiting) == 1 {
+		p.watch()
+	}
+	h := header{typ: tBegin, status: uint8(acc), count: uint32(w.pieces), id: w.id, key: st.x.Key}
+	p.send(&h, func(b []byte) []byte {
+		segs := st.x.Segments
+		c, left := w.start, w.n
+		for left > 0 {
+			sg := &segs[c.Seg]
+			take := min(sg.Local.Len-c.Off, left)
+			b = binary.LittleEndian.AppendUint64(b, sg.Remote.Addr+c.Off)
+			b = binary.LittleEndian.AppendUint64(b, take)
+			left -= take
+			if c.Off += take; c.Off == sg.Local.Len {
+				c.Seg, c.Off = c.Seg+1, 0
+			}
+		}
+		return b
+	}, nil)
+}
+
+// answer delivers the answer to w's lease request: to the driver, or for a
+// one-chunk transfer straight to the copy, on the reader's goroutine, which
+// spares a small transfer two goroutine hand-offs.
+func (w *window) answer(err error) {
+	if !w.inline {
+		w.granted <- err // never blocks: one answer per request
+		return
+	}
+	if err != nil {
+		w.done(err)
+		return
+	}
+	w.dispatch(uint64(w.st.b.cfg.chunk))
+}
+
+// unanswered returns how long w's request may still go unanswered before
+// the peer is lost: the timeout, less the time since the request was sent.
+// A parked window has not been asked for yet.
+func (w *window) unanswered() time.Duration {
+	p := w.st.p
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if w.id == 0 {
+		return p.b.cfg.timeout
+	}
+	return p.b.cfg.timeout - time.Since(w.sent)
+}
+
+// claim takes w's answer away from the reader, if it is still awaited, or
+// w out of the parked windows, and reports whether it did. A tombstone
+// stays in p.waiting: the answer is still due, and the reader then drops
+// it.
+func (w *window) claim() bool {
+	p := w.st.p
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if w.parked {
+		w.parked = false // unpark skips it
+		return true
+	}
+	if cur, ok := p.waiting[w.id]; ok && cur == w && w.id != 0 {
+		p.waiting[w.id] = nil
+		return true
+	}
+	return false
+}
+
+// abandon gives up a lease its driver requested, answered or not: the
+// exposing agent handles frames in order, so an end sent now releases the
+// lease right after granting it. Only the driver, which owns its windows'
+// answers, abandons them.
+func (w *window) abandon() {
+	w.claim()
+	w.done(nil)
+}
+
+// guard ends an inline window whose transfer is cancelled, or whose lease
+// request stays unanswered for the timeout, before the reader takes its
+// answer. It only waits: the reader copies the window when granted.
+func (w *window) guard() {
+	st := w.st
+	defer st.b.wg.Done()
+	t := time.NewTimer(st.b.cfg.timeout)
+	defer t.Stop()
+	for {
+		select {
+		case <-st.x.Done():
+		case <-st.x.Cancelled():
+			if w.claim() {
+				w.done(st.x.CancelErr())
+			}
+		case <-t.C:
+			if left := w.unanswered(); left > 0 {
+				t.Reset(left) // parked, or sent after the timer started
+				continue
+			}
+			if w.claim() {
+				err := fmt.Errorf("cma: peer %s left a lease request unanswered for %v: %w", st.p.id, st.b.cfg.timeout, agent.ErrRemoteLost)
+				st.p.fail(err)
+				w.done(err)
+			}
+		}
+		return
+	}
+}
+
+// done ends w's lease and releases its slot and reference. It is called
+// once per window, by whoever took it out of p.waiting or p.parked or never
+// put it there. The end is queued before the request's room is given to a
+// parked window: the exposing side, which handles frames in order, has
+// released the lease before it reads the next request.
+func (w *window) done(err error) {
+	st := w.st
+	p := st.p
+	// w.id no longer changes: whoever finishes w took it out under p.mu.
+	requested := w.id != 0
+	if requested && (err == nil || !errors.Is(err, agent.ErrAccessDenied)) {
+		p.send(&header{typ: tEnd, id: w.id}, nil, nil)
+	}
+	p.mu.Lock()
+	last := false
+	if w.held {
+		w.held = false
+		p.holding--
+		last = p.holding == 0 && p.err != nil
+	}
+	if requested {
+		p.inflight--
+		p.unpark()
+	}
+	p.mu.Unlock()
+	if last {
+		p.shut() // the peer failed while w copied: no copy runs any more
+	}
+	<-st.slots
+	st.Done(err)
+}

@@ -1,0 +1,122 @@
+//go:build linux
+
+package cma
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/goxfer/goxfer/agent"
+)
+
+// xstate tracks one transfer: a part for the driver plus one per window
+// that holds a lease slot. The last part finishes the transfer.
+type xstate struct {
+	agent.Parts
+	b     *Backend
+	p     *peer
+	x     *agent.Work
+	write bool
+	slots chan struct{} // one per lease requested or held
+}
+
+// Post implements agent.Backend. Post starts a driver goroutine that
+// requests leases (two ahead) and hands their spans to the copy workers.
+func (b *Backend) Post(x *agent.Work) error {
+	p, err := b.usable(x.Peer)
+	if err != nil {
+		return err
+	}
+	st := &xstate{b: b, p: p, x: x, write: x.Op == agent.OpWrite, slots: make(chan struct{}, b.cfg.leaseDepth)}
+	st.Init(x, p.notify, b.xwg.Done)
+	if end, n, pieces := agent.Span(x.Segments, cursor{}, uint64(b.cfg.chunk), iovMax); end.Seg == len(x.Segments) {
+		// One chunk: request the lease here and copy when it is granted.
+		st.slots <- struct{}{}
+		w := &window{st: st, n: n, pieces: pieces, inline: true}
+		st.Add()
+		if err := p.begin(w); err != nil {
+			w.done(err) // never requested: no answer will come
+		} else {
+			b.wg.Add(1) // before xwg.Done: Close waits for it
+			go w.guard()
+		}
+		st.Done(nil)
+		return nil
+	}
+	go b.drive(st)
+	return nil
+}
+
+// drive requests the transfer's leases in order, at most leaseDepth at a
+// time, and dispatches each granted span's chunks to the workers.
+func (b *Backend) drive(st *xstate) {
+	defer st.Done(nil)
+	x, p := st.x, st.p
+	lease, chunk := uint64(b.cfg.lease), uint64(b.cfg.chunk)
+	timer := time.NewTimer(b.cfg.timeout)
+	defer timer.Stop()
+	var pending []*window // requested, not yet answered
+	defer func() {
+		for _, w := range pending { // on failure: end what may be granted
+			w.abandon()
+		}
+	}()
+	var c cursor
+	for {
+		for c.Seg < len(x.Segments) && !st.Failed() {
+			select {
+			case st.slots <- struct{}{}:
+			default:
+				if len(pending) > 0 {
+					goto wait
+				}
+				select {
+				case st.slots <- struct{}{}:
+				case <-x.Cancelled():
+					st.Fail(x.CancelErr())
+					return
+				case <-p.dead:
+					st.Fail(p.failure())
+					return
+				}
+			}
+			end, n, pieces := agent.Span(x.Segments, c, lease, b.cfg.maxRanges)
+			w := &window{st: st, start: c, n: n, pieces: pieces, granted: make(chan error, 1)}
+			st.Add()
+			pending = append(pending, w)
+			if err := p.begin(w); err != nil {
+				st.Fail(err)
+				return
+			}
+			c = end
+		}
+	wait:
+		if len(pending) == 0 || st.Failed() {
+			return
+		}
+		w := pending[0]
+		timer.Reset(b.cfg.timeout)
+	answer:
+		select {
+		case err := <-w.granted:
+			pending = pending[1:]
+			if err != nil {
+				w.done(err) // a refused lease holds nothing
+				return
+			}
+			w.dispatch(chunk)
+		case <-x.Cancelled():
+			st.Fail(x.CancelErr())
+			return
+		case <-timer.C:
+			if left := w.unanswered(); left > 0 {
+				timer.Reset(left) // parked, or sent after the timer started
+				goto answer
+			}
+			err := fmt.Errorf("cma: peer %s left a lease request unanswered for %v: %w", p.id, b.cfg.timeout, agent.ErrRemoteLost)
+			p.fail(err)
+			st.Fail(err)
+			return
+		}
+	}
+}

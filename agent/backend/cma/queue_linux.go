@@ -1,0 +1,166 @@
+//go:build linux
+
+package cma
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/goxfer/goxfer/agent"
+)
+
+// send queues one frame for the writer: header, table, payload. It never
+// waits for the socket. Frames of a failed peer are dropped: the end of
+// the connection says what they would have.
+func (p *peer) send(h *header, table func(b []byte) []byte, payload []byte) {
+	p.qmu.Lock()
+	defer p.qmu.Unlock()
+	if p.broken.Load() {
+		return
+	}
+	p.enqueue(h, table, payload)
+}
+
+// enqueue appends a frame to the queue and wakes the writer. The caller
+// holds p.qmu.
+func (p *peer) enqueue(h *header, table func(b []byte) []byte, payload []byte) {
+	n := len(p.q)
+	p.q = slices.Grow(p.q, hdrSize+len(payload))[:n+hdrSize]
+	h.put(p.q[n:])
+	if table != nil {
+		p.q = table(p.q)
+	}
+	p.q = append(p.q, payload...)
+	if p.qwake == nil {
+		p.qwake = make(chan struct{}, 1)
+	}
+	select {
+	case p.qwake <- struct{}{}:
+	default:
+	}
+}
+
+// writer sends the queued frames, in order, until the peer fails. The
+// queue holds at most a request and an end per lease request in flight
+// (limit), the notifications of finished transfers, and at most
+// maxQueuedNotify bytes of Notify's.
+func (p *peer) writer() {
+	defer p.b.wg.Done()
+	p.qmu.Lock()
+	if p.qwake == nil {
+		p.qwake = make(chan struct{}, 1)
+	}
+	wake := p.qwake
+	p.qmu.Unlock()
+	var out []byte
+	for {
+		select {
+		case <-wake:
+		case <-p.dead:
+			return
+		}
+		p.qmu.Lock()
+		out, p.q = p.q, out[:0]
+		notes := p.qnew
+		p.qnew = 0
+		p.qmu.Unlock()
+		if len(out) == 0 {
+			continue
+		}
+		_ = p.c.SetWriteDeadline(time.Now().Add(p.b.cfg.timeout))
+		if p.broken.Load() { // after the deadline: fail's wins
+			return
+		}
+		if _, err := p.c.Write(out); err != nil {
+			if !p.broken.Load() {
+				p.b.stats.dropped(err, false)
+			}
+			p.fail(fmt.Errorf("cma: write to peer %s: %w: %w", p.id, agent.ErrRemoteLost, err))
+			return
+		}
+		if notes > 0 {
+			p.qmu.Lock()
+			p.qnote -= notes
+			if p.qroom != nil {
+				close(p.qroom)
+				p.qroom = nil
+			}
+			p.qmu.Unlock()
+		}
+		if cap(out) > 1<<20 {
+			out = nil // a burst passed; do not keep its buffer
+		}
+	}
+}
+
+// maxQueuedNotify bounds the bytes of notifications Notify queues for one
+// peer's connection: a peer that stops reading does not grow this process
+// without bound. A transfer's own notification is queued past it (it is
+// bounded by the transfers in flight, and the goroutine finishing a
+// transfer may be the connection's reader, which must never wait).
+const maxQueuedNotify = 4 << 20
+
+// notify queues a transfer's notification, without waiting.
+func (p *peer) notify(key agent.Key, msg []byte) error {
+	return p.queueNotify(key, msg, false)
+}
+
+// queueNotify queues a notification. If wait, it first waits, for at most
+// the timeout, until the notifications already queued leave room for it
+// under maxQueuedNotify.
+func (p *peer) queueNotify(key agent.Key, msg []byte, wait bool) error {
+	if len(msg) > p.b.cfg.maxNotify {
+		return fmt.Errorf("%w: notification of %d bytes, at most %d", agent.ErrInvalid, len(msg), p.b.cfg.maxNotify)
+	}
+	var timer *time.Timer
+	for {
+		p.qmu.Lock()
+		if p.broken.Load() {
+			p.qmu.Unlock()
+			return p.failure()
+		}
+		if !wait || p.qnote == 0 || p.qnote+len(msg) <= maxQueuedNotify {
+			// Queued after the ends of the transfer's leases: the exposing
+			// side handles frames in order, so the notification never
+			// overtakes them.
+			p.enqueue(&header{typ: tNotify, length: uint32(len(msg)), key: key}, nil, msg)
+			p.qnote += len(msg)
+			p.qnew += len(msg)
+			p.qmu.Unlock()
+			return nil
+		}
+		if p.qroom == nil {
+			p.qroom = make(chan struct{})
+		}
+		room, queued := p.qroom, p.qnote
+		p.qmu.Unlock()
+		if timer == nil {
+			timer = time.NewTimer(p.b.cfg.timeout)
+			defer timer.Stop()
+		}
+		select {
+		case <-room:
+		case <-p.dead:
+			return p.failure()
+		case <-timer.C:
+			return fmt.Errorf("cma: peer %s: %d bytes of notifications still queued after %v, at most %d may be: %w",
+				p.id, queued, p.b.cfg.timeout, maxQueuedNotify, agent.ErrRemoteLost)
+		}
+	}
+}
+
+// Notify implements agent.Backend. It waits, for at most WithTimeout, while
+// maxQueuedNotify bytes of notifications to the peer are still unsent.
+func (b *Backend) Notify(ctx context.Context, info agent.Info, key agent.Key, msg []byte) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("cma: notify peer %s: %w", info.ID, context.Cause(ctx))
+	}
+	p, err := b.usable(info)
+	if err != nil {
+		return err
+	}
+	defer b.xwg.Done()
+	return p.queueNotify(key, msg, true)
+}
