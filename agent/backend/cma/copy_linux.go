@@ -109,19 +109,13 @@ func (b *Backend) copyTask(t task, v *iovecs) {
 }
 
 func (st *xstate) copyChunk(t task, v *iovecs) error {
-	segs := st.x.Segments
 	l, r := v.local[:t.pieces], v.remote[:t.pieces]
-	c, left := t.start, t.n
-	for i := range t.pieces {
-		sg := &segs[c.Seg]
-		take := min(sg.Local.Len-c.Off, left)
-		l[i] = unix.Iovec{Base: &sg.Local.Mem[c.Off]}
-		l[i].SetLen(int(take))
-		r[i] = unix.RemoteIovec{Base: uintptr(sg.Remote.Addr + c.Off), Len: int(take)}
-		left -= take
-		if c.Off += take; c.Off == sg.Local.Len {
-			c.Seg, c.Off = c.Seg+1, 0
-		}
+	i := 0
+	for pc := range st.x.Pieces(t.start, t.n) {
+		l[i] = unix.Iovec{Base: &pc.Local()[0]}
+		l[i].SetLen(int(pc.Len))
+		r[i] = unix.RemoteIovec{Base: uintptr(pc.RemoteAddr()), Len: int(pc.Len)}
+		i++
 	}
 	err := vmCopy(int(st.p.ci.pid), st.write, l, r, t.n)
 	clear(l) // hold no reference to local memory between chunks

@@ -87,17 +87,9 @@ func (p *peer) request(w *window) {
 	}
 	h := header{typ: tBegin, status: uint8(acc), count: uint32(w.pieces), id: w.id, key: st.x.Key}
 	p.send(&h, func(b []byte) []byte {
-		segs := st.x.Segments
-		c, left := w.start, w.n
-		for left > 0 {
-			sg := &segs[c.Seg]
-			take := min(sg.Local.Len-c.Off, left)
-			b = binary.LittleEndian.AppendUint64(b, sg.Remote.Addr+c.Off)
-			b = binary.LittleEndian.AppendUint64(b, take)
-			left -= take
-			if c.Off += take; c.Off == sg.Local.Len {
-				c.Seg, c.Off = c.Seg+1, 0
-			}
+		for pc := range st.x.Pieces(w.start, w.n) {
+			b = binary.LittleEndian.AppendUint64(b, pc.RemoteAddr())
+			b = binary.LittleEndian.AppendUint64(b, pc.Len)
 		}
 		return b
 	}, nil)
