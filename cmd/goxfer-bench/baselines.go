@@ -25,14 +25,14 @@ const (
 // backends are compared with: raw TCP over 1 and 4 connections to the
 // target process, Go copy, and process_vm_readv/writev on the target's
 // memory. Each runs as many operations as the goxfer points, one at a time.
-func (in *initiator) baselines(ctx context.Context, op string, sh shape) ([]Result, error) {
+func (in *initiator) baselines(ctx context.Context, op direction, sh shape) ([]Result, error) {
 	bytes := sh.bytes()
 	iters, warmup := in.cfg.itersFor(bytes)
 	size := int(bytes)
 	local := make([]byte, size)
 	poison(local)
 	mk := func(name, note string) Result {
-		return Result{Kind: "baseline", Name: name, Op: op, Block: size, Descs: 1, Bytes: bytes, Iters: iters, Inflight: 1, Shape: sh.Label, Note: note}
+		return Result{Kind: "baseline", Name: name, Op: op.String(), Block: size, Descs: 1, Bytes: bytes, Iters: iters, Inflight: 1, Shape: sh.Label, Note: note}
 	}
 	var out []Result
 	// measure runs f warm-up and measured times.
@@ -60,7 +60,7 @@ func (in *initiator) baselines(ctx context.Context, op string, sh shape) ([]Resu
 		src := make([]byte, size)
 		poison(src)
 		dst, srcp := local, src
-		if op == "WRITE" {
+		if op == dirWrite {
 			dst, srcp = src, local
 		}
 		r, err := measure(mk(baseMemcpy, "Go copy, one goroutine"), func() error { copy(dst, srcp); return nil })
@@ -95,11 +95,11 @@ func (in *initiator) baselines(ctx context.Context, op string, sh shape) ([]Resu
 		in.baselineNotice[basePVM] = "the target runs on another host"
 	default:
 		name := "process_vm_readv"
-		if op == "WRITE" {
+		if op == dirWrite {
 			name = "process_vm_writev"
 		}
 		r, err := measure(mk(basePVM, name+" on the target process, one call per operation"), func() error {
-			return pvmCopy(in.proc.hello.PID, op == "WRITE", local, p.ready.Slots[0])
+			return pvmCopy(in.proc.hello.PID, op == dirWrite, local, p.ready.Slots[0])
 		})
 		if err != nil {
 			in.baselineNotice[basePVM] = err.Error()
@@ -113,9 +113,9 @@ func (in *initiator) baselines(ctx context.Context, op string, sh shape) ([]Resu
 // rawTransfer moves buf's bytes split evenly over plain connections to the
 // target: READ asks the target to send them, WRITE sends them and waits for
 // a one-byte answer.
-func rawTransfer(cs []net.Conn, op string, buf []byte, timeout time.Duration) error {
+func rawTransfer(cs []net.Conn, op direction, buf []byte, timeout time.Duration) error {
 	dir := byte('r')
-	if op == "WRITE" {
+	if op == dirWrite {
 		dir = 'w'
 	}
 	per := len(buf) / len(cs)

@@ -22,7 +22,7 @@ import (
 func drawChart(name string, rs []Result, ri runInfo) error {
 	var ops []string
 	for _, r := range rs {
-		if (r.Op == "READ" || r.Op == "WRITE") && !slices.Contains(ops, r.Op) {
+		if _, err := parseDirection(r.Op); err == nil && !slices.Contains(ops, r.Op) {
 			ops = append(ops, r.Op)
 		}
 	}

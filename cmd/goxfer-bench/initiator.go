@@ -369,7 +369,7 @@ func (in *initiator) finish(ctx context.Context, p *prepared) (roundResult, erro
 // measure runs one goxfer point: warm-up then measured operations, n in
 // flight, each on a fresh passive operation whose token was fetched before
 // the clock started.
-func (in *initiator) measure(ctx context.Context, b backendDef, op string, sh shape, n int, alloc bool) (Result, error) {
+func (in *initiator) measure(ctx context.Context, b backendDef, op direction, sh shape, n int, alloc bool) (Result, error) {
 	t := in.proc
 	if b.inProcess {
 		t = in.local
@@ -401,7 +401,7 @@ func (in *initiator) measure(ctx context.Context, b backendDef, op string, sh sh
 		return Result{}, fmt.Errorf("%d passive operations failed at the target: %v", fin.Failed, fin.Errors)
 	}
 	r := Result{
-		Kind: "goxfer", Name: b.name, Op: op, Block: sh.Block, Descs: sh.Descs, Bytes: sh.bytes(), Inflight: n,
+		Kind: "goxfer", Name: b.name, Op: op.String(), Block: sh.Block, Descs: sh.Descs, Bytes: sh.bytes(), Inflight: n,
 		Iters: iters, InProcess: b.inProcess, Shape: sh.Label, Checked: in.cfg.check,
 	}
 	r.setThroughput(sh.bytes(), iters, res.elapsed)
@@ -441,7 +441,7 @@ type opsRun struct {
 
 // runOps runs operations [0, total), the first warmup of them unmeasured,
 // with n in flight: goroutine s runs operations s, s+n, ... on slot s.
-func (in *initiator) runOps(ctx context.Context, c *connect.Connector, p *prepared, op string, sh shape, n, warmup, total int,
+func (in *initiator) runOps(ctx context.Context, c *connect.Connector, p *prepared, op direction, sh shape, n, warmup, total int,
 	alloc func(int) ([]byte, func() error, error)) (_ *opsRun, err error) {
 	size := int(sh.bytes())
 	slots := make([][]byte, n)
@@ -466,7 +466,7 @@ func (in *initiator) runOps(ctx context.Context, c *connect.Connector, p *prepar
 	}
 	check := in.cfg.check
 	var acks []chan error
-	if check && op == "WRITE" {
+	if check && op == dirWrite {
 		acks = make([]chan error, total)
 		for i := range acks {
 			acks[i] = make(chan error, 1)
@@ -512,7 +512,7 @@ func (in *initiator) runOps(ctx context.Context, c *connect.Connector, p *prepar
 	one := func(i int) error {
 		s := i % n
 		if check {
-			if op == "READ" {
+			if op == dirRead {
 				poison(slots[s])
 			} else {
 				if i >= n {
@@ -534,7 +534,7 @@ func (in *initiator) runOps(ctx context.Context, c *connect.Connector, p *prepar
 		defer wcancel()
 		t0 := monoNow()
 		var err error
-		if op == "READ" {
+		if op == dirRead {
 			var x *connect.ReadOperation
 			if x, err = c.BeginRead(wctx, p.mds[i], descs[s]...); err == nil {
 				err = x.Wait(wctx)
@@ -553,7 +553,7 @@ func (in *initiator) runOps(ctx context.Context, c *connect.Connector, p *prepar
 			return fmt.Errorf("operation %d: %w", i, err)
 		}
 		run.begin[i], run.lat[i], ends[i] = t0, time.Duration(t1-t0), t1
-		if check && op == "READ" {
+		if check && op == dirRead {
 			if err := verify(slots[s], readSeed(p.id, s)); err != nil {
 				return fmt.Errorf("check of operation %d: %w", i, err)
 			}

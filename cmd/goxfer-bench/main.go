@@ -30,7 +30,7 @@ type config struct {
 	listen   string
 	timeout  time.Duration
 	backends []backendDef
-	ops      []string
+	ops      []direction
 	blocks   []int
 	descs    []int
 	inflight []int
@@ -171,14 +171,11 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 		return c, nil
 	}
 	for _, o := range strings.Split(ops, ",") {
-		switch strings.ToLower(strings.TrimSpace(o)) {
-		case "read":
-			c.ops = append(c.ops, "READ")
-		case "write":
-			c.ops = append(c.ops, "WRITE")
-		default:
-			return nil, fmt.Errorf("-ops: unknown operation %q: want read, write", o)
+		d, err := parseDirection(o)
+		if err != nil {
+			return nil, fmt.Errorf("-ops: %w", err)
 		}
+		c.ops = append(c.ops, d)
 	}
 	if c.inflight, err = parseInts("-inflight", inflight, 1, 1024); err != nil {
 		return nil, err

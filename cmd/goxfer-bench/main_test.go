@@ -216,7 +216,7 @@ func TestParsePerftest(t *testing.T) {
 	out := []byte("iterations,50.0_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw,avg_mr,overall_mr\n" +
 		"[thread 0] 945,1145.356,1056.324,1056.324,59.17,59.17,947,947\n" +
 		"1000,1147.394,1195.656,1063.987,52.27,58.74,836,940\n")
-	r, err := parsePerftest(out, ucxRun{op: "READ", tls: "tcp,self", size: 65536, iters: 1000})
+	r, err := parsePerftest(out, ucxRun{op: dirRead, tls: "tcp,self", size: 65536, iters: 1000})
 	require.NoError(t, err)
 	assert.Equal(t, 1000, r.Iters)
 	assert.InDelta(t, 1147.394, r.P50, 1e-9)
@@ -224,4 +224,27 @@ func TestParsePerftest(t *testing.T) {
 	assert.InDelta(t, 940, r.OpsPerSec, 1e-9)
 	_, err = parsePerftest([]byte("[1700000000.1] ucp_worker.c: no transport\n"), ucxRun{})
 	assert.Error(t, err)
+}
+
+func TestDirection(t *testing.T) {
+	for in, want := range map[string]direction{"read": dirRead, " WRITE": dirWrite, "Read": dirRead} {
+		d, err := parseDirection(in)
+		require.NoError(t, err, in)
+		assert.Equal(t, want, d, in)
+	}
+	_, err := parseDirection("copy")
+	assert.ErrorContains(t, err, `unknown operation "copy"`)
+	assert.Equal(t, "READ", dirRead.String())
+	assert.Equal(t, "WRITE", dirWrite.String())
+
+	// The protocol's "op" stays the string a target of another build expects.
+	b, err := json.Marshal(roundReq{Op: dirWrite})
+	require.NoError(t, err)
+	assert.Contains(t, string(b), `"op":"WRITE"`)
+	var req roundReq
+	require.NoError(t, json.Unmarshal([]byte(`{"op":"READ"}`), &req))
+	assert.Equal(t, dirRead, req.Op)
+	assert.Error(t, json.Unmarshal([]byte(`{"op":"COPY"}`), &req))
+	_, err = json.Marshal(roundReq{})
+	assert.Error(t, err, "no direction")
 }

@@ -45,17 +45,17 @@ type hello struct {
 
 // roundReq asks the target to prepare one point.
 type roundReq struct {
-	ID       uint64 `json:"id"`
-	Op       string `json:"op"` // READ or WRITE
-	Block    int    `json:"block"`
-	Descs    int    `json:"descs"`
-	Slots    int    `json:"slots"`
-	Ops      int    `json:"ops"` // passive operations to create; 0 for a baseline round
-	Check    bool   `json:"check"`
-	Seed     uint64 `json:"seed"`
-	RawBuf   bool   `json:"raw_buf"`         // the raw TCP server serves from slot 0
-	WaitMsec int64  `json:"wait_ms"`         // how long finish waits for passive completions
-	Alloc    string `json:"alloc,omitempty"` // the backend whose allocator holds the slots; "": Go heap
+	ID       uint64    `json:"id"`
+	Op       direction `json:"op"` // READ or WRITE, as text
+	Block    int       `json:"block"`
+	Descs    int       `json:"descs"`
+	Slots    int       `json:"slots"`
+	Ops      int       `json:"ops"` // passive operations to create; 0 for a baseline round
+	Check    bool      `json:"check"`
+	Seed     uint64    `json:"seed"`
+	RawBuf   bool      `json:"raw_buf"`         // the raw TCP server serves from slot 0
+	WaitMsec int64     `json:"wait_ms"`         // how long finish waits for passive completions
+	Alloc    string    `json:"alloc,omitempty"` // the backend whose allocator holds the slots; "": Go heap
 }
 
 // roundReady is the target's answer to "round".

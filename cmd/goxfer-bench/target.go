@@ -262,7 +262,7 @@ func (t *target) build(r *round) (roundReady, error) {
 			r.slots[s] = buf
 			r.frees = append(r.frees, free)
 		}
-		if req.Op == "READ" {
+		if req.Op == dirRead {
 			fill(r.slots[s], readSeed(req.ID, s))
 		} else {
 			poison(r.slots[s]) // fault the pages in: WRITE should not pay for that
@@ -278,7 +278,7 @@ func (t *target) build(r *round) (roundReady, error) {
 	for i := range req.Ops {
 		var op passive
 		var err error
-		if req.Op == "READ" {
+		if req.Op == dirRead {
 			op, err = t.conn.CreateReadable(r.ctx, descs[i%req.Slots]...)
 		} else {
 			op, err = t.conn.CreateWritable(r.ctx, descs[i%req.Slots]...)
@@ -306,7 +306,7 @@ func (t *target) build(r *round) (roundReady, error) {
 				return
 			}
 			r.done[i] = now
-			if req.Check && req.Op == "WRITE" {
+			if req.Check && req.Op == dirWrite {
 				a := ack{I: i}
 				slot := r.slots[i%req.Slots]
 				if err := verify(slot, writeSeed(req.ID, i)); err != nil {

@@ -16,9 +16,10 @@ import (
 // transport NIXL itself runs on. READ is ucp_get, WRITE ucp_put_bw.
 
 type ucxRun struct {
-	op, tls string
-	size    int
-	iters   int
+	op    direction
+	tls   string
+	size  int
+	iters int
 }
 
 func (in *initiator) ucxPlan() []ucxRun {
@@ -51,7 +52,7 @@ func (in *initiator) runUCX(ctx context.Context, runs []ucxRun) {
 		in.prog.step(fmt.Sprintf("ucx_perftest %s %s %s", u.tls, u.op, fmtSize(float64(u.size))))
 		r, err := runPerftest(ctx, u, in.cfg.timeout)
 		if err != nil {
-			in.baselineNotice["ucx_perftest "+u.tls+" "+u.op+" "+fmtSize(float64(u.size))] = err.Error()
+			in.baselineNotice["ucx_perftest "+u.tls+" "+u.op.String()+" "+fmtSize(float64(u.size))] = err.Error()
 			in.prog.done("failed: " + err.Error())
 			continue
 		}
@@ -79,7 +80,7 @@ func runPerftest(ctx context.Context, u ucxRun, timeout time.Duration) (Result, 
 	}
 	defer func() { _ = srv.Process.Kill(); _ = srv.Wait() }()
 	test := "ucp_get"
-	if u.op == "WRITE" {
+	if u.op == dirWrite {
 		test = "ucp_put_bw"
 	}
 	warm := max(u.iters/10, 2)
@@ -130,7 +131,7 @@ func parsePerftest(out []byte, u ucxRun) (Result, error) {
 		}
 		num[i] = v
 	}
-	r := Result{Kind: baseUCX, Name: baseUCX + " " + u.tls, Op: u.op, Block: u.size, Descs: 1, Bytes: int64(u.size),
+	r := Result{Kind: baseUCX, Name: baseUCX + " " + u.tls, Op: u.op.String(), Block: u.size, Descs: 1, Bytes: int64(u.size),
 		Iters: int(num[0]), GBps: num[5] * (1 << 20) / 1e9, OpsPerSec: num[7], P50: num[1],
 		Note: fmt.Sprintf("UCX_TLS=%s", u.tls)}
 	return r, nil
