@@ -37,21 +37,11 @@ func (in *initiator) baselines(ctx context.Context, op direction, sh shape) ([]R
 	var out []Result
 	// measure runs f warm-up and measured times.
 	measure := func(r Result, f func() error) (Result, error) {
-		for range warmup {
-			if err := f(); err != nil {
-				return r, err
-			}
+		lat, elapsed, err := timeCalls(warmup, iters, f)
+		if err != nil {
+			return r, err
 		}
-		lat := make([]time.Duration, iters)
-		start := time.Now()
-		for i := range iters {
-			t0 := time.Now()
-			if err := f(); err != nil {
-				return r, err
-			}
-			lat[i] = time.Since(t0)
-		}
-		r.setThroughput(bytes, iters, time.Since(start))
+		r.setThroughput(bytes, iters, elapsed)
 		r.P50, r.P99 = percentiles(lat)
 		return r, nil
 	}
@@ -167,26 +157,19 @@ func (in *initiator) pingPong(ctx context.Context) (Result, error) {
 	c := cs[0]
 	buf := make([]byte, 4096)
 	iters := in.cfg.latIters
-	lat := make([]time.Duration, 0, iters)
 	_ = c.SetDeadline(time.Now().Add(in.cfg.timeout + time.Duration(iters)*time.Millisecond))
-	start := time.Now()
-	for i := range iters + iters/10 {
-		if i == iters/10 {
-			start = time.Now()
-		}
-		t0 := time.Now()
+	lat, elapsed, err := timeCalls(iters/10, iters, func() error {
 		if _, err := c.Write(buf); err != nil {
-			return Result{}, err
+			return err
 		}
-		if _, err := io.ReadFull(c, buf); err != nil {
-			return Result{}, err
-		}
-		if i >= iters/10 {
-			lat = append(lat, time.Since(t0))
-		}
+		_, err := io.ReadFull(c, buf)
+		return err
+	})
+	if err != nil {
+		return Result{}, err
 	}
 	r := Result{Kind: "baseline", Name: basePingPong, Op: "PINGPONG", Block: 4096, Descs: 1, Bytes: 4096, Inflight: 1, Iters: iters, Note: "4 KiB there and back over one plain connection"}
-	r.setThroughput(4096, iters, time.Since(start))
+	r.setThroughput(4096, iters, elapsed)
 	r.P50, r.P99 = percentiles(lat)
 	return r, nil
 }

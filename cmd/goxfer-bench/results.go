@@ -76,6 +76,26 @@ func percentiles(lat []time.Duration) (p50, p99 float64) {
 	return at(0.50), at(0.99)
 }
 
+// timeCalls runs f warmup times, then iters times on the clock: the
+// latency of each measured call, and the time they took together.
+func timeCalls(warmup, iters int, f func() error) (lat []time.Duration, elapsed time.Duration, err error) {
+	for range warmup {
+		if err := f(); err != nil {
+			return nil, 0, err
+		}
+	}
+	lat = make([]time.Duration, iters)
+	start := time.Now()
+	for i := range iters {
+		t0 := time.Now()
+		if err := f(); err != nil {
+			return nil, 0, err
+		}
+		lat[i] = time.Since(t0)
+	}
+	return lat, time.Since(start), nil
+}
+
 func (r Result) summary() string {
 	s := fmt.Sprintf("%.2f GB/s, p50 %.1f µs", r.GBps, r.P50)
 	if r.DoneP50 > 0 {

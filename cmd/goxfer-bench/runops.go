@@ -1,0 +1,189 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats.go"
+
+	"github.com/goxfer/goxfer/connect"
+)
+
+// The goxfer runner: the operations of one point, n in flight, on a
+// connector of the backend under test, each byte checked with -check.
+
+// opsRun is what runOps measured.
+type opsRun struct {
+	begin    []int64         // CLOCK_MONOTONIC at Begin
+	lat      []time.Duration // Begin to the active Wait's return
+	elapsed  time.Duration   // first measured Begin to last measured completion
+	verified int64
+}
+
+// runOps runs operations [0, total), the first warmup of them unmeasured,
+// with n in flight: goroutine s runs operations s, s+n, ... on slot s.
+func (in *initiator) runOps(ctx context.Context, c *connect.Connector, p *prepared, op direction, sh shape, n, warmup, total int,
+	alloc func(int) ([]byte, func() error, error)) (_ *opsRun, err error) {
+	size := int(sh.bytes())
+	slots := make([][]byte, n)
+	descs := make([][]connect.Descriptor, n)
+	for s := range slots {
+		if alloc == nil {
+			slots[s] = make([]byte, size)
+		} else {
+			buf, free, aerr := alloc(size)
+			if aerr != nil {
+				return nil, aerr
+			}
+			defer func() {
+				if ferr := free(); ferr != nil && err == nil {
+					err = ferr
+				}
+			}()
+			slots[s] = buf
+		}
+		poison(slots[s]) // fault the pages in before the clock starts
+		descs[s] = descriptors(slots[s], sh.Block, sh.Descs)
+	}
+	check := in.cfg.check
+	var acks []chan error
+	if check && op == dirWrite {
+		acks = make([]chan error, total)
+		for i := range acks {
+			acks[i] = make(chan error, 1)
+		}
+		sub, err := in.nc.Subscribe(subject(in.cfg.session, p.t.name, fmt.Sprintf("ack.%d", p.id)), func(m *nats.Msg) {
+			var a ack
+			if json.Unmarshal(m.Data, &a) == nil && a.I >= 0 && a.I < len(acks) {
+				var err error
+				if a.Err != "" {
+					err = fmt.Errorf("target check of operation %d: %s", a.I, a.Err)
+				}
+				select {
+				case acks[a.I] <- err:
+				default:
+				}
+			}
+		})
+		if err != nil {
+			return nil, err
+		}
+		defer func() { _ = sub.Unsubscribe() }()
+		if err := in.nc.Flush(); err != nil {
+			return nil, err
+		}
+	}
+	run := &opsRun{begin: make([]int64, total), lat: make([]time.Duration, total)}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var (
+		mu       sync.Mutex
+		firstErr error
+		verified atomic.Int64
+		ends     = make([]int64, total)
+	)
+	fail := func(err error) {
+		mu.Lock()
+		if firstErr == nil {
+			firstErr = err
+		}
+		mu.Unlock()
+		cancel()
+	}
+	one := func(i int) error {
+		s := i % n
+		if check {
+			if op == dirRead {
+				poison(slots[s])
+			} else {
+				if i >= n {
+					select { // the target has verified the slot's previous write
+					case err := <-acks[i-n]:
+						if err != nil {
+							return err
+						}
+					case <-time.After(in.cfg.timeout):
+						return fmt.Errorf("no check result for operation %d within %v", i-n, in.cfg.timeout)
+					case <-ctx.Done():
+						return ctx.Err()
+					}
+				}
+				fill(slots[s], writeSeed(p.id, i))
+			}
+		}
+		wctx, wcancel := context.WithTimeout(ctx, in.cfg.timeout)
+		defer wcancel()
+		t0 := monoNow()
+		var err error
+		if op == dirRead {
+			var x *connect.ReadOperation
+			if x, err = c.BeginRead(wctx, p.mds[i], descs[s]...); err == nil {
+				err = x.Wait(wctx)
+			}
+		} else {
+			var x *connect.WriteOperation
+			if x, err = c.BeginWrite(wctx, p.mds[i], descs[s]...); err == nil {
+				err = x.Wait(wctx)
+			}
+		}
+		t1 := monoNow()
+		if err != nil {
+			if errors.Is(err, context.DeadlineExceeded) {
+				return fmt.Errorf("operation %d did not complete within %v: %w", i, in.cfg.timeout, err)
+			}
+			return fmt.Errorf("operation %d: %w", i, err)
+		}
+		run.begin[i], run.lat[i], ends[i] = t0, time.Duration(t1-t0), t1
+		if check && op == dirRead {
+			if err := verify(slots[s], readSeed(p.id, s)); err != nil {
+				return fmt.Errorf("check of operation %d: %w", i, err)
+			}
+			verified.Add(int64(size))
+		}
+		return nil
+	}
+	phase := func(lo, hi int) {
+		var wg sync.WaitGroup
+		for s := range n {
+			wg.Go(func() {
+				for i := lo + s; i < hi; i += n {
+					if ctx.Err() != nil {
+						return
+					}
+					if err := one(i); err != nil {
+						fail(err)
+						return
+					}
+				}
+			})
+		}
+		wg.Wait()
+	}
+	phase(0, warmup)
+	phase(warmup, total)
+	if firstErr != nil {
+		return nil, firstErr
+	}
+	if acks != nil { // every write verified at the target
+		for i := max(total-n, 0); i < total; i++ {
+			select {
+			case err := <-acks[i]:
+				if err != nil {
+					return nil, err
+				}
+			case <-time.After(in.cfg.timeout):
+				return nil, fmt.Errorf("no check result for operation %d within %v", i, in.cfg.timeout)
+			}
+		}
+	}
+	first, last := slices.Min(run.begin[warmup:]), slices.Max(ends[warmup:])
+	run.elapsed = time.Duration(last - first)
+	run.verified = verified.Load()
+	return run, nil
+}
