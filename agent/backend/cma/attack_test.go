@@ -667,3 +667,48 @@ func TestAttackNotifyQueueUnbounded(t *testing.T) {
 		sent, time.Since(start).Round(time.Millisecond), accepted, maxQueued>>20)
 	assert.Less(t, maxQueued, 16<<20, "the writer's queue grows without bound while the peer reads nothing")
 }
+
+// A Notify waiting for room in the queue of a peer that reads nothing
+// returns once its context is done, with the context's cause, not after
+// WithTimeout; the peer stays connected.
+func TestNotifyWaitEndsWithContext(t *testing.T) {
+	watchdog(t, time.Minute)
+	f := newFakeExposer(t, func(c *net.UnixConn, br *bufio.Reader) {}) // never reads again
+	_, ab := newAgent(t, WithTimeout(time.Minute))
+	msg := make([]byte, 64<<10)
+	key := agent.NewKey()
+	require.NoError(t, ab.Reachable(context.Background(), f.info))
+	ab.mu.Lock()
+	p := ab.peers[f.info.ID][0]
+	ab.mu.Unlock()
+	full := func() bool {
+		p.qmu.Lock()
+		defer p.qmu.Unlock()
+		return p.qnote+len(msg) > maxQueuedNotify
+	}
+	for !full() {
+		require.NoError(t, ab.Notify(context.Background(), f.info, key, msg))
+	}
+	cause := errors.New("the caller gave up")
+	for _, stop := range []struct {
+		name string
+		ctx  func() (context.Context, context.CancelFunc)
+	}{
+		{"deadline", func() (context.Context, context.CancelFunc) {
+			return context.WithTimeoutCause(context.Background(), 100*time.Millisecond, cause)
+		}},
+		{"cancel", func() (context.Context, context.CancelFunc) {
+			ctx, cancel := context.WithCancelCause(context.Background())
+			stop := time.AfterFunc(100*time.Millisecond, func() { cancel(cause) })
+			return ctx, func() { stop.Stop(); cancel(nil) }
+		}},
+	} {
+		ctx, cancel := stop.ctx()
+		start := time.Now()
+		err := ab.Notify(ctx, f.info, key, msg)
+		cancel()
+		require.ErrorIs(t, err, cause, stop.name)
+		assert.Less(t, time.Since(start), 10*time.Second, "%s: Notify waited for the timeout", stop.name)
+		assert.False(t, p.broken.Load(), "%s: the peer failed", stop.name)
+	}
+}

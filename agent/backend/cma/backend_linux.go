@@ -3,9 +3,11 @@
 package cma
 
 import (
+	"context"
 	"crypto/rand"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"os"
 	"slices"
@@ -30,6 +32,7 @@ type Backend struct {
 	optErr error
 
 	host  agent.Host
+	log   *slog.Logger // the host's
 	id    uuid.UUID
 	pid   int
 	self  connInfo
@@ -54,11 +57,16 @@ type Backend struct {
 
 	stats stats
 
+	// The backend's lifetime: the host's, also cancelled when Close begins
+	// (the agent cancels it just before, a test calling Close may not).
+	// Probes in flight give up.
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+
 	tasks chan task
 	xwg   sync.WaitGroup // transfers and notifications in flight
 	wg    sync.WaitGroup // goroutines
 	stop  chan struct{}  // closed when the last transfer is done: workers exit
-	quit  chan struct{}  // closed when Close begins: probes in flight give up
 
 	retry time.Duration // how long a failed verdict stands: retryFailed
 	swept time.Time     // when expired verdicts were last dropped
@@ -68,7 +76,7 @@ type Backend struct {
 // are reported by Start, that is by the agent's constructor.
 func New(opts ...Option) *Backend {
 	b := &Backend{cfg: defaults(), peers: map[uuid.UUID][]*peer{}, conns: map[*net.UnixConn]struct{}{},
-		byPID: map[int]int{}, shaking: map[*net.UnixConn]uint64{}, stop: make(chan struct{}), quit: make(chan struct{}),
+		byPID: map[int]int{}, shaking: map[*net.UnixConn]uint64{}, stop: make(chan struct{}),
 		retry: retryFailed, readScope: ptraceScope, ptracers: ptracers, readv: processVMReadv}
 	var errs []error
 	for _, o := range opts {
@@ -96,7 +104,7 @@ func (b *Backend) Start(h agent.Host) ([]byte, error) {
 	if b.optErr != nil {
 		return nil, b.optErr
 	}
-	b.host, b.id, b.pid = h, h.ID(), os.Getpid()
+	b.host, b.log, b.id, b.pid = h, h.Logger(), h.ID(), os.Getpid()
 	var rnd [8]byte
 	_, _ = rand.Read(rnd[:])
 	name := fmt.Sprintf("goxfer-cma/%d/%s/%x", b.pid, b.id, rnd)
@@ -106,6 +114,7 @@ func (b *Backend) Start(h agent.Host) ([]byte, error) {
 	}
 	ln.SetUnlinkOnClose(false)
 	b.ln = ln
+	b.ctx, b.cancel = context.WithCancelCause(h.Context())
 	b.probe = new([16]byte)
 	_, _ = rand.Read(b.probe[:])
 	b.scope = b.readScope()
@@ -165,7 +174,9 @@ func (b *Backend) Close() error {
 		return nil
 	}
 	b.closed = true
-	close(b.quit)
+	if b.cancel != nil {
+		b.cancel(agent.ErrClosed)
+	}
 	var peers []*peer
 	for _, ps := range b.peers {
 		peers = append(peers, ps...)
@@ -193,6 +204,17 @@ func (b *Backend) Close() error {
 	close(b.stop)
 	b.wg.Wait()
 	return err
+}
+
+// dropped counts a connection ended by err on its peer's account, which
+// broke off a handshake if inHandshake, and logs it at level Debug with
+// args; it reports whether err was the peer's fault (stats.dropped).
+func (b *Backend) dropped(err error, inHandshake bool, args ...any) bool {
+	if !b.stats.dropped(err, inHandshake) {
+		return false
+	}
+	b.log.Debug("cma: dropped a connection", append(args, "err", err)...)
+	return true
 }
 
 // peerCred returns the process ID of the socket's other end, as the kernel

@@ -26,15 +26,19 @@ type window struct {
 	parked  bool       // waiting in st.p.parked for room; under st.p.mu
 	sent    time.Time  // when the request was queued; under st.p.mu
 	tasks   atomic.Int64
+	// An inline window's guard, armed by begin and disarmed by done; under
+	// st.p.mu.
+	unhook func() bool // the hook on the transfer's cancellation
+	timer  *time.Timer // the bound on the request's answer
 }
 
 // begin registers w for its answer and queues its lease request: every
 // remote range it covers, so the exposing agent checks them all. If limit
 // requests are unended already, w waits in p.parked, in order, until an end
 // makes room (done); begin never waits. From then on whoever takes w out of
-// p.waiting or p.parked (the reader, fail, or the owner giving it up)
-// finishes it. An error means w was not registered: the peer failed, and
-// the caller finishes w.
+// p.waiting or p.parked (the reader, fail, the owner giving it up, or an
+// inline window's guard) finishes it. An error means w was not registered:
+// the peer failed, and the caller finishes w.
 func (p *peer) begin(w *window) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -43,6 +47,10 @@ func (p *peer) begin(w *window) error {
 			return p.err
 		}
 		return fmt.Errorf("cma: peer %s: %w", p.id, agent.ErrRemoteLost)
+	}
+	if w.inline {
+		// Under p.mu, so that nobody finishes w before its guard is armed.
+		w.guard()
 	}
 	if p.inflight >= p.limit { // then windows parked before w go first: unpark keeps them in order
 		w.parked = true
@@ -117,6 +125,12 @@ func (w *window) unanswered() time.Duration {
 	p := w.st.p
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	return w.unansweredLocked()
+}
+
+// unansweredLocked is unanswered for a caller that holds p.mu.
+func (w *window) unansweredLocked() time.Duration {
+	p := w.st.p
 	if w.id == 0 {
 		return p.b.cfg.timeout
 	}
@@ -131,6 +145,12 @@ func (w *window) claim() bool {
 	p := w.st.p
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	return w.claimLocked()
+}
+
+// claimLocked is claim for a caller that holds p.mu.
+func (w *window) claimLocked() bool {
+	p := w.st.p
 	if w.parked {
 		w.parked = false // unpark skips it
 		return true
@@ -151,34 +171,59 @@ func (w *window) abandon() {
 	w.done(nil)
 }
 
-// guard ends an inline window whose transfer is cancelled, or whose lease
-// request stays unanswered for the timeout, before the reader takes its
-// answer. It only waits: the reader copies the window when granted.
+// guard arms what ends an inline window, which has no driver to wait for
+// its answer, before the reader takes that answer: the transfer's
+// cancellation and a timer on the request. Neither costs a goroutine while
+// it waits; done disarms both. The reader copies the window when granted.
+// The caller holds p.mu.
 func (w *window) guard() {
-	st := w.st
-	defer st.b.wg.Done()
-	t := time.NewTimer(st.b.cfg.timeout)
-	defer t.Stop()
-	for {
-		select {
-		case <-st.x.Done():
-		case <-st.x.Cancelled():
-			if w.claim() {
-				w.done(st.x.CancelErr())
-			}
-		case <-t.C:
-			if left := w.unanswered(); left > 0 {
-				t.Reset(left) // parked, or sent after the timer started
-				continue
-			}
-			if w.claim() {
-				err := fmt.Errorf("cma: peer %s left a lease request unanswered for %v: %w", st.p.id, st.b.cfg.timeout, agent.ErrRemoteLost)
-				st.p.fail(err)
-				w.done(err)
-			}
+	fire := w.fire // one closure for both
+	w.unhook = w.st.x.AfterCancel(fire)
+	w.timer = time.AfterFunc(w.st.b.cfg.timeout, fire)
+}
+
+// fire runs when an inline window's transfer is cancelled or its timer
+// expires, and ends the window, unless its answer was taken already:
+// cancellation first.
+func (w *window) fire() {
+	x := w.st.x
+	select {
+	case <-x.Cancelled():
+		if w.claim() {
+			w.done(x.CancelErr())
 		}
+	default:
+		w.expire()
+	}
+}
+
+// expire ends an inline window whose lease request went unanswered for the
+// timeout, and fails the peer, unless the answer was taken already.
+func (w *window) expire() {
+	p := w.st.p
+	p.mu.Lock()
+	if w.timer == nil { // disarmed by done
+		p.mu.Unlock()
 		return
 	}
+	if left := w.unansweredLocked(); left > 0 {
+		w.timer.Reset(left) // parked, or sent after the timer started
+		p.mu.Unlock()
+		return
+	}
+	claimed := w.claimLocked()
+	p.mu.Unlock()
+	if claimed {
+		err := p.unansweredErr()
+		p.fail(err)
+		w.done(err)
+	}
+}
+
+// unansweredErr is the failure of a peer that left a lease request
+// unanswered for the timeout.
+func (p *peer) unansweredErr() error {
+	return fmt.Errorf("cma: peer %s left a lease request unanswered for %v: %w", p.id, p.b.cfg.timeout, agent.ErrRemoteLost)
 }
 
 // done ends w's lease and releases its slot and reference. It is called
@@ -195,6 +240,11 @@ func (w *window) done(err error) {
 		p.send(&header{typ: tEnd, id: w.id}, nil, nil)
 	}
 	p.mu.Lock()
+	if w.timer != nil { // an inline window's guard
+		w.unhook()
+		w.timer.Stop()
+		w.unhook, w.timer = nil, nil
+	}
 	last := false
 	if w.held {
 		w.held = false

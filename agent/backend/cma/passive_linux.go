@@ -16,27 +16,34 @@ import (
 	"github.com/goxfer/goxfer/agent"
 )
 
+// accept serves the listener until Close closes it. A failing accept (out
+// of file descriptors, say) is logged and retried after a pause that
+// doubles, from 5 ms to 1 s, while it keeps failing.
 func (b *Backend) accept() {
 	defer b.wg.Done()
+	var pause time.Duration
 	for {
 		c, err := b.ln.AcceptUnix()
 		if err != nil {
-			if errors.Is(err, net.ErrClosed) {
+			if errors.Is(err, net.ErrClosed) || b.ctx.Err() != nil {
 				return
 			}
+			pause = min(max(2*pause, 5*time.Millisecond), time.Second)
+			b.log.Warn("cma: accept failed; retrying", "err", err, "in", pause)
 			select {
-			case <-b.stop:
+			case <-time.After(pause):
+			case <-b.ctx.Done():
 				return
-			default:
 			}
-			time.Sleep(10 * time.Millisecond) // e.g. EMFILE: do not spin
 			continue
 		}
+		pause = 0
 		pid, err := peerCred(c)
 		if err != nil {
 			_ = c.Close()
 			b.stats.handshake.Add(1)
 			b.stats.disconnected.Add(1)
+			b.log.Debug("cma: dropped a connection whose peer has no credentials", "err", err)
 			b.host.Refused()
 			continue
 		}
@@ -71,6 +78,7 @@ func (b *Backend) admit(c *net.UnixConn, pid int) int {
 	}
 	if b.byPID[pid] >= b.cfg.maxConnsPerProc {
 		b.stats.limited()
+		b.log.Debug("cma: refused a connection: its process holds WithMaxConnsPerProcess", "pid", pid, "max", b.cfg.maxConnsPerProc)
 		return admitRefused
 	}
 	b.byPID[pid]++
@@ -87,6 +95,7 @@ func (b *Backend) admit(c *net.UnixConn, pid int) int {
 		delete(b.shaking, oldest)
 		_ = oldest.Close() // its goroutine returns, uncounted: counted here
 		b.stats.limited()
+		b.log.Debug("cma: closed the oldest handshake to make room: WithMaxHandshakes in progress", "max", b.cfg.maxHandshakes)
 		b.host.Refused()
 	}
 	return admitted
@@ -247,7 +256,7 @@ func (b *Backend) serve(c *net.UnixConn, pid int) {
 	defer c.Close()
 	s := &server{b: b, c: c, pid: pid, leases: map[uint64]held{}}
 	if err := s.handshake(); err != nil {
-		if !b.stopping() && !errors.Is(err, errEvicted) && b.stats.dropped(err, true) {
+		if !b.stopping() && !errors.Is(err, errEvicted) && b.dropped(err, true, "pid", pid) {
 			b.host.Refused()
 		}
 		return
@@ -257,7 +266,7 @@ func (b *Backend) serve(c *net.UnixConn, pid int) {
 	}
 	err := s.loop()
 	stopping := b.stopping()
-	if !stopping && b.stats.dropped(err, false) && errors.Is(err, errProtocol) {
+	if !stopping && b.dropped(err, false, "peer", s.peer, "pid", pid) && errors.Is(err, errProtocol) {
 		b.host.Refused()
 	}
 	if len(s.leases) > 0 && !closedByPeer(err) {
@@ -304,16 +313,9 @@ func (s *server) drain() {
 	}
 }
 
-func (b *Backend) stopping() bool {
-	select {
-	case <-b.stop:
-		return true
-	default:
-	}
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.closed
-}
+// stopping reports whether the backend's lifetime is over: a connection
+// that ends now ends because this agent closes.
+func (b *Backend) stopping() bool { return b.ctx.Err() != nil }
 
 // handshake checks the dialler's claims against the kernel's: the process
 // ID it names must be the socket's peer credential. It answers with the

@@ -86,10 +86,8 @@ func (p *peer) connect() {
 		p.read()
 		return
 	}
-	select {
-	case <-p.b.quit:
+	if p.b.ctx.Err() != nil {
 		err = agent.ErrClosed
-	default:
 	}
 	p.verdict, p.failed = err, time.Now()
 	if p.c != nil {
@@ -102,17 +100,10 @@ func (p *peer) connect() {
 
 func (p *peer) dial() error {
 	b := p.b
-	ctx, cancel := context.WithTimeout(context.Background(), b.cfg.timeout)
+	// Within the backend's lifetime: Close must not wait a whole timeout
+	// for a probe.
+	ctx, cancel := context.WithTimeout(b.ctx, b.cfg.timeout)
 	defer cancel()
-	stopped := make(chan struct{})
-	defer close(stopped)
-	go func() { // Close must not wait a whole timeout for a probe
-		select {
-		case <-b.quit:
-			cancel()
-		case <-stopped:
-		}
-	}()
 	var d net.Dialer
 	c, err := d.DialContext(ctx, "unix", "@"+p.ci.sock)
 	if err != nil {
@@ -196,14 +187,13 @@ func (p *peer) read() {
 	b.wg.Add(1)
 	go p.writer()
 	err := p.loop()
-	select {
-	case <-b.stop:
+	switch {
+	case b.ctx.Err() != nil:
 		err = agent.ErrClosed
+	case p.broken.Load():
+		// failed already; the socket closed after its copies
 	default:
-		if p.broken.Load() {
-			break // failed already; the socket closed after its copies
-		}
-		if b.stats.dropped(err, false) && errors.Is(err, errProtocol) {
+		if b.dropped(err, false, "peer", p.id) && errors.Is(err, errProtocol) {
 			b.host.Refused()
 		}
 		err = fmt.Errorf("cma: connection to peer %s: %w: %w", p.id, agent.ErrRemoteLost, err)

@@ -3,7 +3,6 @@
 package cma
 
 import (
-	"fmt"
 	"time"
 
 	"github.com/goxfer/goxfer/agent"
@@ -36,9 +35,6 @@ func (b *Backend) Post(x *agent.Work) error {
 		st.Add()
 		if err := p.begin(w); err != nil {
 			w.done(err) // never requested: no answer will come
-		} else {
-			b.wg.Add(1) // before xwg.Done: Close waits for it
-			go w.guard()
 		}
 		st.Done(nil)
 		return nil
@@ -113,7 +109,7 @@ func (b *Backend) drive(st *xstate) {
 				timer.Reset(left) // parked, or sent after the timer started
 				goto answer
 			}
-			err := fmt.Errorf("cma: peer %s left a lease request unanswered for %v: %w", p.id, b.cfg.timeout, agent.ErrRemoteLost)
+			err := p.unansweredErr()
 			p.fail(err)
 			st.Fail(err)
 			return

@@ -75,7 +75,7 @@ func (p *peer) writer() {
 		}
 		if _, err := p.c.Write(out); err != nil {
 			if !p.broken.Load() {
-				p.b.stats.dropped(err, false)
+				p.b.dropped(err, false, "peer", p.id)
 			}
 			p.fail(fmt.Errorf("cma: write to peer %s: %w: %w", p.id, agent.ErrRemoteLost, err))
 			return
@@ -104,13 +104,13 @@ const maxQueuedNotify = 4 << 20
 
 // notify queues a transfer's notification, without waiting.
 func (p *peer) notify(key agent.Key, msg []byte) error {
-	return p.queueNotify(key, msg, false)
+	return p.queueNotify(context.Background(), key, msg, false)
 }
 
 // queueNotify queues a notification. If wait, it first waits, for at most
-// the timeout, until the notifications already queued leave room for it
-// under maxQueuedNotify.
-func (p *peer) queueNotify(key agent.Key, msg []byte, wait bool) error {
+// the timeout and until ctx is done, until the notifications already queued
+// leave room for it under maxQueuedNotify.
+func (p *peer) queueNotify(ctx context.Context, key agent.Key, msg []byte, wait bool) error {
 	if len(msg) > p.b.cfg.maxNotify {
 		return fmt.Errorf("%w: notification of %d bytes, at most %d", agent.ErrInvalid, len(msg), p.b.cfg.maxNotify)
 	}
@@ -147,12 +147,20 @@ func (p *peer) queueNotify(key agent.Key, msg []byte, wait bool) error {
 		case <-timer.C:
 			return fmt.Errorf("cma: peer %s: %d bytes of notifications still queued after %v, at most %d may be: %w",
 				p.id, queued, p.b.cfg.timeout, maxQueuedNotify, agent.ErrRemoteLost)
+		case <-ctx.Done():
+			return fmt.Errorf("cma: notify peer %s: %d bytes of notifications still queued, at most %d may be: %w",
+				p.id, queued, maxQueuedNotify, context.Cause(ctx))
 		}
 	}
 }
 
-// Notify implements agent.Backend. It waits, for at most WithTimeout, while
-// maxQueuedNotify bytes of notifications to the peer are still unsent.
+// Notify implements [agent.Backend]. It queues msg for the connection's
+// writer and returns; it never connects (the agent chose cma because
+// Reachable found the peer connected, and Notify fails at once if that
+// connection ended since). While 4 MiB of notifications to the peer are
+// still unsent it waits for room, for at most WithTimeout, and returns once
+// ctx is done with an error wrapping context.Cause(ctx). msg is copied
+// before Notify returns. Safe for concurrent use.
 func (b *Backend) Notify(ctx context.Context, info agent.Info, key agent.Key, msg []byte) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("cma: notify peer %s: %w", info.ID, context.Cause(ctx))
@@ -162,5 +170,5 @@ func (b *Backend) Notify(ctx context.Context, info agent.Info, key agent.Key, ms
 		return err
 	}
 	defer b.xwg.Done()
-	return p.queueNotify(key, msg, true)
+	return p.queueNotify(ctx, key, msg, true)
 }
