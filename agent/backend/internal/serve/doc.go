@@ -1,0 +1,65 @@
+// Package serve is the connection plumbing that goxfer's socket backends
+// (tcp over TCP, cma over a Unix-domain socket) share on their listening
+// side, and in part on their dialling side: what every backend that accepts
+// connections from untrusted peers needs, written once.
+//
+//   - Accept runs an accept loop on any net.Listener: it backs off on
+//     errors (5 ms doubling to 1 s, as net/http's Server.Serve does),
+//     logs each backoff, and ends when its context is done or the
+//     listener is closed.
+//   - Caps bounds the connections held per key: per remote address, per
+//     process, per claimed identity at an address.
+//   - Gate bounds the connections still in their handshake: when a new
+//     one finds the gate full, the oldest is closed to make room.
+//   - Set tracks the connections and goroutines a backend must end on
+//     Close: it refuses new ones once stopped, hands back the members to
+//     close, and waits for the goroutines.
+//   - Counters are the counters behind agent.BackendStats, with each
+//     dropped connection counted in exactly one kind and in Disconnected.
+//   - CheckHandshake is the identity check every handshake makes.
+//
+// What the package leaves to each backend: its wire format (the headers and
+// handshakes of tcp and cma differ in layout), its handshake beyond the
+// identity check, deadlines on its connections, and what it tells the agent
+// (agent.Host.Refused, LinkLost).
+//
+// A listening side puts the parts together in its accept handler, in this
+// order (the order both backends followed before this package):
+//
+//	serve.Accept(ctx, ln, log, func(c net.Conn) bool {
+//		if set.Stopping() {
+//			_ = c.Close()
+//			return false
+//		}
+//		k := keyOf(c) // remote address, peer process, …
+//		if !perKey.Acquire(k) {
+//			_ = c.Close()
+//			stats.Drop(serve.LimitRejected)
+//			host.Refused()
+//			return true
+//		}
+//		pass, evicted := gate.Enter(c) // closes the oldest handshake if full
+//		if evicted {
+//			stats.Drop(serve.LimitRejected)
+//			host.Refused()
+//		}
+//		if !set.Serve(c, func(c net.Conn) {
+//			defer perKey.Release(k)
+//			defer pass.Done()
+//			defer c.Close()
+//			handshake(c, pass) // reads the hello, then: if !pass.Done() { return } (evicted, counted already)
+//			…
+//		}) {
+//			pass.Done()
+//			perKey.Release(k)
+//			_ = c.Close()
+//			return false
+//		}
+//		return true
+//	})
+//
+// Nothing in the package starts a goroutine that outlives the calls that
+// start it, except the ones a Set runs for its caller, and none waits on a
+// clock of its own: timing goes through the time package (time.NewTimer)
+// and contexts, so tests run it inside a testing/synctest bubble.
+package serve
