@@ -8,7 +8,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"math/rand/v2"
 	"net"
 	"os"
@@ -18,7 +17,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/google/uuid"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
@@ -69,121 +67,17 @@ func TestAttackConcurrentTransfersOverLeaseLimit(t *testing.T) {
 			a, ab := newAgent(t, tc.opts...)
 			p, pb := newAgent(t, tc.opts...)
 			n, size := tc.n, tc.size
-			src := make([]byte, n*size)
-			for i := range src {
-				src[i] = byte(i * 13)
-			}
-			e, err := p.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
-			require.NoError(t, err)
-			defer e.Revoke()
-			region := agent.DRAM(src).Region
+			src, e := exposeRead(t, p, n*size)
 			before := pb.Stats()
 			dst := make([]byte, len(src))
-			xs := make([]*agent.Xfer, n)
-			start := make(chan struct{})
-			var wg sync.WaitGroup
-			for i := range n {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					<-start
-					x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: p.Info(), Key: e.Key(),
-						Segments: []agent.Segment{{Local: agent.DRAM(dst[i*size : (i+1)*size]), Remote: agent.Region{Addr: region.Addr + uint64(i*size), Len: uint64(size)}}}})
-					if assert.NoError(t, err) {
-						xs[i] = x
-					}
-				}()
-			}
 			// Connect first, so that every transfer shares the one connection.
 			require.NoError(t, ab.Reachable(context.Background(), p.Info()))
-			close(start)
-			wg.Wait()
-			failed := 0
-			var first error
-			for _, x := range xs {
-				if x == nil {
-					continue
-				}
-				waitDone(t, x, 60*time.Second, "concurrent transfers")
-				if x.Err() != nil {
-					if failed++; first == nil {
-						first = x.Err()
-					}
-				}
-			}
+			xs := readSlices(t, a, p.Info(), e.Key(), dst, agent.DRAM(src).Region, n, size)
+			failed, first := waitAll(t, xs, 60*time.Second, "concurrent transfers")
 			assert.Zero(t, failed, "%d of %d concurrent transfers failed, first: %v", failed, n, first)
 			assert.Equal(t, Stats{}, delta(pb.Stats(), before), "the exposing side counted an honest peer's fault")
 		})
 	}
-}
-
-// gatedExposer is a cma control socket that holds every handshake answer
-// until the test puts a token in gate, then answers with a probe this
-// process can read and reads frames until the connection ends. It counts
-// the connections still open.
-type gatedExposer struct {
-	info     agent.Info
-	nonce    *[16]byte
-	gate     chan struct{}
-	accepted atomic.Int64
-	open     atomic.Int64
-}
-
-func newGatedExposer(t *testing.T) *gatedExposer {
-	t.Helper()
-	name := fmt.Sprintf("goxfer-cma-test/gated/%s", uuid.New())
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: "@" + name, Net: "unix"})
-	require.NoError(t, err)
-	g := &gatedExposer{nonce: &[16]byte{9, 8, 7, 6, 5, 4, 3, 2, 1}, gate: make(chan struct{}, 64)}
-	ci := connInfo{host: hostIdentity(), pid: uint32(os.Getpid()), sock: name}
-	g.info = agent.Info{ID: uuid.New(), Conns: []agent.ConnInfo{{Backend: Name, Data: ci.marshal()}}}
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	var conns []*net.UnixConn
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := ln.AcceptUnix()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-			g.accepted.Add(1)
-			g.open.Add(1)
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				defer g.open.Add(-1)
-				br := bufio.NewReader(c)
-				var hs [hsSize]byte
-				if _, err := io.ReadFull(br, hs[:]); err != nil {
-					return
-				}
-				<-g.gate
-				out := handshake{self: g.info.ID, pid: uint32(os.Getpid()), scope: noScope, nonce: *g.nonce}
-				out.probe = uint64(uintptrOf(g.nonce))
-				out.put(hs[:])
-				if _, err := c.Write(hs[:]); err != nil {
-					return
-				}
-				_, _ = io.Copy(io.Discard, br)
-			}()
-		}
-	}()
-	t.Cleanup(func() {
-		_ = ln.Close()
-		close(g.gate)
-		mu.Lock()
-		for _, c := range conns {
-			_ = c.Close()
-		}
-		mu.Unlock()
-		wg.Wait()
-	})
-	return g
 }
 
 // A peer declared departed while its probe is in flight: the probe is
@@ -329,14 +223,7 @@ func TestAttackCancelDepartRevokeRace(t *testing.T) {
 		t.Error(err)
 	}
 	t.Logf("%d posted, %d succeeded, %d cancelled, %d departures", posted.Load(), ok.Load(), cancelled.Load(), departed.Load())
-	closed := make(chan error, 1)
-	go func() { closed <- a.Close() }()
-	select {
-	case err := <-closed:
-		require.NoError(t, err)
-	case <-time.After(20 * time.Second):
-		t.Fatal("Agent.Close hung")
-	}
+	closeWithin(t, a, 20*time.Second)
 }
 
 // Agent.Close of the copying side races Cancel, PeerDeparted and transfers
@@ -451,17 +338,7 @@ func TestAttackExposerDropMidCopyNoLateWrite(t *testing.T) {
 func TestAttackDroppedCopierFloodsRevokeBounded(t *testing.T) {
 	watchdog(t, time.Minute)
 	const timeout = 300 * time.Millisecond
-	a, b := newAgent(t, WithTimeout(timeout))
-	buf := make([]byte, 4096)
-	exp, err := a.Expose(agent.AccessWrite, []agent.Local{agent.DRAM(buf)})
-	require.NoError(t, err)
-	p := dialRaw(t, b)
-	_, err = p.hello(a.ID(), os.Getpid())
-	require.NoError(t, err)
-	p.send(header{typ: tBegin, status: uint8(agent.AccessWrite), count: 1, id: 1, key: exp.Key()}, [][2]uint64{{agent.DRAM(buf).Addr, 4096}}, nil)
-	h, _, err := p.grant()
-	require.NoError(t, err)
-	require.Equal(t, uint8(stOK), h.status)
+	_, exp, p, _ := holdLease(t, WithTimeout(timeout))
 	p.send(header{typ: 42}, nil, nil) // dropped for this
 	stop := make(chan struct{})
 	flooded := make(chan struct{})

@@ -7,10 +7,8 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"fmt"
 	"io"
 	"net"
-	"os"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -18,12 +16,82 @@ import (
 	"time"
 	"unsafe"
 
-	"github.com/google/uuid"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
 )
+
+// exposeRead exposes n bytes of a pattern on p for READ until the test
+// ends.
+func exposeRead(t testing.TB, p *agent.Agent, n int) ([]byte, *agent.Exposure) {
+	t.Helper()
+	src := make([]byte, n)
+	for i := range src {
+		src[i] = byte(i * 13)
+	}
+	e, err := p.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
+	require.NoError(t, err)
+	t.Cleanup(e.Revoke)
+	return src, e
+}
+
+// readSlices posts n READs at once, each on a goroutine of its own: READ
+// i copies the size bytes of remote at offset i*size into the same bytes
+// of dst. It returns them, nil where Post failed (the test then fails).
+func readSlices(t *testing.T, a *agent.Agent, peer agent.Info, key agent.Key, dst []byte, remote agent.Region, n, size int) []*agent.Xfer {
+	t.Helper()
+	xs := make([]*agent.Xfer, n)
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: key,
+				Segments: []agent.Segment{{Local: agent.DRAM(dst[i*size : (i+1)*size]), Remote: agent.Region{Addr: remote.Addr + uint64(i*size), Len: uint64(size)}}}})
+			if assert.NoError(t, err) {
+				xs[i] = x
+			}
+		}()
+	}
+	close(start)
+	wg.Wait()
+	return xs
+}
+
+// waitAll waits for every transfer of xs that is not nil, for at most d
+// each, and returns how many failed and the first failure.
+func waitAll(t testing.TB, xs []*agent.Xfer, d time.Duration, what string) (failed int, first error) {
+	t.Helper()
+	for _, x := range xs {
+		if x == nil {
+			continue
+		}
+		waitDone(t, x, d, what)
+		if err := x.Err(); err != nil {
+			if failed++; first == nil {
+				first = err
+			}
+		}
+	}
+	return failed, first
+}
+
+// closeWithin closes a and fails the test if Close fails or takes longer
+// than d.
+func closeWithin(t testing.TB, a *agent.Agent, d time.Duration) {
+	t.Helper()
+	closed := make(chan error, 1)
+	go func() { closed <- a.Close() }()
+	select {
+	case err := <-closed:
+		require.NoError(t, err)
+	case <-time.After(d):
+		t.Fatalf("Agent.Close did not return within %v", d)
+	}
+}
 
 // waitDone fails the test if x does not finish within d.
 func waitDone(t testing.TB, x *agent.Xfer, d time.Duration, what string) {
@@ -156,14 +224,7 @@ func TestDepartureWhilePostingSmall(t *testing.T) {
 	case <-time.After(20 * time.Second):
 		t.Fatal("transfers posted during departures never finished")
 	}
-	closed := make(chan error, 1)
-	go func() { closed <- a.Close() }()
-	select {
-	case err := <-closed:
-		require.NoError(t, err)
-	case <-time.After(20 * time.Second):
-		t.Fatal("Agent.Close did not return")
-	}
+	closeWithin(t, a, 20*time.Second)
 	t.Logf("%d transfers posted during departures", len(xs))
 }
 
@@ -173,119 +234,16 @@ func TestManyConcurrentSmallReads(t *testing.T) {
 	a, _ := newAgent(t)
 	p, pb := newAgent(t)
 	const n = 1024
-	src := make([]byte, n*4096)
-	for i := range src {
-		src[i] = byte(i * 7)
-	}
-	e, err := p.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
-	require.NoError(t, err)
-	defer e.Revoke()
-	region := agent.DRAM(src).Region
+	src, e := exposeRead(t, p, n*4096)
 	before := pb.Stats()
 	for round := range 3 {
 		dst := make([]byte, len(src))
-		xs := make([]*agent.Xfer, n)
-		var wg sync.WaitGroup
-		for i := range n {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: p.Info(), Key: e.Key(),
-					Segments: []agent.Segment{{Local: agent.DRAM(dst[i*4096 : (i+1)*4096]), Remote: agent.Region{Addr: region.Addr + uint64(i*4096), Len: 4096}}}})
-				if assert.NoError(t, err) {
-					xs[i] = x
-				}
-			}()
-		}
-		wg.Wait()
-		failed := 0
-		var first error
-		for _, x := range xs {
-			if x == nil {
-				continue
-			}
-			waitDone(t, x, 30*time.Second, "concurrent small reads")
-			if x.Err() != nil {
-				if failed++; first == nil {
-					first = x.Err()
-				}
-			}
-		}
+		xs := readSlices(t, a, p.Info(), e.Key(), dst, agent.DRAM(src).Region, n, 4096)
+		failed, first := waitAll(t, xs, 30*time.Second, "concurrent small reads")
 		require.Zero(t, failed, "round %d: %d of %d concurrent 4 KiB READs failed, first: %v", round, failed, n, first)
 		require.Equal(t, src, dst)
 	}
 	assert.Equal(t, Stats{}, delta(pb.Stats(), before), "the exposing side counted an honest peer's fault")
-}
-
-// fakeExposer is a cma control socket served by the test: it answers the
-// handshake (with a probe this process can read) and then does what the
-// test's frame handler says.
-type fakeExposer struct {
-	info  agent.Info
-	nonce *[16]byte
-}
-
-func newFakeExposer(t *testing.T, serve func(c *net.UnixConn, br *bufio.Reader)) *fakeExposer {
-	t.Helper()
-	name := fmt.Sprintf("goxfer-cma-test/fake/%s", uuid.New())
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: "@" + name, Net: "unix"})
-	require.NoError(t, err)
-	f := &fakeExposer{nonce: &[16]byte{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}}
-	ci := connInfo{host: hostIdentity(), pid: uint32(os.Getpid()), sock: name}
-	f.info = agent.Info{ID: uuid.New(), Conns: []agent.ConnInfo{{Backend: Name, Data: ci.marshal()}}}
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	var conns []*net.UnixConn
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := ln.AcceptUnix()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				br := bufio.NewReader(c)
-				var hs [hsSize]byte
-				if _, err := io.ReadFull(br, hs[:]); err != nil {
-					return
-				}
-				out := handshake{self: f.info.ID, pid: uint32(os.Getpid()), scope: noScope, nonce: *f.nonce}
-				out.probe = uint64(uintptrOf(f.nonce))
-				out.put(hs[:])
-				if _, err := c.Write(hs[:]); err != nil {
-					return
-				}
-				serve(c, br)
-			}()
-		}
-	}()
-	t.Cleanup(func() {
-		_ = ln.Close()
-		mu.Lock()
-		for _, c := range conns {
-			_ = c.Close()
-		}
-		mu.Unlock()
-		wg.Wait()
-	})
-	return f
-}
-
-// readFrames reads the copying side's frames until the connection ends,
-// calling on for each.
-func readFrames(c *net.UnixConn, br *bufio.Reader, on func(f *frame)) {
-	var hdr [hdrSize]byte
-	var buf []byte
-	var f frame
-	for readFrame(br, hdr[:], &buf, limits{maxRanges: 4096, maxNotify: 64 << 10}, &f) == nil {
-		on(&f)
-	}
 }
 
 // An exposing side that never answers our lease request but sends answers
@@ -377,19 +335,9 @@ func TestDropWithLeaseWaitsForPeer(t *testing.T) {
 	for _, how := range []string{"PeerCloses", "PeerStays"} {
 		t.Run(how, func(t *testing.T) {
 			const timeout = 500 * time.Millisecond
-			a, b := newAgent(t, WithTimeout(timeout))
-			buf := make([]byte, 4096)
-			exp, err := a.Expose(agent.AccessWrite, []agent.Local{agent.DRAM(buf)})
-			require.NoError(t, err)
-			p := dialRaw(t, b)
-			_, err = p.hello(a.ID(), os.Getpid())
-			require.NoError(t, err)
-			p.send(header{typ: tBegin, status: uint8(agent.AccessWrite), count: 1, id: 1, key: exp.Key()}, [][2]uint64{{agent.DRAM(buf).Addr, 4096}}, nil)
-			h, _, err := p.grant()
-			require.NoError(t, err)
-			require.Equal(t, uint8(stOK), h.status)
+			_, exp, p, _ := holdLease(t, WithTimeout(timeout))
 			p.send(header{typ: 42}, nil, nil) // dropped for this
-			_, err = p.br.ReadByte()
+			_, err := p.br.ReadByte()
 			require.ErrorIs(t, err, io.EOF, "the exposing side shuts its end")
 			start := time.Now()
 			revoked := make(chan struct{})

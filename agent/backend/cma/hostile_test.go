@@ -46,9 +46,22 @@ func dialRaw(t testing.TB, b *Backend) *rawPeer {
 	return &rawPeer{t: t, c: c, br: bufio.NewReader(c), id: uuid.New()}
 }
 
+// hello handshakes as process pid, expecting agent expect, presenting no
+// key.
 func (p *rawPeer) hello(expect uuid.UUID, pid int) (handshake, error) {
+	return p.shake(handshake{self: p.id, expect: expect, pid: uint32(pid)})
+}
+
+// helloWithKey handshakes as this process, expecting agent to, presenting
+// key for access acc.
+func (p *rawPeer) helloWithKey(key agent.Key, acc agent.Access, to *agent.Agent) (handshake, error) {
+	return p.shake(handshake{self: p.id, expect: to.ID(), pid: uint32(os.Getpid()), status: uint8(acc), nonce: key})
+}
+
+// shake sends the handshake out and reads the answer.
+func (p *rawPeer) shake(out handshake) (handshake, error) {
 	var hs [hsSize]byte
-	(&handshake{self: p.id, expect: expect, pid: uint32(pid)}).put(hs[:])
+	out.put(hs[:])
 	_, err := p.c.Write(hs[:])
 	require.NoError(p.t, err)
 	_ = p.c.SetReadDeadline(time.Now().Add(5 * time.Second))
@@ -56,6 +69,34 @@ func (p *rawPeer) hello(expect uuid.UUID, pid int) (handshake, error) {
 		return handshake{}, err
 	}
 	return getHandshake(hs[:])
+}
+
+// joinRaw dials b, agent a's backend, and completes an honest handshake.
+func joinRaw(t testing.TB, a *agent.Agent, b *Backend) *rawPeer {
+	t.Helper()
+	p := dialRaw(t, b)
+	in, err := p.hello(a.ID(), os.Getpid())
+	require.NoError(t, err)
+	require.Equal(t, uint8(stOK), in.status)
+	return p
+}
+
+// holdLease starts an agent, with opts, that exposes 4096 bytes at addr
+// for WRITE, and a raw peer that holds a granted lease (id 1) on all of
+// them.
+func holdLease(t *testing.T, opts ...Option) (a *agent.Agent, exp *agent.Exposure, p *rawPeer, addr uint64) {
+	t.Helper()
+	a, b := newAgent(t, opts...)
+	buf := make([]byte, 4096)
+	exp, err := a.Expose(agent.AccessWrite, []agent.Local{agent.DRAM(buf)})
+	require.NoError(t, err)
+	addr = agent.DRAM(buf).Addr
+	p = joinRaw(t, a, b)
+	p.send(header{typ: tBegin, status: uint8(agent.AccessWrite), count: 1, id: 1, key: exp.Key()}, [][2]uint64{{addr, 4096}}, nil)
+	h, _, err := p.grant()
+	require.NoError(t, err)
+	require.Equal(t, uint8(stOK), h.status)
+	return a, exp, p, addr
 }
 
 func (p *rawPeer) send(h header, table [][2]uint64, payload []byte) {
@@ -119,10 +160,7 @@ func TestLeaseRefusals(t *testing.T) {
 	require.NoError(t, err)
 	defer exp.Revoke()
 	base := agent.DRAM(src).Addr
-	p := dialRaw(t, b)
-	in, err := p.hello(a.ID(), os.Getpid())
-	require.NoError(t, err)
-	require.Equal(t, uint8(stOK), in.status)
+	p := joinRaw(t, a, b)
 	cases := []struct {
 		name  string
 		key   agent.Key
@@ -160,17 +198,7 @@ func TestLeaseRefusals(t *testing.T) {
 func TestRevokeWaitsForLease(t *testing.T) {
 	for _, how := range []string{"End", "Disconnect"} {
 		t.Run(how, func(t *testing.T) {
-			a, b := newAgent(t)
-			buf := make([]byte, 4096)
-			exp, err := a.Expose(agent.AccessWrite, []agent.Local{agent.DRAM(buf)})
-			require.NoError(t, err)
-			p := dialRaw(t, b)
-			_, err = p.hello(a.ID(), os.Getpid())
-			require.NoError(t, err)
-			p.send(header{typ: tBegin, status: uint8(agent.AccessWrite), count: 1, id: 1, key: exp.Key()}, [][2]uint64{{agent.DRAM(buf).Addr, 4096}}, nil)
-			h, _, err := p.grant()
-			require.NoError(t, err)
-			require.Equal(t, uint8(stOK), h.status)
+			_, exp, p, addr := holdLease(t)
 
 			revoked := make(chan struct{})
 			go func() { exp.Revoke(); close(revoked) }()
@@ -187,7 +215,7 @@ func TestRevokeWaitsForLease(t *testing.T) {
 			<-revoked
 			// A later request on the same key is refused.
 			if how == "End" {
-				p.send(header{typ: tBegin, status: uint8(agent.AccessWrite), count: 1, id: 2, key: exp.Key()}, [][2]uint64{{agent.DRAM(buf).Addr, 4096}}, nil)
+				p.send(header{typ: tBegin, status: uint8(agent.AccessWrite), count: 1, id: 2, key: exp.Key()}, [][2]uint64{{addr, 4096}}, nil)
 				h, msg, err := p.grant()
 				require.NoError(t, err)
 				assert.Equal(t, uint8(stDenied), h.status)
@@ -222,9 +250,7 @@ func TestMalformedFrames(t *testing.T) {
 		{"EndWithPayload", header{typ: tEnd, length: 1}, protocol},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			p := dialRaw(t, b)
-			_, err := p.hello(a.ID(), os.Getpid())
-			require.NoError(t, err)
+			p := joinRaw(t, a, b)
 			p.send(header{typ: tBegin, status: 1, count: 1, id: 1, key: exp.Key()}, [][2]uint64{{agent.DRAM(buf).Addr, 16}}, nil)
 			h, _, err := p.grant()
 			require.NoError(t, err)

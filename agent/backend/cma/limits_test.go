@@ -116,15 +116,11 @@ func TestSlowLoris(t *testing.T) {
 			return trickle(t, p, hs[:], gap)
 		}},
 		{"header", func(t *testing.T) time.Duration {
-			p := dialRaw(t, b)
-			_, err := p.hello(a.ID(), os.Getpid())
-			require.NoError(t, err)
+			p := joinRaw(t, a, b)
 			return trickle(t, p, begin[:hdrSize], gap)
 		}},
 		{"range table", func(t *testing.T) time.Duration {
-			p := dialRaw(t, b)
-			_, err := p.hello(a.ID(), os.Getpid())
-			require.NoError(t, err)
+			p := joinRaw(t, a, b)
 			_, err = p.c.Write(begin[:hdrSize+3])
 			require.NoError(t, err)
 			return trickle(t, p, begin[hdrSize+3:], gap)
@@ -140,9 +136,7 @@ func TestSlowLoris(t *testing.T) {
 	}
 	t.Run("idle between frames", func(t *testing.T) {
 		before := b.Stats()
-		p := dialRaw(t, b)
-		_, err := p.hello(a.ID(), os.Getpid())
-		require.NoError(t, err)
+		p := joinRaw(t, a, b)
 		time.Sleep(3 * timeout)
 		p.send(header{typ: tBegin, status: uint8(agent.AccessRead), count: 1, id: 1, key: exp.Key()}, [][2]uint64{{agent.DRAM(src).Addr, 16}}, nil)
 		h, _, err := p.grant()
@@ -248,9 +242,7 @@ func TestRequestsAfterAgentClosed(t *testing.T) {
 	src := make([]byte, 4096)
 	exp, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
 	require.NoError(t, err)
-	p := dialRaw(t, b)
-	_, err = p.hello(a.ID(), os.Getpid())
-	require.NoError(t, err)
+	p := joinRaw(t, a, b)
 	require.NoError(t, a.Close())
 	_, _ = p.c.Write(frameBytes(header{typ: tBegin, status: uint8(agent.AccessRead), count: 1, id: 1, key: exp.Key()}, [][2]uint64{{agent.DRAM(src).Addr, 16}}, nil))
 	_ = p.c.SetReadDeadline(time.Now().Add(10 * time.Second))

@@ -5,59 +5,14 @@ package cma
 import (
 	"context"
 	"errors"
-	"fmt"
-	"net"
-	"os"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
-	"github.com/google/uuid"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
 )
-
-// silentPeer is a socket in the abstract namespace that accepts and never
-// answers, published as a cma peer in this process.
-type silentPeer struct {
-	info    agent.Info
-	accepts atomic.Int64
-}
-
-func newSilentPeer(t *testing.T) *silentPeer {
-	t.Helper()
-	name := fmt.Sprintf("goxfer-cma-test/silent/%s", uuid.New())
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: "@" + name, Net: "unix"})
-	require.NoError(t, err)
-	s := &silentPeer{}
-	ci := connInfo{host: hostIdentity(), pid: uint32(os.Getpid()), sock: name}
-	s.info = agent.Info{ID: uuid.New(), Conns: []agent.ConnInfo{{Backend: Name, Data: ci.marshal()}}}
-	var wg sync.WaitGroup
-	var conns []net.Conn
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			s.accepts.Add(1)
-			conns = append(conns, c)
-		}
-	}()
-	t.Cleanup(func() {
-		_ = ln.Close()
-		wg.Wait()
-		for _, c := range conns {
-			_ = c.Close()
-		}
-	})
-	return s
-}
 
 // postTo starts a one-segment READ of peer under ctx.
 func postTo(ctx context.Context, a *agent.Agent, peer agent.Info) error {

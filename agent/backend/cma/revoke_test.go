@@ -5,13 +5,11 @@ package cma
 import (
 	"errors"
 	"io"
-	"os"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
-	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
 )
@@ -83,17 +81,7 @@ func TestRevokeBoundedAgainstSilentLeaseHolder(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			watchdog(t, time.Minute)
-			a, b := newAgent(t, WithTimeout(timeout))
-			buf := make([]byte, 4096)
-			exp, err := a.Expose(agent.AccessWrite, []agent.Local{agent.DRAM(buf)})
-			require.NoError(t, err)
-			p := dialRaw(t, b)
-			_, err = p.hello(a.ID(), os.Getpid())
-			require.NoError(t, err)
-			p.send(header{typ: tBegin, status: uint8(agent.AccessWrite), count: 1, id: 1, key: exp.Key()}, [][2]uint64{{agent.DRAM(buf).Addr, 4096}}, nil)
-			h, _, err := p.grant()
-			require.NoError(t, err)
-			require.Equal(t, uint8(stOK), h.status)
+			a, exp, p, _ := holdLease(t, WithTimeout(timeout))
 
 			stop, behaved := make(chan struct{}), make(chan struct{})
 			go func() { defer close(behaved); tc.behave(p, stop) }()
@@ -119,7 +107,7 @@ func TestRevokeBoundedAgainstSilentLeaseHolder(t *testing.T) {
 			// The peer was told: its stream ends (reset, if the exposing
 			// side closed with its frames unread).
 			_ = p.c.SetReadDeadline(time.Now().Add(5 * time.Second))
-			_, err = io.Copy(io.Discard, p.br)
+			_, err := io.Copy(io.Discard, p.br)
 			if !errors.Is(err, syscall.ECONNRESET) {
 				assert.NoError(t, err, "the exposing side shut its end of the connection")
 			}

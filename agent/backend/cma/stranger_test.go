@@ -28,13 +28,7 @@ func TestStrangerHangupIsNoLoss(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = honest.Close() })
 
-	src := make([]byte, 64<<10)
-	for i := range src {
-		src[i] = byte(i * 7)
-	}
-	exp, err := exposing.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
-	require.NoError(t, err)
-	defer exp.Revoke()
+	src, exp := exposeRead(t, exposing, 64<<10)
 	dst := make([]byte, len(src))
 	x, err := honest.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: exposing.Info(), Key: exp.Key(),
 		Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: agent.DRAM(src).Addr, Len: uint64(len(src))}}}})

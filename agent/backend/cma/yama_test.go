@@ -5,7 +5,6 @@ package cma
 import (
 	"bytes"
 	"context"
-	"io"
 	"log/slog"
 	"os"
 	"sync"
@@ -82,19 +81,6 @@ func yamaAgent(t *testing.T, y *fakeYama, opts ...Option) (*agent.Agent, *Backen
 	return a, b
 }
 
-// helloWithKey handshakes presenting key for access acc.
-func (p *rawPeer) helloWithKey(expect agent.Key, acc agent.Access, to *agent.Agent) (handshake, error) {
-	var hs [hsSize]byte
-	(&handshake{self: p.id, expect: to.ID(), pid: uint32(os.Getpid()), status: uint8(acc), nonce: expect}).put(hs[:])
-	_, err := p.c.Write(hs[:])
-	require.NoError(p.t, err)
-	_ = p.c.SetReadDeadline(time.Now().Add(5 * time.Second))
-	if _, err := io.ReadFull(p.br, hs[:]); err != nil {
-		return handshake{}, err
-	}
-	return getHandshake(hs[:])
-}
-
 const ptracerAnyValue = ^uintptr(0) // PR_SET_PTRACER_ANY
 
 // Under ptrace_scope 1 a local process that presents no key, or a guessed
@@ -155,13 +141,7 @@ func TestYamaOneExceptionNeverAny(t *testing.T) {
 func TestYamaKeyedPeerNamedOthersFallBack(t *testing.T) {
 	y := newFakeYama()
 	a, _ := yamaAgent(t, y)
-	src := make([]byte, 64<<10)
-	for i := range src {
-		src[i] = byte(i * 3)
-	}
-	exp, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
-	require.NoError(t, err)
-	defer exp.Revoke()
+	src, exp := exposeRead(t, a, 64<<10)
 	read := func(r *agent.Agent) *agent.Xfer {
 		t.Helper()
 		dst := make([]byte, len(src))
@@ -176,7 +156,7 @@ func TestYamaKeyedPeerNamedOthersFallBack(t *testing.T) {
 
 	// Without a key (a notification's choice) the peer names nobody.
 	r1, rb := yamaAgent(t, y)
-	err = rb.Reachable(context.Background(), a.Info())
+	err := rb.Reachable(context.Background(), a.Info())
 	require.ErrorIs(t, err, errNotPermitted)
 	require.ErrorIs(t, err, errNeedKey)
 	assert.Contains(t, err.Error(), "presented none")
