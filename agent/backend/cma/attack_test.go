@@ -229,8 +229,8 @@ func TestAttackCancelDepartRevokeRace(t *testing.T) {
 // Agent.Close of the copying side races Cancel, PeerDeparted and transfers
 // of every shape, on fresh agents each round: Close returns, every
 // transfer finishes, no local buffer is written after Done, and once both
-// agents closed no goroutine of theirs is left (guards, writers, readers,
-// probes, workers).
+// agents closed no goroutine of theirs is left (guards' callbacks,
+// writers, readers, probes, workers).
 func TestAttackCloseRaceNoHangNoLeak(t *testing.T) {
 	watchdog(t, 3*time.Minute)
 	ignore := goleak.IgnoreCurrent()

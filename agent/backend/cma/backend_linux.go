@@ -24,9 +24,11 @@ import (
 	"github.com/goxfer/goxfer/internal/hostid"
 )
 
-// Backend is the cross-memory-attach backend. Create one per agent with New
-// and hand it to the agent, which starts and closes it. Safe for concurrent
-// use.
+// Backend is the cross-memory-attach backend: an [agent.Backend] that is
+// also an [agent.KeyedReacher], an [agent.Departer] and [agent.Counting].
+// Create one per agent with [New] and hand it to [agent.WithBackends]; the
+// agent starts and closes it, and it serves that agent only. Safe for
+// concurrent use.
 type Backend struct {
 	cfg    config
 	optErr error
@@ -72,8 +74,10 @@ type Backend struct {
 	swept time.Time     // when expired verdicts were last dropped
 }
 
-// New returns a cross-memory-attach backend for one agent. Invalid options
-// are reported by Start, that is by the agent's constructor.
+// New returns a cross-memory-attach backend for one agent, configured by
+// opts (each option names its default). Invalid options are reported by
+// Start, that is by [agent.New], with an error wrapping
+// [agent.ErrInvalidOption].
 func New(opts ...Option) *Backend {
 	b := &Backend{cfg: defaults(), peers: map[uuid.UUID][]*peer{}, conns: map[*net.UnixConn]struct{}{},
 		byPID: map[int]int{}, shaking: map[*net.UnixConn]uint64{}, stop: make(chan struct{}),
@@ -89,17 +93,22 @@ func New(opts ...Option) *Backend {
 	return b
 }
 
-// Name implements agent.Backend.
+// Name implements [agent.Backend]: [Name].
 func (b *Backend) Name() string { return Name }
 
-// Stats returns the backend's counters. Safe for concurrent use.
+// Stats implements [agent.Counting]: the backend's counters since it
+// started. Safe for concurrent use, also after Close.
 func (b *Backend) Stats() Stats { return b.stats.snapshot() }
 
-// Supports implements agent.Backend: host memory only.
+// Supports implements [agent.Backend]: host memory ([agent.KindDRAM])
+// only.
 func (b *Backend) Supports(k agent.MemKind) bool { return k == agent.KindDRAM }
 
-// Start implements agent.Backend: it listens on a socket in the abstract
-// namespace and starts the accept loop and the copy workers.
+// Start implements [agent.Backend]: it listens on a socket in the abstract
+// namespace and starts the accept loop and the copy workers, which run
+// until Close; h's Context ending stops probes and the accept loop first.
+// It returns what peers need to reach this agent: the host's identity,
+// this process's ID and the socket's name.
 func (b *Backend) Start(h agent.Host) ([]byte, error) {
 	if b.optErr != nil {
 		return nil, b.optErr
@@ -164,9 +173,10 @@ func (b *Backend) untrack(c *net.UnixConn) {
 	b.mu.Unlock()
 }
 
-// Close implements agent.Backend: it stops listening, closes every
-// connection, fails what is still in flight with
-// agent.ErrClosed, and waits for the backend's goroutines.
+// Close implements [agent.Backend]: it ends the backend's lifetime, stops
+// listening, closes every connection, fails what is still in flight with
+// [agent.ErrClosed], waits for transfers and notifications in flight to
+// finish, then for the backend's goroutines. Later calls do nothing.
 func (b *Backend) Close() error {
 	b.mu.Lock()
 	if b.closed {
@@ -237,8 +247,8 @@ func peerCred(c *net.UnixConn) (int, error) {
 	return int(cred.Pid), nil
 }
 
-// PeerDeparted implements agent.Departer: the control connections to agent
-// id are closed, so lease requests waiting on a peer that may be frozen
+// PeerDeparted implements [agent.Departer]: the control connections to
+// agent id are closed, so lease requests waiting on a peer that may be frozen
 // rather than dead fail with cause at once instead of at the timeout. The
 // next transfer to it connects afresh.
 func (b *Backend) PeerDeparted(id uuid.UUID, cause error) {

@@ -19,12 +19,14 @@
 // identity (boot ID, PID and network namespaces) and a trial read of its
 // memory, made when connecting, succeeds. Otherwise Reachable says why, and
 // the agent falls back to its next backend (tcp), logs the reason once and
-// reports the backend it used on the transfer (agent.Xfer.Backend).
+// reports the backend it used on the transfer ([agent.Xfer.Backend]).
 //
 //	a, err := agent.New(agent.WithBackends(cma.New(), tcp.New()))
 //
 // On other systems than Linux the backend builds but reaches no peer.
+// docs/cma.md describes the protocol, its bounds and the options in full.
 package cma
 
-// Name is the backend's name in metadata and reports.
+// Name is the backend's name in metadata, errors and reports
+// ([agent.Xfer.Backend]).
 const Name = "cma"

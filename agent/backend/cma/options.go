@@ -8,12 +8,26 @@ import (
 	"github.com/goxfer/goxfer/agent"
 )
 
-// Option configures a Backend.
+// Option configures a [Backend]; pass options to [New]. An Option is a
+// value: it may be shared and reused. The defaults below are those of a
+// Backend made with no options; docs/cma.md gives each option's rationale.
 type Option interface{ apply(*config) error }
 
 type optionFunc func(*config) error
 
 func (f optionFunc) apply(c *config) error { return f(c) }
+
+// intOption is an Option that sets an integer to n, which must lie in
+// [lo, hi] (bounds: how the error names them).
+func intOption(n, lo, hi int, what, bounds string, set func(c *config)) Option {
+	return optionFunc(func(c *config) error {
+		if n < lo || n > hi {
+			return fmt.Errorf("%w: cma: %s must be in %s, got %d", agent.ErrInvalidOption, what, bounds, n)
+		}
+		set(c)
+		return nil
+	})
+}
 
 type config struct {
 	workers    int
@@ -45,57 +59,30 @@ func defaults() config {
 	}
 }
 
-// WithWorkers sets how many goroutines per backend copy in parallel: a large
-// transfer is cut into chunks that they share. Default: GOMAXPROCS at New,
-// at most 8.
+// WithWorkers sets how many goroutines per backend copy chunks in
+// parallel. Default: GOMAXPROCS at [New], at most 8; n in [1, 64].
 func WithWorkers(n int) Option {
-	return optionFunc(func(c *config) error {
-		if n < 1 || n > 64 {
-			return fmt.Errorf("%w: cma: workers must be in [1, 64], got %d", agent.ErrInvalidOption, n)
-		}
-		c.workers = n
-		return nil
-	})
+	return intOption(n, 1, 64, "workers", "[1, 64]", func(c *config) { c.workers = n })
 }
 
 // WithChunkSize sets the most bytes one system call copies: larger
-// descriptors are split, smaller ones batched into one call of up to
-// IOV_MAX (1024) pieces. Chunks are what the workers share. Default: 1 MiB.
+// segments are split, smaller ones batched into one call of up to IOV_MAX
+// (1024) pieces. Default: 1 MiB; n in [4 KiB, 256 MiB].
 func WithChunkSize(n int) Option {
-	return optionFunc(func(c *config) error {
-		if n < 4<<10 || n > 256<<20 {
-			return fmt.Errorf("%w: cma: chunk size must be in [4 KiB, 256 MiB], got %d", agent.ErrInvalidOption, n)
-		}
-		c.chunk = n
-		return nil
-	})
+	return intOption(n, 4<<10, 256<<20, "chunk size", "[4 KiB, 256 MiB]", func(c *config) { c.chunk = n })
 }
 
-// WithLeaseSize sets the most bytes one lease covers. The exposing agent
-// grants a lease over its connection before each span of a transfer is
-// copied and the copying agent ends it right after, so revoking an exposure
-// (or closing its operation) waits for at most about two leases' worth of
-// copying per transfer in flight. Default: 16 MiB.
+// WithLeaseSize sets the most bytes one lease covers: revoking an exposure
+// waits for at most about two leases' worth of copying per transfer in
+// flight. Default: 16 MiB; n in [64 KiB, 1 GiB].
 func WithLeaseSize(n int) Option {
-	return optionFunc(func(c *config) error {
-		if n < 64<<10 || n > 1<<30 {
-			return fmt.Errorf("%w: cma: lease size must be in [64 KiB, 1 GiB], got %d", agent.ErrInvalidOption, n)
-		}
-		c.lease = n
-		return nil
-	})
+	return intOption(n, 64<<10, 1<<30, "lease size", "[64 KiB, 1 GiB]", func(c *config) { c.lease = n })
 }
 
-// WithTimeout sets how long the backend waits for a peer to answer a
-// handshake or a lease request before it declares the peer lost
-// (agent.ErrRemoteLost). A peer that dies is noticed at once, when its
-// socket closes; the timeout is for a peer that hangs. It also bounds how
-// long a write waits for the peer to read, how long Notify waits for room
-// in the queue of unsent notifications (4 MiB per peer), how long a lease
-// may be held on an exposure being revoked before the exposing side drops
-// the connection, and how long it then waits for the copier to close its
-// end: Exposure.Revoke waits at most about twice the timeout, whatever a
-// peer does. Default: 4 s.
+// WithTimeout sets how long a peer may leave a handshake or a lease
+// request unanswered before it is lost ([agent.ErrRemoteLost]); it also
+// bounds writes, Notify's wait for queue room, and on the exposing side
+// Exposure.Revoke (about twice it). Default: 4 s; at least 10 ms.
 func WithTimeout(d time.Duration) Option {
 	return optionFunc(func(c *config) error {
 		if d < 10*time.Millisecond {
@@ -106,17 +93,10 @@ func WithTimeout(d time.Duration) Option {
 	})
 }
 
-// WithPtracer says whether the exposing agent may declare its same-host
-// peers as ptracers (prctl PR_SET_PTRACER) when the kernel's Yama module
-// runs in mode 1 (kernel.yama.ptrace_scope = 1), where otherwise only an
-// ancestor process may read this one's memory. The agent names a peer's
-// process ID, verified with SO_PEERCRED, only once the peer's handshake
-// presented a key of one of its live exposures, and only while no other
-// process holds the exception: Yama keeps one per process, and the agent
-// never names any process (PR_SET_PTRACER_ANY). Peers not named fall back
-// to another backend. With false, every peer on such a host falls back
-// unless it is an ancestor. In modes 0, 2 and 3 the option has no effect.
-// Default: true.
+// WithPtracer says whether, under Yama ptrace_scope 1, the exposing agent
+// names as its ptracer (PR_SET_PTRACER) the first peer process whose
+// handshake presents a key of a live exposure, so that it may copy; other
+// peers fall back. Default: true; no effect in other Yama modes.
 func WithPtracer(on bool) Option {
 	return optionFunc(func(c *config) error {
 		c.ptracer = on
@@ -124,36 +104,17 @@ func WithPtracer(on bool) Option {
 	})
 }
 
-// WithMaxConnsPerProcess sets how many control connections one process (as
-// the kernel names it, SO_PEERCRED) may hold to this agent at once. The
-// socket lives in the abstract namespace, where any local process can
-// connect; the limit bounds the goroutines and leases one of them can
-// occupy. A connection over it is closed as soon as it is accepted and
-// counted in Stats.LimitRejected. Default: 1024; an agent holds one
-// connection to each peer, so this is a thousand agents in one process.
+// WithMaxConnsPerProcess sets how many control connections one local
+// process (by SO_PEERCRED) may hold to this agent; more are closed as soon
+// as accepted and counted in [Stats] LimitRejected. Default: 1024; n in
+// [1, 2^20].
 func WithMaxConnsPerProcess(n int) Option {
-	return optionFunc(func(c *config) error {
-		if n < 1 || n > 1<<20 {
-			return fmt.Errorf("%w: cma: connections per process must be in [1, 1048576], got %d", agent.ErrInvalidOption, n)
-		}
-		c.maxConnsPerProc = n
-		return nil
-	})
+	return intOption(n, 1, 1<<20, "connections per process", "[1, 1048576]", func(c *config) { c.maxConnsPerProc = n })
 }
 
-// WithMaxHandshakes sets how many accepted connections may be in the
-// handshake at once. A handshake must complete within the timeout
-// (WithTimeout); when a new connection finds the limit reached, the oldest
-// unfinished handshake is closed to make room and counted in
-// Stats.LimitRejected, so a flood of connections that never handshake holds
-// a bounded number of goroutines and cannot lock out honest peers, whose
-// handshakes take one round trip. Default: 64.
+// WithMaxHandshakes sets how many accepted connections may be in their
+// handshake at once; a new one beyond it closes the oldest, counted in
+// [Stats] LimitRejected. Default: 64; n in [1, 2^20].
 func WithMaxHandshakes(n int) Option {
-	return optionFunc(func(c *config) error {
-		if n < 1 || n > 1<<20 {
-			return fmt.Errorf("%w: cma: handshakes in progress must be in [1, 1048576], got %d", agent.ErrInvalidOption, n)
-		}
-		c.maxHandshakes = n
-		return nil
-	})
+	return intOption(n, 1, 1<<20, "handshakes in progress", "[1, 1048576]", func(c *config) { c.maxHandshakes = n })
 }

@@ -19,7 +19,8 @@ var errUnsupported = fmt.Errorf("cma: cross-memory attach needs Linux, this is %
 type Backend struct{ optErr error }
 
 // New returns a backend that reaches no peer on this system. Invalid
-// options are reported by Start.
+// options are reported by Start, with an error wrapping
+// [agent.ErrInvalidOption].
 func New(opts ...Option) *Backend {
 	cfg := defaults()
 	var errs []error
@@ -31,28 +32,28 @@ func New(opts ...Option) *Backend {
 	return &Backend{optErr: errors.Join(errs...)}
 }
 
-// Name implements agent.Backend.
+// Name implements [agent.Backend].
 func (b *Backend) Name() string { return Name }
 
-// Supports implements agent.Backend: host memory only.
+// Supports implements [agent.Backend]: host memory only.
 func (b *Backend) Supports(k agent.MemKind) bool { return k == agent.KindDRAM }
 
-// Start implements agent.Backend.
+// Start implements [agent.Backend].
 func (b *Backend) Start(agent.Host) ([]byte, error) { return nil, b.optErr }
 
-// Reachable implements agent.Backend: never, on this system.
+// Reachable implements [agent.Backend]: never, on this system.
 func (b *Backend) Reachable(context.Context, agent.Info) error { return errUnsupported }
 
-// Post implements agent.Backend.
+// Post implements [agent.Backend].
 func (b *Backend) Post(*agent.Work) error { return errUnsupported }
 
-// Notify implements agent.Backend.
+// Notify implements [agent.Backend].
 func (b *Backend) Notify(context.Context, agent.Info, agent.Key, []byte) error {
 	return errUnsupported
 }
 
-// Close implements agent.Backend.
+// Close implements [agent.Backend].
 func (b *Backend) Close() error { return nil }
 
-// Stats returns the backend's counters: all zero on this system.
+// Stats implements [agent.Counting]: all zero on this system.
 func (b *Backend) Stats() Stats { return Stats{} }

@@ -223,9 +223,9 @@ func (p *peer) loop() error {
 		switch f.status {
 		case stOK:
 		case stLost:
-			err = fmt.Errorf("cma: peer %s is closing: %w (%s)", p.id, agent.ErrRemoteLost, f.payload)
+			err = fmt.Errorf("cma: peer %s is closing: %w (%q)", p.id, agent.ErrRemoteLost, f.payload)
 		default:
-			err = fmt.Errorf("cma: peer %s refused: %w (%s)", p.id, agent.ErrAccessDenied, f.payload)
+			err = fmt.Errorf("cma: peer %s refused: %w (%q)", p.id, agent.ErrAccessDenied, f.payload)
 		}
 		p.mu.Lock()
 		w, ok := p.waiting[f.id]

@@ -19,8 +19,14 @@ type xstate struct {
 	slots chan struct{} // one per lease requested or held
 }
 
-// Post implements agent.Backend. Post starts a driver goroutine that
-// requests leases (two ahead) and hands their spans to the copy workers.
+// Post implements [agent.Backend]. It uses the connection Reachable found,
+// and fails at once with [agent.ErrRemoteLost] if that connection has ended.
+// A transfer of one chunk (WithChunkSize) asks for its lease on the
+// calling goroutine and is copied on the connection's reader when the
+// grant arrives; a larger one gets a driver goroutine that requests its
+// leases (WithLeaseSize, two ahead) and hands their chunks to the copy
+// workers. The backend touches w's local memory only until it calls
+// w.Finish. Safe for concurrent use.
 func (b *Backend) Post(x *agent.Work) error {
 	p, err := b.usable(x.Peer)
 	if err != nil {

@@ -21,7 +21,7 @@ import (
 // and a peer whose permissions change is tried again within it.
 const retryFailed = 30 * time.Second
 
-// Reachable implements agent.Backend. The peer must publish cma connection
+// Reachable implements [agent.Backend]. The peer must publish cma connection
 // information with this host's identity (same boot, PID and network
 // namespaces) and must let this process read its memory. The first call for
 // a peer connects to it and proves that with a trial process_vm_readv; the
@@ -40,7 +40,7 @@ func (b *Backend) Reachable(ctx context.Context, info agent.Info) error {
 	return b.reach(ctx, info, agent.Key{}, 0)
 }
 
-// ReachableWithKey implements agent.KeyedReacher: Reachable for a transfer
+// ReachableWithKey implements [agent.KeyedReacher]: Reachable for a transfer
 // under key with access acc. The probe's handshake presents the key, so
 // that under Yama mode 1 the peer may name this process its ptracer. A
 // verdict that failed for want of a valid key does not stand against a call

@@ -9,7 +9,7 @@ import (
 	"github.com/goxfer/goxfer/agent"
 )
 
-// Stats are the backend's counters since it started (agent.BackendStats),
+// Stats are the backend's counters since it started ([agent.BackendStats]),
 // for the control connections of the cma protocol:
 //
 //   - HandshakeFailures: accepted connections whose handshake was malformed,
@@ -18,12 +18,12 @@ import (
 //   - ProtocolErrors: connections dropped for a malformed frame, in either
 //     direction.
 //   - LimitRejected: connections closed for going over a limit: connections
-//     per process (WithMaxConnsPerProcess), handshakes in progress
-//     (WithMaxHandshakes, the oldest closed), ranges in a lease request, a
+//     per process ([WithMaxConnsPerProcess]), handshakes in progress
+//     ([WithMaxHandshakes], the oldest closed), ranges in a lease request, a
 //     notification's size, or leases held at once.
 //   - Timeouts: connections cut because a peer was too slow: a handshake,
-//     or a frame once begun, not complete within the timeout (WithTimeout),
-//     or a lease request of ours unanswered that long.
+//     or a frame once begun, not complete within the timeout
+//     ([WithTimeout]), or a lease request of ours unanswered that long.
 //   - Denied: lease requests answered "access denied", the connection kept.
 //
 // On systems other than Linux every counter stays 0.
