@@ -42,22 +42,32 @@ type rkeyEntry struct {
 	users int // windows in flight using it
 }
 
-// xstate is one transfer.
+// xstate is one transfer: a part for requesting its leases (pump), held
+// until the last is requested or the transfer failed, plus one per window
+// requested or moving. The last part finishes the transfer. Only the
+// progress thread touches it.
 type xstate struct {
+	agent.Parts
+	l        *loop
 	x        *agent.Work
 	p        *outPeer
 	write    bool
 	next     cursor // first byte not yet leased
-	inflight int    // windows requested or moving
-	err      error
-	finished bool
+	inflight int    // windows requested or moving, at most leaseDepth
+	pumped   bool   // every lease requested, or failed: pump's part is done
 }
 
-func (xs *xstate) fail(err error) {
-	if xs.err == nil {
-		xs.err = err
+// notify sends the transfer's notification once every lease is flushed,
+// that is once the bytes are in place (agent.Parts calls it).
+func (xs *xstate) notify(key agent.Key, msg []byte) error {
+	if err := xs.l.sendNotify(xs.p, key, msg); err != nil {
+		return xs.p.failure(err)
 	}
+	return nil
 }
+
+// finished runs after the transfer's Finish.
+func (xs *xstate) finished() { xs.l.xfers-- }
 
 // window is one lease of a transfer: requested, granted, moved, flushed,
 // released.
@@ -160,8 +170,9 @@ func (l *loop) startXfer(xs *xstate) {
 		xs.x.Finish(err)
 		return
 	}
-	xs.p = p
-	l.xfers++ // until finish
+	xs.l, xs.p = l, p
+	xs.Init(xs.x, xs.notify, xs.finished)
+	l.xfers++ // until finished
 	if !p.ready {
 		p.waiting = append(p.waiting, xs)
 		return
@@ -169,34 +180,37 @@ func (l *loop) startXfer(xs *xstate) {
 	l.pump(xs)
 }
 
-// pump requests the transfer's next leases, up to leaseDepth at a time,
-// and finishes the transfer once nothing of it is in flight any more.
+// pump requests the transfer's next leases, up to leaseDepth at a time.
+// Once every lease is requested, or the transfer failed, it drops its own
+// part: the transfer finishes when its last window ends.
 func (l *loop) pump(xs *xstate) {
+	if xs.pumped {
+		return
+	}
 	x, p := xs.x, xs.p
-	for xs.err == nil && xs.inflight < leaseDepth && xs.next.Seg < len(x.Segments) {
+	for !xs.Failed() && xs.inflight < leaseDepth && xs.next.Seg < len(x.Segments) {
 		select {
 		case <-x.Cancelled():
-			xs.fail(x.CancelErr())
+			xs.Fail(x.CancelErr())
 			continue
 		default:
 		}
 		end, n, pieces := agent.Span(x.Segments, xs.next, uint64(l.b.cfg.lease), l.b.cfg.maxRanges)
 		w := &window{id: l.next(), xs: xs, start: xs.next, n: n, pieces: pieces, deadline: time.Now().Add(l.b.cfg.timeout)}
 		xs.next = end
-		p.wins[w.id] = w
-		xs.inflight++
 		w.inline = l.canInline(w)
 		w.remotePut = !w.inline && !xs.write && !l.b.cfg.getReads
 		var keys []byte
 		if w.remotePut {
 			var err error
 			if keys, err = l.localKeys(w); err != nil {
-				delete(p.wins, w.id)
-				xs.inflight--
-				xs.fail(err)
+				xs.Fail(err)
 				continue
 			}
 		}
+		p.wins[w.id] = w
+		xs.inflight++
+		xs.Add()
 		b := l.frame(tOpen, uint8(x.Op.Access()), uint32(pieces), p.remote)
 		b = binary.LittleEndian.AppendUint64(b, w.id)
 		b = append(b, x.Key[:]...)
@@ -225,9 +239,18 @@ func (l *loop) pump(xs *xstate) {
 			return
 		}
 	}
-	if xs.inflight == 0 && (xs.err != nil || xs.next.Seg >= len(x.Segments)) {
-		l.finish(xs)
+	if xs.Failed() || xs.next.Seg >= len(x.Segments) {
+		xs.pumped = true
+		xs.Done(nil)
 	}
+}
+
+// ended ends one window of xs, with err if it failed, and requests the
+// transfer's next lease.
+func (l *loop) ended(xs *xstate, err error) {
+	xs.inflight--
+	xs.Done(err)
+	l.pump(xs)
 }
 
 // canInline reports whether w moves in the control messages: at most
@@ -322,29 +345,6 @@ func (w *window) each(f func(seg *agent.Segment, off, take uint64)) {
 	}
 }
 
-func (l *loop) finish(xs *xstate) {
-	if xs.finished {
-		return
-	}
-	xs.finished = true
-	l.xfers--
-	x, err := xs.x, xs.err
-	if err == nil {
-		select {
-		case <-x.Cancelled():
-			err = x.CancelErr() // a cancelled transfer never reports success
-		default:
-		}
-	}
-	if err == nil && x.Notify != nil {
-		// Every lease is flushed: the bytes are in place.
-		if serr := l.sendNotify(xs.p, x.Key, x.Notify); serr != nil {
-			err = xs.p.failure(serr)
-		}
-	}
-	x.Finish(err)
-}
-
 func (l *loop) sendNotify(p *outPeer, key agent.Key, msg []byte) error {
 	b := l.frame(tNotify, 0, 0, p.remote)
 	b = append(b, key[:]...)
@@ -377,9 +377,7 @@ func (l *loop) onGrant(p *outPeer, m *msg) {
 		if release {
 			l.endLease(p, w.id)
 		}
-		xs.fail(err)
-		xs.inflight--
-		l.pump(xs)
+		l.ended(xs, err)
 	}
 	if m.status != stOK {
 		text := string(m.body)
@@ -414,8 +412,8 @@ func (l *loop) onGrant(p *outPeer, m *msg) {
 		drop(nil, false)
 		return
 	}
-	if xs.err != nil {
-		drop(xs.err, true)
+	if xs.Failed() {
+		drop(nil, true)
 		return
 	}
 	select {
@@ -473,7 +471,7 @@ func (l *loop) onGrant(p *outPeer, m *msg) {
 	w.flushID = l.next()
 	l.ops[w.flushID] = w
 	if err := l.n.rma(p.ep, xs.write, &l.batch, w.flushID); err != nil {
-		xs.fail(p.failure(err)) // the flush's event still comes
+		xs.Fail(p.failure(err)) // the flush's event still comes
 	}
 }
 
@@ -505,10 +503,9 @@ func (l *loop) flushed(w *window, err error) {
 	delete(p.wins, w.id)
 	l.endLease(p, w.id)
 	if err != nil {
-		xs.fail(fmt.Errorf("ucx: %v of %d bytes with peer %s: %w: %w", xs.x.Op, w.n, p.id, agent.ErrRemoteLost, err))
+		err = fmt.Errorf("ucx: %v of %d bytes with peer %s: %w: %w", xs.x.Op, w.n, p.id, agent.ErrRemoteLost, err)
 	}
-	xs.inflight--
-	l.pump(xs)
+	l.ended(xs, err)
 }
 
 // doneWith lets go of the remote keys and registrations w used.
@@ -551,24 +548,26 @@ func (l *loop) failOut(p *outPeer, err error) {
 			l.outs[p.id] = ps
 		}
 	}
-	var touched []*xstate
+	var ended []*xstate // one entry per window ended
 	for id, w := range p.wins {
-		w.xs.fail(err)
+		w.xs.Fail(err)
 		if !w.granted {
 			l.doneWith(w)
 			delete(p.wins, id)
-			w.xs.inflight--
-			touched = append(touched, w.xs)
+			ended = append(ended, w.xs)
 		}
 	}
-	for _, xs := range p.waiting {
-		xs.fail(err)
-		touched = append(touched, xs)
+	waiting := p.waiting
+	for _, xs := range waiting {
+		xs.Fail(err)
 	}
 	p.waiting, p.notes = nil, nil
 	l.dying = append(l.dying, p)
 	l.closeEP(p.ep, p.epID, true)
-	for _, xs := range touched {
+	for _, xs := range ended {
+		l.ended(xs, nil)
+	}
+	for _, xs := range waiting {
 		l.pump(xs)
 	}
 }
@@ -581,9 +580,7 @@ func (l *loop) buried(p *outPeer) {
 		delete(p.wins, id)
 		delete(l.ops, w.flushID)
 		l.doneWith(w)
-		w.xs.fail(p.failure(fmt.Errorf("endpoint closed")))
-		w.xs.inflight--
-		l.pump(w.xs)
+		l.ended(w.xs, p.failure(fmt.Errorf("endpoint closed")))
 	}
 	for id, e := range p.rkeys {
 		destroyRkey(e.k)
