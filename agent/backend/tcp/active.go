@@ -766,23 +766,16 @@ func (s *stream) sendLocked(f frame, pieces int, inline bool) {
 	}
 	s.pending <- f // never blocks: the slot guarantees room
 
-	segs := st.x.Segments
 	table := s.head[hdrSize : hdrSize+pieces*pieceSize]
 	s.bufs = append(s.bufs[:0], s.head[:hdrSize+len(table)])
-	c, left, i := f.start, f.n, 0
-	for left > 0 {
-		sg := &segs[c.Seg]
-		take := min(sg.Local.Len-c.Off, left)
-		binary.LittleEndian.PutUint64(table[i:], sg.Remote.Addr+c.Off)
-		binary.LittleEndian.PutUint64(table[i+8:], take)
+	i := 0
+	for pc := range st.x.Pieces(f.start, f.n) {
+		binary.LittleEndian.PutUint64(table[i:], pc.RemoteAddr())
+		binary.LittleEndian.PutUint64(table[i+8:], pc.Len)
 		if write {
-			s.bufs = append(s.bufs, sg.Local.Mem[c.Off:c.Off+take])
+			s.bufs = append(s.bufs, pc.Local())
 		}
 		i += pieceSize
-		left -= take
-		if c.Off += take; c.Off == sg.Local.Len {
-			c.Seg, c.Off = c.Seg+1, 0
-		}
 	}
 	h := header{typ: f.typ, count: uint32(pieces), id: f.id, key: st.x.Key}
 	if write {
@@ -1073,24 +1066,20 @@ func (s *stream) land(h *header, f *frame, sink bool) (released bool, err error)
 	if h.length != f.n {
 		return false, fmt.Errorf("%w: READ answer of %d bytes, want %d", errProtocol, h.length, f.n)
 	}
-	segs := f.st.x.Segments
-	c, left := f.start, f.n
-	for left > 0 && !sink {
-		sg := &segs[c.Seg]
-		take := min(sg.Local.Len-c.Off, left)
-		n, err := io.ReadFull(s.br, sg.Local.Mem[c.Off:c.Off+take])
-		left -= uint64(n)
-		if errors.Is(err, errFenced) {
-			s.unland()
-			f.st.Done(nil) // its outcome is the cancellation, recorded already
-			released, sink = true, true
-			break
-		}
-		if err != nil {
-			return false, err
-		}
-		if c.Off += take; c.Off == sg.Local.Len {
-			c.Seg, c.Off = c.Seg+1, 0
+	left := f.n
+	if !sink {
+		for pc := range f.st.x.Pieces(f.start, f.n) {
+			n, err := io.ReadFull(s.br, pc.Local())
+			left -= uint64(n)
+			if errors.Is(err, errFenced) {
+				s.unland()
+				f.st.Done(nil) // its outcome is the cancellation, recorded already
+				released, sink = true, true
+				break
+			}
+			if err != nil {
+				return false, err
+			}
 		}
 	}
 	if sink && left > 0 {
