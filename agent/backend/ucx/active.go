@@ -6,6 +6,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"fmt"
+	"iter"
 	"slices"
 	"time"
 
@@ -214,23 +215,23 @@ func (l *loop) pump(xs *xstate) {
 		b := l.frame(tOpen, uint8(x.Op.Access()), uint32(pieces), p.remote)
 		b = binary.LittleEndian.AppendUint64(b, w.id)
 		b = append(b, x.Key[:]...)
-		w.each(func(seg *agent.Segment, off, take uint64) {
-			b = binary.LittleEndian.AppendUint64(b, seg.Remote.Addr+off)
-			b = binary.LittleEndian.AppendUint64(b, take)
-		})
+		for pc := range w.span() {
+			b = binary.LittleEndian.AppendUint64(b, pc.RemoteAddr())
+			b = binary.LittleEndian.AppendUint64(b, pc.Len)
+		}
 		if w.inline {
 			b[3] = 2
 			if xs.write {
-				w.each(func(seg *agent.Segment, off, take uint64) {
-					b = append(b, seg.Local.Mem[off:off+take]...)
-				})
+				for pc := range w.span() {
+					b = append(b, pc.Local()...)
+				}
 			}
 		}
 		if w.remotePut {
 			b[3] = 1
-			w.each(func(seg *agent.Segment, off, take uint64) {
-				b = binary.LittleEndian.AppendUint64(b, seg.Local.Addr+off)
-			})
+			for pc := range w.span() {
+				b = binary.LittleEndian.AppendUint64(b, pc.LocalAddr())
+			}
 			b = binary.LittleEndian.AppendUint32(b, uint32(len(w.locals)))
 			b = append(b, keys...)
 		}
@@ -259,13 +260,12 @@ func (l *loop) canInline(w *window) bool {
 	if w.n > uint64(l.b.cfg.inline) {
 		return false
 	}
-	ok := true
-	w.each(func(seg *agent.Segment, off, take uint64) {
-		if seg.Local.Kind != agent.KindDRAM || seg.Remote.Kind != agent.KindDRAM || uint64(len(seg.Local.Mem)) < off+take {
-			ok = false
+	for pc := range w.span() {
+		if loc := pc.Seg.Local; loc.Kind != agent.KindDRAM || pc.Seg.Remote.Kind != agent.KindDRAM || uint64(len(loc.Mem)) < pc.Off+pc.Len {
+			return false
 		}
-	})
-	return ok
+	}
+	return true
 }
 
 // localKeys maps the local memory of a READ window the exposing side will
@@ -281,20 +281,18 @@ func (l *loop) localKeys(w *window) ([]byte, error) {
 	var err error
 	l.b.regMu.Lock()
 	defer l.b.regMu.Unlock()
-	w.each(func(seg *agent.Segment, off, take uint64) {
-		if err != nil {
-			return
-		}
-		mp := l.b.findLocked(seg.Local.Region, seg.Local.Addr+off, take)
+	for pc := range w.span() {
+		loc := pc.Seg.Local
+		mp := l.b.findLocked(loc.Region, pc.LocalAddr(), pc.Len)
 		if mp == nil {
-			if mp, err = l.b.mapLocked(seg.Local.Addr, seg.Local.Len, seg.Local.Kind == agent.KindVRAM); err != nil {
-				return
+			if mp, err = l.b.mapLocked(loc.Addr, loc.Len, loc.Kind == agent.KindVRAM); err != nil {
+				break
 			}
-			l.b.regs[regKey{seg.Local.Addr, seg.Local.Len}] = mp // found again by the next pieces
+			l.b.regs[regKey{loc.Addr, loc.Len}] = mp // found again by the next pieces
 		}
 		if mp.packed == nil {
 			if mp.packed, err = l.n.pack(mp.memh); err != nil {
-				return
+				break
 			}
 		}
 		k, ok := l.seen[mp]
@@ -308,7 +306,7 @@ func (l *loop) localKeys(w *window) ([]byte, error) {
 			keys = append(keys, mp.packed...)
 		}
 		idx = binary.LittleEndian.AppendUint16(idx, k)
-	})
+	}
 	// Lazy mappings are the window's alone: out of regs again.
 	for _, mp := range w.locals {
 		if !mp.registered {
@@ -330,20 +328,8 @@ func (l *loop) localKeys(w *window) ([]byte, error) {
 	return append(keys, idx...), nil
 }
 
-// each calls f for every piece of w: segment, offset in it, length.
-func (w *window) each(f func(seg *agent.Segment, off, take uint64)) {
-	segs := w.xs.x.Segments
-	c, left := w.start, w.n
-	for left > 0 {
-		sg := &segs[c.Seg]
-		take := min(sg.Local.Len-c.Off, left)
-		f(sg, c.Off, take)
-		left -= take
-		if c.Off += take; c.Off == sg.Local.Len {
-			c.Seg, c.Off = c.Seg+1, 0
-		}
-	}
-}
+// span yields w's pieces, in order (agent.Pieces).
+func (w *window) span() iter.Seq[agent.Piece] { return w.xs.x.Pieces(w.start, w.n) }
 
 func (l *loop) sendNotify(p *outPeer, key agent.Key, msg []byte) error {
 	b := l.frame(tNotify, 0, 0, p.remote)
@@ -397,9 +383,9 @@ func (l *loop) onGrant(p *outPeer, m *msg) {
 		}
 		if !xs.write {
 			body := m.body
-			w.each(func(seg *agent.Segment, off, take uint64) {
-				body = body[copy(seg.Local.Mem[off:off+take], body):]
-			})
+			for pc := range w.span() {
+				body = body[copy(pc.Local(), body):]
+			}
 		}
 		drop(nil, false)
 		return
@@ -454,18 +440,18 @@ func (l *loop) onGrant(p *outPeer, m *msg) {
 	l.batch.reset()
 	l.b.regMu.Lock()
 	i := 0
-	w.each(func(seg *agent.Segment, off, take uint64) {
+	for pc := range w.span() {
 		var mh uintptr
-		if m := l.b.localLocked(seg.Local.Addr, seg.Local.Len); m != nil && m.memh != nil {
+		if m := l.b.localLocked(pc.Seg.Local.Addr, pc.Seg.Local.Len); m != nil && m.memh != nil {
 			if len(w.locals) == 0 || w.locals[len(w.locals)-1] != m {
 				m.users++
 				w.locals = append(w.locals, m)
 			}
 			mh = memhPtr(m.memh)
 		}
-		l.batch.add(seg.Local.Addr+off, seg.Remote.Addr+off, take, rk[l.idx[i]], mh)
+		l.batch.add(pc.LocalAddr(), pc.RemoteAddr(), pc.Len, rk[l.idx[i]], mh)
 		i++
-	})
+	}
 	l.b.regMu.Unlock()
 	w.granted = true
 	w.flushID = l.next()
