@@ -285,15 +285,7 @@ func TestAttackCloseRaceNoHangNoLeak(t *testing.T) {
 }
 
 // serverConns returns the exposing side's accepted connections.
-func serverConns(b *Backend) []*net.UnixConn {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	var cs []*net.UnixConn
-	for c := range b.conns {
-		cs = append(cs, c)
-	}
-	return cs
-}
+func serverConns(b *Backend) []*net.UnixConn { return b.conns.Members() }
 
 // The exposing side cuts an honest copier's connection itself (here: a
 // frame that stalled, forced with a read deadline) while large chunks of a

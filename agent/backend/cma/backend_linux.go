@@ -21,6 +21,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backend/internal/serve"
 	"github.com/goxfer/goxfer/internal/hostid"
 )
 
@@ -48,26 +49,28 @@ type Backend struct {
 	ptracers  *ptracerSet
 	readv     func(pid int, local []unix.Iovec, remote []unix.RemoteIovec) (int, error)
 
-	mu      sync.Mutex
-	closed  bool
-	peers   map[uuid.UUID][]*peer // by agent ID; several when tokens disagree on the socket
-	conns   map[*net.UnixConn]struct{}
-	live    map[*peer]struct{}       // peers with a reader, listed or not: Close fails them
-	byPID   map[int]int              // accepted connections from each process
-	shaking map[*net.UnixConn]uint64 // accepted connections still in the handshake, by arrival
-	arrived uint64
+	mu     sync.Mutex
+	closed bool
+	peers  map[uuid.UUID][]*peer // by agent ID; several when tokens disagree on the socket
+	live   map[*peer]struct{}    // peers with a reader, listed or not: Close fails them
 
-	stats stats
+	// Accepted connections and their goroutines, and dialled ones until
+	// their reader starts: what Close closes and waits for.
+	conns serve.Set[*net.UnixConn]
+	byPID *serve.Caps[int] // accepted connections from each process
+	gate  *serve.Gate      // accepted connections still in the handshake
+
+	stats serve.Counters
 
 	// The backend's lifetime: the host's, also cancelled when Close begins
 	// (the agent cancels it just before, a test calling Close may not).
-	// Probes in flight give up.
+	// Probes in flight give up, and the accept loop closes the listener.
 	ctx    context.Context
 	cancel context.CancelCauseFunc
 
 	tasks chan task
 	xwg   sync.WaitGroup // transfers and notifications in flight
-	wg    sync.WaitGroup // goroutines
+	wg    sync.WaitGroup // goroutines but the accepted connections' (conns)
 	stop  chan struct{}  // closed when the last transfer is done: workers exit
 
 	retry time.Duration // how long a failed verdict stands: retryFailed
@@ -79,8 +82,7 @@ type Backend struct {
 // Start, that is by [agent.New], with an error wrapping
 // [agent.ErrInvalidOption].
 func New(opts ...Option) *Backend {
-	b := &Backend{cfg: defaults(), peers: map[uuid.UUID][]*peer{}, conns: map[*net.UnixConn]struct{}{},
-		byPID: map[int]int{}, shaking: map[*net.UnixConn]uint64{}, stop: make(chan struct{}),
+	b := &Backend{cfg: defaults(), peers: map[uuid.UUID][]*peer{}, stop: make(chan struct{}),
 		retry: retryFailed, readScope: ptraceScope, ptracers: ptracers, readv: processVMReadv}
 	var errs []error
 	for _, o := range opts {
@@ -89,6 +91,10 @@ func New(opts ...Option) *Backend {
 		}
 	}
 	b.optErr = errors.Join(errs...)
+	// A failing option changed nothing: the limits are valid.
+	b.stats.Classes = serve.Classes{Limit: errLimit, Protocol: errProtocol}
+	b.byPID = serve.NewCaps[int](b.cfg.maxConnsPerProc)
+	b.gate = serve.NewGate(b.cfg.maxHandshakes)
 	b.lim = limits{maxRanges: b.cfg.maxRanges, maxNotify: b.cfg.maxNotify}
 	return b
 }
@@ -98,7 +104,7 @@ func (b *Backend) Name() string { return Name }
 
 // Stats implements [agent.Counting]: the backend's counters since it
 // started. Safe for concurrent use, also after Close.
-func (b *Backend) Stats() Stats { return b.stats.snapshot() }
+func (b *Backend) Stats() Stats { return b.stats.Stats() }
 
 // Supports implements [agent.Backend]: host memory ([agent.KindDRAM])
 // only.
@@ -130,7 +136,10 @@ func (b *Backend) Start(h agent.Host) ([]byte, error) {
 	b.self = connInfo{host: hostIdentity(), pid: uint32(b.pid), sock: name}
 	b.tasks = make(chan task, 4*b.cfg.workers)
 	b.wg.Add(1 + b.cfg.workers)
-	go b.accept()
+	go func() {
+		defer b.wg.Done()
+		serve.Accept(b.ctx, ln, b.log, b.admit) // closes ln when b.ctx ends
+	}()
 	for range b.cfg.workers {
 		go b.worker()
 	}
@@ -157,22 +166,6 @@ func ptraceScope() int {
 
 func (b *Backend) probeAddr() uint64 { return uint64(uintptr(unsafe.Pointer(b.probe))) }
 
-func (b *Backend) track(c *net.UnixConn) bool {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.closed {
-		return false
-	}
-	b.conns[c] = struct{}{}
-	return true
-}
-
-func (b *Backend) untrack(c *net.UnixConn) {
-	b.mu.Lock()
-	delete(b.conns, c)
-	b.mu.Unlock()
-}
-
 // Close implements [agent.Backend]: it ends the backend's lifetime, stops
 // listening, closes every connection, fails what is still in flight with
 // [agent.ErrClosed], waits for transfers and notifications in flight to
@@ -194,15 +187,15 @@ func (b *Backend) Close() error {
 	for p := range b.live {
 		peers = append(peers, p)
 	}
-	conns := make([]*net.UnixConn, 0, len(b.conns))
-	for c := range b.conns {
-		conns = append(conns, c)
-	}
 	b.mu.Unlock()
+	conns, _ := b.conns.Stop()
 	if b.ln == nil {
 		return nil
 	}
-	err := b.ln.Close()
+	err := b.ln.Close() // the accept loop closed it already if b.ctx ended first
+	if errors.Is(err, net.ErrClosed) {
+		err = nil
+	}
 	for _, c := range conns {
 		_ = c.Close() // the peer sees the end of the stream: this agent is gone
 	}
@@ -213,14 +206,16 @@ func (b *Backend) Close() error {
 	b.xwg.Wait()
 	close(b.stop)
 	b.wg.Wait()
+	b.conns.Wait()
 	return err
 }
 
 // dropped counts a connection ended by err on its peer's account, which
 // broke off a handshake if inHandshake, and logs it at level Debug with
-// args; it reports whether err was the peer's fault (stats.dropped).
+// args; it reports whether err was the peer's fault
+// ([serve.Counters.Dropped]).
 func (b *Backend) dropped(err error, inHandshake bool, args ...any) bool {
-	if !b.stats.dropped(err, inHandshake) {
+	if _, ok := b.stats.Dropped(err, inHandshake); !ok {
 		return false
 	}
 	b.log.Debug("cma: dropped a connection", append(args, "err", err)...)

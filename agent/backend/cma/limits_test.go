@@ -17,18 +17,11 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backend/internal/serve"
 )
 
-func delta(after, before Stats) Stats {
-	return Stats{
-		Disconnected:      after.Disconnected - before.Disconnected,
-		HandshakeFailures: after.HandshakeFailures - before.HandshakeFailures,
-		ProtocolErrors:    after.ProtocolErrors - before.ProtocolErrors,
-		LimitRejected:     after.LimitRejected - before.LimitRejected,
-		Timeouts:          after.Timeouts - before.Timeouts,
-		Denied:            after.Denied - before.Denied,
-	}
-}
+// delta returns what each counter moved by from before to after.
+var delta = serve.Delta
 
 // waitStats waits until b's counters moved by want since before, and fails
 // if they moved by anything else.

@@ -14,115 +14,49 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backend/internal/serve"
 )
 
-// accept serves the listener until Close closes it. A failing accept (out
-// of file descriptors, say) is logged and retried after a pause that
-// doubles, from 5 ms to 1 s, while it keeps failing.
-func (b *Backend) accept() {
-	defer b.wg.Done()
-	var pause time.Duration
-	for {
-		c, err := b.ln.AcceptUnix()
-		if err != nil {
-			if errors.Is(err, net.ErrClosed) || b.ctx.Err() != nil {
-				return
-			}
-			pause = min(max(2*pause, 5*time.Millisecond), time.Second)
-			b.log.Warn("cma: accept failed; retrying", "err", err, "in", pause)
-			select {
-			case <-time.After(pause):
-			case <-b.ctx.Done():
-				return
-			}
-			continue
-		}
-		pause = 0
-		pid, err := peerCred(c)
-		if err != nil {
-			_ = c.Close()
-			b.stats.handshake.Add(1)
-			b.stats.disconnected.Add(1)
-			b.log.Debug("cma: dropped a connection whose peer has no credentials", "err", err)
-			b.host.Refused()
-			continue
-		}
-		switch b.admit(c, pid) {
-		case admitClosed:
-			_ = c.Close()
-			return
-		case admitRefused:
-			_ = c.Close()
-			b.host.Refused()
-			continue
-		}
-		b.wg.Add(1)
-		go b.serve(c, pid)
+// admit is the accept loop's handler ([serve.Accept]): it refuses a
+// connection whose peer has no credentials, or whose process already holds
+// WithMaxConnsPerProcess, and lets the others into the gate of
+// WithMaxHandshakes, which closes the oldest handshake when it is full.
+// It reports false once the backend is closing: the loop ends.
+func (b *Backend) admit(nc net.Conn) bool {
+	if b.stopping() {
+		_ = nc.Close()
+		return false
 	}
-}
-
-const (
-	admitted = iota
-	admitRefused
-	admitClosed
-)
-
-// admit tracks an accepted connection from process pid, or refuses it if
-// the process already holds WithMaxConnsPerProcess. When more than
-// WithMaxHandshakes connections are in the handshake, it closes the oldest.
-func (b *Backend) admit(c *net.UnixConn, pid int) int {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.closed {
-		return admitClosed
+	c := nc.(*net.UnixConn)
+	pid, err := peerCred(c)
+	if err != nil {
+		_ = c.Close()
+		b.stats.Drop(serve.HandshakeFailure)
+		b.log.Debug("cma: dropped a connection whose peer has no credentials", "err", err)
+		b.host.Refused()
+		return true
 	}
-	if b.byPID[pid] >= b.cfg.maxConnsPerProc {
-		b.stats.limited()
+	if !b.byPID.Acquire(pid) {
+		_ = c.Close()
+		b.stats.Drop(serve.LimitRejected)
 		b.log.Debug("cma: refused a connection: its process holds WithMaxConnsPerProcess", "pid", pid, "max", b.cfg.maxConnsPerProc)
-		return admitRefused
+		b.host.Refused()
+		return true
 	}
-	b.byPID[pid]++
-	b.conns[c] = struct{}{}
-	b.arrived++
-	b.shaking[c] = b.arrived
-	if len(b.shaking) > b.cfg.maxHandshakes {
-		var oldest *net.UnixConn
-		for v, n := range b.shaking {
-			if oldest == nil || n < b.shaking[oldest] {
-				oldest = v
-			}
-		}
-		delete(b.shaking, oldest)
-		_ = oldest.Close() // its goroutine returns, uncounted: counted here
-		b.stats.limited()
+	pass, evicted := b.gate.Enter(c)
+	if evicted { // its goroutine ends uncounted (serve.ErrEvicted): counted here
+		b.stats.Drop(serve.LimitRejected)
 		b.log.Debug("cma: closed the oldest handshake to make room: WithMaxHandshakes in progress", "max", b.cfg.maxHandshakes)
 		b.host.Refused()
 	}
-	return admitted
-}
-
-// handshook reports that c's handshake arrived, or ended, and whether c may
-// go on: false if it was closed to make room for another.
-func (b *Backend) handshook(c *net.UnixConn) bool {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	_, ok := b.shaking[c]
-	delete(b.shaking, c)
-	return ok
-}
-
-// release untracks an accepted connection from process pid.
-func (b *Backend) release(c *net.UnixConn, pid int) {
-	b.mu.Lock()
-	delete(b.conns, c)
-	delete(b.shaking, c)
-	if b.byPID[pid]--; b.byPID[pid] <= 0 {
-		delete(b.byPID, pid)
+	if !b.conns.Serve(c, func(c *net.UnixConn) { b.serve(c, pid, pass) }) {
+		pass.Done()
+		b.byPID.Release(pid)
+		_ = c.Close()
+		return false
 	}
-	b.mu.Unlock()
+	return true
 }
-
-var errEvicted = errors.New("cma: handshake closed to make room for another")
 
 // frameReader is a server's connection that bounds how long a frame may
 // take once begun: a peer may stay idle between frames as long as it likes
@@ -189,6 +123,7 @@ func (r *frameReader) begin(br *bufio.Reader) error {
 type server struct {
 	b       *Backend
 	c       *net.UnixConn
+	pass    *serve.Pass // through Backend.gate, until the handshake arrived
 	peer    uuid.UUID
 	link    agent.Link // this connection, as the agent sees it
 	pid     int
@@ -250,13 +185,15 @@ func (s *server) renew(now time.Time) error {
 	return nil
 }
 
-func (b *Backend) serve(c *net.UnixConn, pid int) {
-	defer b.wg.Done()
-	defer b.release(c, pid)
+// serve runs the exposing side of connection c from process pid, on a
+// goroutine of b.conns, which holds c until it returns.
+func (b *Backend) serve(c *net.UnixConn, pid int, pass *serve.Pass) {
+	defer b.byPID.Release(pid)
+	defer pass.Done()
 	defer c.Close()
-	s := &server{b: b, c: c, pid: pid, leases: map[uint64]held{}}
+	s := &server{b: b, c: c, pid: pid, pass: pass, leases: map[uint64]held{}}
 	if err := s.handshake(); err != nil {
-		if !b.stopping() && !errors.Is(err, errEvicted) && b.dropped(err, true, "pid", pid) {
+		if !b.stopping() && !errors.Is(err, serve.ErrEvicted) && b.dropped(err, true, "pid", pid) {
 			b.host.Refused()
 		}
 		return
@@ -326,8 +263,8 @@ func (s *server) handshake() error {
 	var hs [hsSize]byte
 	_ = s.c.SetDeadline(time.Now().Add(b.cfg.timeout))
 	_, err := io.ReadFull(s.c, hs[:])
-	if !b.handshook(s.c) {
-		return errEvicted
+	if !s.pass.Done() {
+		return serve.ErrEvicted
 	}
 	if err != nil {
 		return err
@@ -341,13 +278,10 @@ func (s *server) handshake() error {
 	if b.scope >= 0 && b.scope < noScope {
 		out.scope = uint8(b.scope)
 	}
-	switch {
-	case in.expect != b.id:
+	switch hsErr := serve.CheckHandshake(b.id, in.self, in.expect); {
+	case hsErr != nil:
 		out.status = stWrong
-		err = fmt.Errorf("%w: handshake expected agent %s, this is %s", errProtocol, in.expect, b.id)
-	case in.self == uuid.Nil:
-		out.status = stWrong
-		err = fmt.Errorf("%w: handshake from the nil agent", errProtocol)
+		err = fmt.Errorf("%w: %w", errProtocol, hsErr)
 	case int(in.pid) != pid:
 		out.status = stWrong
 		err = fmt.Errorf("%w: handshake claims process %d, the socket's peer is process %d", errProtocol, in.pid, pid)
@@ -460,7 +394,7 @@ func (s *server) begin(f *frame) error {
 		return s.answer(f.id, stLost, err) // this agent is closing
 	}
 	if err != nil {
-		s.b.stats.denied.Add(1)
+		s.b.stats.Deny()
 		return s.answer(f.id, stDenied, err)
 	}
 	for i := range int(f.count) {
@@ -470,7 +404,7 @@ func (s *server) begin(f *frame) error {
 		}
 		if err != nil {
 			lease.Release()
-			s.b.stats.denied.Add(1)
+			s.b.stats.Deny()
 			return s.answer(f.id, stDenied, fmt.Errorf("range %d: %w", i, err))
 		}
 	}

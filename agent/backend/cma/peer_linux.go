@@ -147,7 +147,7 @@ func (p *peer) dial() error {
 		return fmt.Errorf("peer %s: %w: %w", p.id, agent.ErrRemoteLost, context.Cause(ctx))
 	}
 	_ = p.c.SetDeadline(time.Time{})
-	if !b.track(p.c) {
+	if !b.conns.Add(p.c) { // until the reader starts: Close closes it
 		return agent.ErrClosed
 	}
 	return nil
@@ -161,8 +161,8 @@ func (p *peer) read() {
 	defer b.wg.Done()
 	// Close does not close this connection under copies in flight: it
 	// fails the peer, which closes it once they returned (shut).
+	b.conns.Remove(p.c)
 	b.mu.Lock()
-	delete(b.conns, p.c)
 	closed, departed := b.closed, p.departed
 	if !closed {
 		if b.live == nil {

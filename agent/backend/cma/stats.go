@@ -1,10 +1,7 @@
 package cma
 
 import (
-	"errors"
 	"fmt"
-	"net"
-	"sync/atomic"
 
 	"github.com/goxfer/goxfer/agent"
 )
@@ -29,50 +26,6 @@ import (
 // On systems other than Linux every counter stays 0.
 type Stats = agent.BackendStats
 
-type stats struct {
-	disconnected, handshake, protocol, limit, timeouts, denied atomic.Uint64
-}
-
-func (s *stats) snapshot() Stats {
-	return Stats{
-		Disconnected:      s.disconnected.Load(),
-		HandshakeFailures: s.handshake.Load(),
-		ProtocolErrors:    s.protocol.Load(),
-		LimitRejected:     s.limit.Load(),
-		Timeouts:          s.timeouts.Load(),
-		Denied:            s.denied.Load(),
-	}
-}
-
 // errLimit marks a peer that went over one of this agent's limits; it wraps
 // errProtocol, and is counted apart.
 var errLimit = fmt.Errorf("%w: over a limit", errProtocol)
-
-// dropped counts a connection ended by err, which broke off a handshake if
-// inHandshake. It reports whether err was the peer's fault.
-func (s *stats) dropped(err error, inHandshake bool) bool {
-	var ne net.Error
-	switch {
-	case err == nil:
-		return false
-	case errors.Is(err, errLimit):
-		s.limit.Add(1)
-	case errors.As(err, &ne) && ne.Timeout():
-		s.timeouts.Add(1)
-	case inHandshake:
-		s.handshake.Add(1)
-	case errors.Is(err, errProtocol):
-		s.protocol.Add(1)
-	default:
-		return false
-	}
-	s.disconnected.Add(1)
-	return true
-}
-
-// limited counts a connection closed for going over a limit before it got a
-// goroutine of its own.
-func (s *stats) limited() {
-	s.limit.Add(1)
-	s.disconnected.Add(1)
-}

@@ -51,11 +51,7 @@ func TestStrangerHangupIsNoLoss(t *testing.T) {
 	require.NoError(t, p.c.Close())
 	// Once the exposing side has let go of the connection, whatever it
 	// reported is in the exposure's queue.
-	require.Eventually(t, func() bool {
-		cb.mu.Lock()
-		defer cb.mu.Unlock()
-		return len(cb.conns) == 0
-	}, 5*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return cb.conns.Len() == 0 }, 5*time.Second, time.Millisecond)
 	select {
 	case ev := <-exp.Events():
 		t.Fatalf("the exposure heard %v from %s (%v) after a stranger in its peer's name hung up", ev.Kind, ev.From, ev.Err)
