@@ -186,7 +186,7 @@ func (b *Backend) Post(x *agent.Work) error {
 		return err
 	}
 	st := &xstate{b: b, x: x, p: p}
-	st.Init(x, p.notify, st.finished)
+	st.Init(x, p.notifyDone, st.finished)
 	st.watch()
 	typ := uint8(tRead)
 	if x.Op == agent.OpWrite {
@@ -479,23 +479,11 @@ func (p *peer) acquire(x *agent.Work) (*stream, error) {
 	}
 }
 
+// dial connects p within the backend's lifetime: closing the backend ends
+// a dial or handshake in progress.
 func (p *peer) dial() {
-	b := p.b
-	defer b.wg.Done()
-	ctx, cancel := context.WithCancel(context.Background())
-	stopped := make(chan struct{})
-	go func() { // the dial's own watcher, joined below
-		defer close(stopped)
-		select {
-		case <-b.stop:
-			cancel()
-		case <-ctx.Done():
-		}
-	}()
-	err := p.connect(ctx)
-	cancel()
-	<-stopped
-	if err != nil {
+	defer p.b.wg.Done()
+	if err := p.connect(p.b.ctx); err != nil {
 		p.fail(err)
 	}
 	close(p.ready)
@@ -528,7 +516,7 @@ func (p *peer) connect(ctx context.Context) error {
 				return err
 			}
 		}
-		s, in, err := p.handshake(c.(*net.TCPConn), uint8(i))
+		s, in, err := p.handshake(ctx, c.(*net.TCPConn), uint8(i))
 		if err != nil {
 			_ = c.Close()
 			closeStreams(all)
@@ -569,12 +557,18 @@ func closeStreams(ss []*stream) {
 	}
 }
 
-func (p *peer) handshake(c *net.TCPConn, idx uint8) (*stream, handshake, error) {
+// handshake opens c as p's stream number idx. It waits for the peer for
+// the keepalive timeout at most, and not once ctx is done.
+func (p *peer) handshake(ctx context.Context, c *net.TCPConn, idx uint8) (*stream, handshake, error) {
 	b := p.b
 	var hs [hsSize]byte
 	out := handshake{stream: idx, self: b.id, expect: p.id, session: p.session, timeout: b.cfg.timeout, maxPieces: b.cfg.maxPieces, maxFrame: b.cfg.maxFrame}
 	out.put(hs[:])
 	_ = c.SetDeadline(time.Now().Add(b.cfg.timeout))
+	// A deadline in the past interrupts the handshake when ctx is done; it
+	// may come after the handshake ended, but the backend is closing then,
+	// and the connection with it.
+	defer context.AfterFunc(ctx, func() { _ = c.SetDeadline(time.Unix(1, 0)) })()
 	if _, err := c.Write(hs[:]); err != nil {
 		return nil, handshake{}, fmt.Errorf("tcp: handshake with peer %s at %s: %w: %w", p.id, p.addr, agent.ErrRemoteLost, err)
 	}
@@ -657,24 +651,35 @@ func (p *peer) end(err error, idle bool) {
 	})
 }
 
+// notifyDone sends a transfer's notification (agent.Parts) within the
+// backend's lifetime.
+func (p *peer) notifyDone(key agent.Key, msg []byte) error { return p.notify(p.b.ctx, key, msg) }
+
 // notify sends a notification on the control connection, which carries no
-// data, so it never waits behind a transfer.
-func (p *peer) notify(key agent.Key, msg []byte) error {
+// data, so it never waits behind a transfer. Waiting for the connection to
+// be dialled, or for its writer, ends when ctx or the backend is done, with
+// an error wrapping context.Cause(ctx).
+func (p *peer) notify(ctx context.Context, key agent.Key, msg []byte) error {
 	if len(msg) > maxNotify {
 		return fmt.Errorf("%w: notification of %d bytes, at most %d", agent.ErrInvalid, len(msg), maxNotify)
 	}
 	select {
 	case <-p.ready:
 	case <-p.dead:
+	case <-ctx.Done():
+		return fmt.Errorf("tcp: notify peer %s: %w", p.id, context.Cause(ctx))
 	}
 	if err := p.failure(); err != nil {
 		return err
 	}
 	s := p.ctrl
 	w := s.w
-	if !w.wl.lockOr(p.dead, p.b.stop) {
+	if !w.wl.lockOr(ctx.Done(), p.dead, p.b.ctx.Done()) {
 		if err := p.failure(); err != nil {
 			return err
+		}
+		if ctx.Err() != nil {
+			return fmt.Errorf("tcp: notify peer %s: %w", p.id, context.Cause(ctx))
 		}
 		return agent.ErrClosed
 	}
@@ -706,7 +711,7 @@ func (b *Backend) Notify(ctx context.Context, info agent.Info, key agent.Key, ms
 	}
 	defer b.wg.Done()
 	defer p.release()
-	return p.notify(key, msg)
+	return p.notify(ctx, key, msg)
 }
 
 // send writes a frame holding a slot of s. Its answer, or the stream's
@@ -716,7 +721,7 @@ func (b *Backend) Notify(ctx context.Context, info agent.Info, key agent.Key, ms
 // frame is then never sent.
 func (s *stream) send(f frame, pieces int) {
 	st := f.st
-	if !s.w.wl.lockOr(st.x.Cancelled(), s.p.dead) {
+	if !s.w.wl.lockOr(st.x.Cancelled(), s.p.dead, nil) {
 		<-s.slots
 		if err := s.p.failure(); err != nil {
 			st.Done(err)
@@ -889,15 +894,13 @@ func (s *stream) read() {
 	defer b.wg.Done()
 	defer b.untrack(s.w)
 	err := s.w.reason(s.loop())
-	select {
-	case <-b.stop:
+	switch perr := s.p.failure(); {
+	case b.stopping():
 		err = agent.ErrClosed
+	case perr != nil:
+		err = perr // another stream failed first and closed this one: report the cause
 	default:
-		if perr := s.p.failure(); perr != nil {
-			err = perr // another stream failed first and closed this one: report the cause
-			break
-		}
-		if b.dropped(err, false) && errors.Is(err, errProtocol) {
+		if b.dropped(err, false, "peer", s.p.id, "addr", s.p.addr) && errors.Is(err, errProtocol) {
 			b.host.Refused()
 		}
 		err = fmt.Errorf("tcp: connection to peer %s: %w: %w", s.p.id, agent.ErrRemoteLost, err)

@@ -22,6 +22,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"net/netip"
 	"sync"
@@ -43,6 +44,7 @@ type Backend struct {
 	optErr error
 
 	host agent.Host
+	log  *slog.Logger // the host's
 	id   uuid.UUID
 	self connInfo
 	ln   net.Listener
@@ -60,8 +62,14 @@ type Backend struct {
 
 	stats stats
 
+	// The backend's lifetime: the host's (agent.Host.Context), also
+	// cancelled when Close begins (the agent cancels it just before; a
+	// test calling Close may not). Dials, handshakes and the keepalive
+	// loop end with it.
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+
 	wg    sync.WaitGroup
-	stop  chan struct{}
 	nudge chan struct{} // wakes the keepalive loop early
 }
 
@@ -70,7 +78,7 @@ type Backend struct {
 func New(opts ...Option) *Backend {
 	b := &Backend{cfg: defaults(), peers: map[peerKey]*peer{}, conns: map[*wconn]struct{}{}, inbound: map[sessionKey]*inbound{},
 		out: map[netip.Addr]int{}, byIP: map[netip.Addr]int{}, byPeer: map[peerAddr]int{}, shaking: map[*wconn]uint64{},
-		stop: make(chan struct{}), nudge: make(chan struct{}, 1)}
+		nudge: make(chan struct{}, 1)}
 	var errs []error
 	for _, o := range opts {
 		if err := o.apply(&b.cfg); err != nil {
@@ -114,7 +122,8 @@ func (b *Backend) Start(h agent.Host) ([]byte, error) {
 	if err != nil {
 		return nil, fmt.Errorf("tcp: listen on %s: %w", b.cfg.listen, err)
 	}
-	b.host, b.id, b.ln = h, h.ID(), ln
+	b.host, b.log, b.id, b.ln = h, h.Logger(), h.ID(), ln
+	b.ctx, b.cancel = context.WithCancelCause(h.Context())
 	b.self = connInfo{host: hostIdentity(), addr: b.cfg.advertise}
 	if b.self.addr == "" {
 		b.self.addr = advertiseFor(ln.Addr().(*net.TCPAddr))
@@ -250,7 +259,7 @@ func (b *Backend) keepalive() {
 	var idle []*wconn
 	for {
 		select {
-		case <-b.stop:
+		case <-b.ctx.Done():
 			return
 		case <-b.nudge:
 		case <-t.C:
@@ -350,7 +359,7 @@ func (b *Backend) Close() error {
 	if b.ln == nil {
 		return nil
 	}
-	close(b.stop)
+	b.cancel(agent.ErrClosed)
 	err := b.ln.Close()
 	var bye [hdrSize]byte
 	(&header{typ: tBye}).put(bye[:])

@@ -25,15 +25,14 @@ func (b *Backend) accept() {
 	for {
 		c, err := b.ln.Accept()
 		if err != nil {
-			select {
-			case <-b.stop:
+			if b.stopping() {
 				return
-			default:
 			}
 			var ne net.Error
 			if errors.As(err, &ne) && ne.Timeout() {
 				continue
 			}
+			b.log.Warn("accept failed; retrying", "addr", b.ln.Addr().String(), "err", err, "retry_in", 10*time.Millisecond)
 			time.Sleep(10 * time.Millisecond) // e.g. EMFILE: do not spin
 			continue
 		}
@@ -78,6 +77,7 @@ func (b *Backend) admit(w *wconn) int {
 	}
 	if b.byIP[w.ip] >= b.cfg.maxConnsPerIP {
 		b.limited()
+		b.log.Debug("refused a connection: its address holds WithMaxConnsPerIP connections", "remote", w.c.RemoteAddr().String())
 		return admitRefused
 	}
 	b.byIP[w.ip]++
@@ -96,6 +96,7 @@ func (b *Backend) admit(w *wconn) int {
 		_ = oldest.c.Close() // its goroutine returns, uncounted: counted here
 		b.limited()
 		b.host.Refused()
+		b.log.Debug("closed the oldest handshake to make room (WithMaxHandshakes)", "remote", oldest.c.RemoteAddr().String())
 	}
 	return admitted
 }
@@ -150,7 +151,7 @@ func (b *Backend) serve(w *wconn) {
 	s := &server{b: b, w: w, pc: pc, br: bufio.NewReaderSize(pc, readBuf)}
 	s.renewFn = s.renew
 	if err := s.handshake(); err != nil {
-		if !b.stopping() && !errors.Is(err, errEvicted) && b.dropped(err, true) {
+		if !b.stopping() && !errors.Is(err, errEvicted) && b.dropped(err, true, "remote", w.c.RemoteAddr().String()) {
 			b.host.Refused()
 		}
 		return
@@ -159,7 +160,7 @@ func (b *Backend) serve(w *wconn) {
 	if b.stopping() {
 		return // our own shutdown closed it
 	}
-	if b.dropped(err, false) && errors.Is(err, errProtocol) {
+	if b.dropped(err, false, "remote", w.c.RemoteAddr().String(), "peer", s.peer) && errors.Is(err, errProtocol) {
 		b.host.Refused()
 	}
 	// A goodbye is an orderly close, but the peer is gone all the same:
@@ -176,14 +177,9 @@ func (b *Backend) serve(w *wconn) {
 	}
 }
 
-func (b *Backend) stopping() bool {
-	select {
-	case <-b.stop:
-		return true
-	default:
-		return false
-	}
-}
+// stopping reports whether the backend is closing: the agent began to
+// close it, or Close was called.
+func (b *Backend) stopping() bool { return b.ctx.Err() != nil }
 
 // sessionKey names one dialling peer's connections: the identity it
 // claims and the random session its handshakes carry.

@@ -234,3 +234,41 @@ func TestDepartedPeerFailsAtOnce(t *testing.T) {
 	assert.Contains(t, x.Err().Error(), "heartbeats stopped")
 	t.Logf("transfer to a departed peer ended %v after the departure (keepalive timeout 20s): %v", time.Since(start), x.Err())
 }
+
+// A Notify to a peer that accepts connections but never completes the
+// handshake returns once its context is done, with the context's cause,
+// not after the keepalive timeout the dial waits; and Close does not wait
+// for the handshake either.
+func TestNotifyEndsWithContext(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	defer ln.Close()
+	wg.Go(func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			wg.Go(func() { // reads the handshake, never answers
+				defer c.Close()
+				_, _ = io.Copy(io.Discard, c)
+			})
+		}
+	})
+	a, _ := newAgent(t, WithKeepalive(time.Second, 30*time.Second))
+	ci := connInfo{host: hostIdentity(), addr: ln.Addr().String()}
+	peer := agent.Info{ID: uuid.New(), Conns: []agent.ConnInfo{{Backend: Name, Data: ci.marshal()}}}
+	const wait = 100 * time.Millisecond
+	ctx, cancel := context.WithTimeout(context.Background(), wait)
+	defer cancel()
+	start := time.Now()
+	err = a.Notify(ctx, peer, agent.NewKey(), []byte("hi"))
+	took := time.Since(start)
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	assert.Less(t, took, wait+time.Second, "Notify waited for the handshake past its context")
+	start = time.Now()
+	require.NoError(t, a.Close())
+	assert.Less(t, time.Since(start), time.Second, "Close waited for a handshake the peer never answers")
+}

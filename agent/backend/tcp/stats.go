@@ -57,8 +57,19 @@ func (b *Backend) Stats() Stats {
 var errStalled = errors.New("tcp: request unanswered")
 
 // dropped counts a connection ended by err, which broke off a handshake if
-// inHandshake. It reports whether err was the peer's fault.
-func (b *Backend) dropped(err error, inHandshake bool) bool {
+// inHandshake, and logs it at level Debug with args. It reports whether err
+// was the peer's fault.
+func (b *Backend) dropped(err error, inHandshake bool, args ...any) bool {
+	if !b.count(err, inHandshake) {
+		return false
+	}
+	b.log.Debug("dropped a connection", append(args, "err", err)...)
+	return true
+}
+
+// count counts a connection ended by err (dropped), and reports whether
+// err was the peer's fault.
+func (b *Backend) count(err error, inHandshake bool) bool {
 	s := &b.stats
 	var ne net.Error
 	switch {

@@ -27,20 +27,20 @@ func (l wlock) tryLock() bool {
 	}
 }
 
-// lockOr takes the lock, or gives up when stop or dead is closed first and
-// reports that it did.
-func (l wlock) lockOr(stop, dead <-chan struct{}) bool {
+// lockOr takes the lock, or gives up when one of a, b and c (a nil one
+// never) is closed first, and reports that it did.
+func (l wlock) lockOr(a, b, c <-chan struct{}) bool {
 	if l.tryLock() {
 		return true
 	}
 	select {
 	case l <- struct{}{}:
 		return true
-	case <-stop:
-		return false
-	case <-dead:
-		return false
+	case <-a:
+	case <-b:
+	case <-c:
 	}
+	return false
 }
 
 // lockBy takes the lock, or gives up at deadline and reports that it did.
