@@ -525,6 +525,7 @@ func (l *loop) failOut(p *outPeer, err error) {
 		return
 	}
 	p.failed, p.ready = true, false
+	l.logDrop("ucx: dropped a connection", p.id, err)
 	delete(l.outCID, p.cid)
 	if ps := l.outs[p.id]; len(ps) > 0 {
 		ps = slices.DeleteFunc(ps, func(q *outPeer) bool { return q == p })

@@ -7,6 +7,7 @@ import (
 	"crypto/rand"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"runtime"
 	"strings"
@@ -33,6 +34,7 @@ type Backend struct {
 	optErr error
 
 	host agent.Host
+	log  *slog.Logger // host.Logger()
 	id   uuid.UUID
 	self connInfo
 	cuda bool
@@ -195,7 +197,7 @@ func (b *Backend) Start(h agent.Host) ([]byte, error) {
 	if b.optErr != nil {
 		return nil, b.optErr
 	}
-	b.host, b.id = h, h.ID()
+	b.host, b.log, b.id = h, h.Logger(), h.ID()
 	b.lim = limits{maxRanges: b.cfg.maxRanges, maxNotify: b.cfg.maxNotify}
 	wfd, err := unix.Eventfd(0, unix.EFD_NONBLOCK|unix.EFD_CLOEXEC)
 	if err != nil {
@@ -307,9 +309,16 @@ func (b *Backend) Post(x *agent.Work) error {
 	return b.submit(command{post: &xstate{x: x, write: x.Op == agent.OpWrite}})
 }
 
-// Notify implements agent.Backend. The notification is queued for the
-// progress thread, which sends it once connected to the peer.
-func (b *Backend) Notify(_ context.Context, peer agent.Info, key agent.Key, msg []byte) error {
+// Notify implements [agent.Backend]. It never blocks: msg is copied and
+// queued for the progress thread, which connects to the peer if need be and
+// sends it once the peer has answered the connection request (dropped, best
+// effort, if the connection fails first). A ctx already done fails it with
+// an error wrapping context.Cause(ctx); there is nothing to wait for after
+// that. Safe for concurrent use.
+func (b *Backend) Notify(ctx context.Context, peer agent.Info, key agent.Key, msg []byte) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("ucx: notify peer %s: %w", peer.ID, context.Cause(ctx))
+	}
 	if len(msg) > b.cfg.maxNotify {
 		return fmt.Errorf("%w: notification of %d bytes, at most %d", agent.ErrInvalid, len(msg), b.cfg.maxNotify)
 	}

@@ -359,6 +359,15 @@ func (l *loop) tick(now time.Time) {
 	}
 }
 
+// logDrop logs, at Debug, a connection dropped or a connection request
+// refused; the connections this backend's own Close ends are not worth a
+// line.
+func (l *loop) logDrop(what string, peer uuid.UUID, err error) {
+	if !l.closing {
+		l.b.log.Debug(what, "peer", peer, "err", err)
+	}
+}
+
 // frame starts a message in the loop's reusable buffer.
 func (l *loop) frame(typ, st uint8, count uint32, dst cid) []byte {
 	l.out = header(l.out[:0], typ, st, count, dst)

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync/atomic"
 	"time"
 
 	"github.com/google/uuid"
@@ -49,19 +50,16 @@ func (l *loop) onHello(m *msg) {
 		l.b.host.Refused()
 		return
 	case m.peer != l.b.id || m.from == uuid.Nil:
-		l.b.stats.drop(&l.b.stats.handshake)
-		l.b.host.Refused()
+		l.refuseHello(m, &l.b.stats.handshake, fmt.Errorf("%w: hello for agent %s", errProtocol, m.peer))
 		return
 	case len(l.ins) >= maxInPeers:
-		l.b.stats.drop(&l.b.stats.limit)
-		l.b.host.Refused()
+		l.refuseHello(m, &l.b.stats.limit, fmt.Errorf("%w: %d connections held, at most %d", errLimit, len(l.ins), maxInPeers))
 		return
 	}
 	p := &inPeer{cid: newCID(), remote: m.src, peer: m.from, link: agent.NewLink(m.from), epID: l.next(), leases: map[uint64]*held{}, rkeys: map[uint64]*rkeyEntry{}, lastRecv: time.Now()}
 	var err error
 	if p.ep, err = l.n.connect(m.addr, p.epID); err != nil {
-		l.b.stats.drop(&l.b.stats.handshake)
-		l.b.host.Refused()
+		l.refuseHello(m, &l.b.stats.handshake, fmt.Errorf("connect to the worker address of the hello: %w", err))
 		return
 	}
 	l.epErr[p.epID] = p
@@ -70,6 +68,14 @@ func (l *loop) onHello(m *msg) {
 	b = append(b, p.cid[:]...)
 	b = append(b, l.b.id[:]...)
 	_ = l.send(p.ep, b)
+}
+
+// refuseHello counts a connection request refused on its peer's account,
+// in kind, and logs why.
+func (l *loop) refuseHello(m *msg, kind *atomic.Uint64, why error) {
+	l.b.stats.drop(kind)
+	l.b.host.Refused()
+	l.logDrop("ucx: refused a connection request", m.from, why)
 }
 
 // onOpen grants or refuses one lease: the key, the access kind and every
@@ -331,6 +337,7 @@ func (l *loop) failIn(p *inPeer, err error, report bool) {
 		return
 	}
 	p.failed = true
+	l.logDrop("ucx: dropped a connection", p.peer, err)
 	delete(l.ins, p.cid)
 	for id, h := range p.leases {
 		if !h.pushing { // pushing: released when its flush fails, or the endpoint is gone
