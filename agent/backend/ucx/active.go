@@ -143,8 +143,7 @@ func (p *outPeer) failure(err error) error {
 
 func (l *loop) onWelcome(p *outPeer, m *msg) {
 	if p.ready {
-		l.b.stats.protocol.Add(1)
-		l.b.host.Refused()
+		l.badMessage()
 		return
 	}
 	if m.from != p.id {
@@ -255,7 +254,7 @@ func (l *loop) ended(xs *xstate, err error) {
 }
 
 // canInline reports whether w moves in the control messages: at most
-// inlineMax bytes, host memory on both sides.
+// WithInlineSize bytes, host memory on both sides.
 func (l *loop) canInline(w *window) bool {
 	if w.n > uint64(l.b.cfg.inline) {
 		return false
@@ -273,9 +272,6 @@ func (l *loop) canInline(w *window) bool {
 // and returns the packed keys and per-piece key indices, as in a grant.
 // The window holds the registrations until it is done.
 func (l *loop) localKeys(w *window) ([]byte, error) {
-	if l.seen == nil {
-		l.seen = map[*mapping]uint16{}
-	}
 	clear(l.seen)
 	var keys, idx []byte
 	var err error
@@ -295,15 +291,9 @@ func (l *loop) localKeys(w *window) ([]byte, error) {
 				break
 			}
 		}
-		k, ok := l.seen[mp]
-		if !ok {
-			k = uint16(len(w.locals))
-			l.seen[mp] = k
-			mp.users++
-			w.locals = append(w.locals, mp)
-			keys = binary.LittleEndian.AppendUint64(keys, mp.id)
-			keys = binary.LittleEndian.AppendUint16(keys, uint16(len(mp.packed)))
-			keys = append(keys, mp.packed...)
+		k, added := l.use(mp, &w.locals)
+		if added {
+			keys = appendKey(keys, mp)
 		}
 		idx = binary.LittleEndian.AppendUint16(idx, k)
 	}
@@ -316,12 +306,7 @@ func (l *loop) localKeys(w *window) ([]byte, error) {
 		}
 	}
 	if err != nil {
-		for _, mp := range w.locals {
-			mp.users--
-			if !mp.registered && mp.users == 0 {
-				_ = l.b.dropLocked(mp)
-			}
-		}
+		l.b.unuseLocked(w.locals)
 		w.locals = nil
 		return nil, fmt.Errorf("ucx: map local memory for a READ: %w", err)
 	}
@@ -351,8 +336,7 @@ func (l *loop) endLease(p *outPeer, id uint64) {
 func (l *loop) onGrant(p *outPeer, m *msg) {
 	w := p.wins[m.lease]
 	if w == nil || w.granted {
-		l.b.stats.protocol.Add(1)
-		l.b.host.Refused()
+		l.badMessage()
 		return
 	}
 	xs := w.xs
@@ -368,16 +352,15 @@ func (l *loop) onGrant(p *outPeer, m *msg) {
 	if m.status != stOK {
 		text := string(m.body)
 		if m.status == stLost {
-			drop(fmt.Errorf("ucx: peer %s is closing: %w (%s)", p.id, agent.ErrRemoteLost, text), false)
+			drop(fmt.Errorf("ucx: peer %s is closing: %w (%q)", p.id, agent.ErrRemoteLost, text), false)
 		} else {
-			drop(fmt.Errorf("ucx: peer %s refused the %v: %w (%s)", p.id, x.Op, agent.ErrAccessDenied, text), false)
+			drop(fmt.Errorf("ucx: peer %s refused the %v: %w (%q)", p.id, x.Op, agent.ErrAccessDenied, text), false)
 		}
 		return
 	}
 	if w.inline { // the exposing side copied the bytes, and let go of the lease
 		if m.count != 0 || (xs.write && len(m.body) != 0) || (!xs.write && uint64(len(m.body)) != w.n) {
-			l.b.stats.protocol.Add(1)
-			l.b.host.Refused()
+			l.badMessage()
 			drop(fmt.Errorf("ucx: %w: inline grant of %d bytes from peer %s for %d", errProtocol, len(m.body), p.id, w.n), false)
 			return
 		}
@@ -392,8 +375,7 @@ func (l *loop) onGrant(p *outPeer, m *msg) {
 	}
 	if w.remotePut { // the exposing side wrote the bytes, flushed, and let go of the lease
 		if m.count != 0 || len(m.body) != 0 {
-			l.b.stats.protocol.Add(1)
-			l.b.host.Refused()
+			l.badMessage()
 		}
 		drop(nil, false)
 		return
@@ -411,32 +393,15 @@ func (l *loop) onGrant(p *outPeer, m *msg) {
 	var err error
 	l.keys, l.idx, err = parseGrant(m.body, m.count, w.pieces, l.keys, l.idx)
 	if err != nil {
-		l.b.stats.protocol.Add(1)
-		l.b.host.Refused()
+		l.badMessage()
 		drop(fmt.Errorf("ucx: grant from peer %s: %w", p.id, err), true)
 		return
 	}
-	rk := make([]uintptr, len(l.keys))
-	for i, k := range l.keys {
-		e := p.rkeys[k.reg]
-		if e == nil {
-			h, err := unpack(p.ep, k.packed)
-			if err != nil {
-				for _, e := range w.rkeys {
-					e.users--
-				}
-				w.rkeys = nil
-				drop(fmt.Errorf("ucx: remote key from peer %s: %w", p.id, err), true)
-				return
-			}
-			e = &rkeyEntry{k: h}
-			p.rkeys[k.reg] = e
-		}
-		e.users++
-		w.rkeys = append(w.rkeys, e)
-		rk[i] = e.k
+	rk, err := unpackKeys(p.ep, p.rkeys, l.keys, &w.rkeys)
+	if err != nil {
+		drop(fmt.Errorf("ucx: remote key from peer %s: %w", p.id, err), true) // doneWith lets go of w.rkeys
+		return
 	}
-	l.trimRkeys(p)
 	l.batch.reset()
 	l.b.regMu.Lock()
 	i := 0
@@ -461,17 +426,59 @@ func (l *loop) onGrant(p *outPeer, m *msg) {
 	}
 }
 
-// trimRkeys drops unused remote keys of p beyond maxRkeys.
-func (l *loop) trimRkeys(p *outPeer) {
-	if len(p.rkeys) <= maxRkeys {
-		return
+// unpackKeys returns the remote keys of a grant's keys, unpacked on ep or
+// found in cache (a connection's, by the peer's registration ID; unused
+// ones are dropped beyond maxRkeys). Each one returned, and each one
+// unpacked before a failure, is counted in used, which the caller lets go
+// of when done with them.
+func unpackKeys(ep endpoint, cache map[uint64]*rkeyEntry, keys []grantKey, used *[]*rkeyEntry) ([]uintptr, error) {
+	rk := make([]uintptr, len(keys))
+	for i, k := range keys {
+		e := cache[k.reg]
+		if e == nil {
+			h, err := unpack(ep, k.packed)
+			if err != nil {
+				return nil, err
+			}
+			e = &rkeyEntry{k: h}
+			cache[k.reg] = e
+		}
+		e.users++
+		*used = append(*used, e)
+		rk[i] = e.k
 	}
-	for id, e := range p.rkeys {
-		if e.users == 0 {
-			destroyRkey(e.k)
-			delete(p.rkeys, id)
+	if len(cache) > maxRkeys {
+		for id, e := range cache {
+			if e.users == 0 {
+				destroyRkey(e.k)
+				delete(cache, id)
+			}
 		}
 	}
+	return rk, nil
+}
+
+// use returns mp's index in *maps, the mappings a lease or window holds,
+// adding it (one more user) if it is not there yet, and whether it did.
+// l.seen indexes *maps: the caller clears it for each lease or window, and
+// holds regMu.
+func (l *loop) use(mp *mapping, maps *[]*mapping) (k uint16, added bool) {
+	if k, ok := l.seen[mp]; ok {
+		return k, false
+	}
+	k = uint16(len(*maps))
+	l.seen[mp] = k
+	mp.users++
+	*maps = append(*maps, mp)
+	return k, true
+}
+
+// appendKey appends mp's entry of a grant's key table: registration ID,
+// packed key length and packed key.
+func appendKey(b []byte, mp *mapping) []byte {
+	b = binary.LittleEndian.AppendUint64(b, mp.id)
+	b = binary.LittleEndian.AppendUint16(b, uint16(len(mp.packed)))
+	return append(b, mp.packed...)
 }
 
 // flushed runs when a window's operations have all completed, or failed.
@@ -496,20 +503,16 @@ func (l *loop) flushed(w *window, err error) {
 
 // doneWith lets go of the remote keys and registrations w used.
 func (l *loop) doneWith(w *window) {
-	for _, e := range w.rkeys {
-		e.users--
-	}
+	unuseKeys(w.rkeys)
 	w.rkeys = nil
-	if len(w.locals) > 0 {
-		l.b.regMu.Lock()
-		for _, m := range w.locals {
-			m.users--
-			if !m.registered && m.users == 0 {
-				_ = l.b.dropLocked(m)
-			}
-		}
-		l.b.regMu.Unlock()
-		w.locals = nil
+	l.b.unuse(w.locals)
+	w.locals = nil
+}
+
+// unuseKeys lets go of remote keys: each has one user less.
+func unuseKeys(keys []*rkeyEntry) {
+	for _, e := range keys {
+		e.users--
 	}
 }
 

@@ -20,7 +20,7 @@ import (
 // memory UCX did not allocate gets. On RDMA transports it is registered
 // memory like any other.
 //
-// Register, expose and transfer the memory like any other (agent.DRAM of
+// Register, expose and transfer the memory like any other ([agent.DRAM] of
 // the returned slice, or of parts of it): registration recognises it and
 // reuses its mapping instead of mapping it again. Ownership:
 //
@@ -28,12 +28,13 @@ import (
 //     scans it, so it must not hold the only reference to a Go pointer.
 //     Its contents are unspecified until written (fresh mappings are
 //     zeroed, but UCX does not promise it).
-//   - It lives until Free, or until the backend closes, whichever comes
-//     first: Close unmaps every block still allocated. Any use of the slice
-//     (or of a slice of it) afterwards is a use after free and may fault.
-//   - Free fails with ErrInUse while a region inside the block is
+//   - It lives until [Backend.Free], or until the backend closes,
+//     whichever comes first: Close unmaps every block still allocated. Any
+//     use of the slice (or of a slice of it) afterwards is a use after free
+//     and may fault.
+//   - Free fails with [ErrInUse] while a region inside the block is
 //     registered with the agent (an operation over it is still open) or a
-//     lease or transfer uses it, and with ErrNotAllocated for memory this
+//     lease or transfer uses it, and with [ErrNotAllocated] for memory this
 //     backend did not allocate or has freed already (a double Free).
 //
 // The backend must have been started (by its agent); n must be positive.
@@ -63,8 +64,9 @@ func (b *Backend) Alloc(n int) ([]byte, error) {
 	return unsafe.Slice((*byte)(p), n), nil
 }
 
-// Free returns memory from Alloc to UCX. buf must be the slice Alloc
-// returned (or start where it starts). See Alloc for the ownership rules.
+// Free returns memory from [Backend.Alloc] to UCX. buf must be the slice
+// Alloc returned (or start where it starts). See Alloc for the ownership
+// rules and errors. Safe for concurrent use.
 func (b *Backend) Free(buf []byte) error {
 	if len(buf) == 0 {
 		return fmt.Errorf("%w: Free of an empty slice", ErrNotAllocated)

@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"os"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -21,14 +22,16 @@ import (
 	"github.com/goxfer/goxfer/internal/hostid"
 )
 
-// Backend is the UCX backend. Create one per agent with New and hand it to
-// the agent, which starts and closes it. Safe for concurrent use.
+// Backend is the UCX backend, an [agent.Backend]. Create one per agent with
+// [New] and hand it to the agent, which starts and closes it. Safe for
+// concurrent use.
 //
 // Memory: the backend maps every region the agent registers
-// (agent.Registrar) with ucp_mem_map, and unmaps it when the agent
+// ([agent.Registrar]) with ucp_mem_map, and unmaps it when the agent
 // deregisters it. The agent's caller owns the memory and keeps it alive and
 // in place meanwhile (Go's heap does not move objects); UCX keeps its
-// address, never a Go pointer.
+// address, never a Go pointer. Memory from [Backend.Alloc] is the
+// backend's; see there.
 type Backend struct {
 	cfg    config
 	optErr error
@@ -59,26 +62,28 @@ type Backend struct {
 	stats stats
 }
 
-// New returns a UCX backend for one agent. Invalid options are reported by
-// Start, that is by the agent's constructor.
+// New returns a UCX backend for one agent, configured by opts (defaults
+// under each option). Invalid options are reported by Start, that is by the
+// agent's constructor, wrapping [agent.ErrInvalidOption]. Nothing is
+// created before Start.
 func New(opts ...Option) *Backend {
 	cfg, err := newConfig(opts)
 	return &Backend{cfg: cfg, optErr: err, regs: map[regKey]*mapping{}, allocs: map[uint64]*mapping{}, live: map[*mapping]struct{}{}, wakeFD: -1, done: make(chan struct{})}
 }
 
-// BuiltIn reports whether this binary was built with the ucx tag.
+// BuiltIn reports whether this binary was built with the ucx tag: true here.
 func BuiltIn() bool { return true }
 
-// Name implements agent.Backend.
+// Name implements [agent.Backend]: [Name].
 func (b *Backend) Name() string { return Name }
 
-// Supports implements agent.Backend: host memory, and GPU memory when UCX
-// was built with CUDA.
+// Supports implements [agent.Backend]: host memory, and GPU memory when the
+// UCX context reports CUDA support (known once started).
 func (b *Backend) Supports(k agent.MemKind) bool {
 	return k == agent.KindDRAM || (k == agent.KindVRAM && b.cuda)
 }
 
-// settings returns the UCX configuration the context is created with:
+// ucxSettings returns the UCX configuration the context is created with:
 // the environment's, overridden by the options. Shared-memory transports
 // report peer failures only when asked to; endpoints with peer error
 // handling need that, so it is asked for unless the environment decides.
@@ -110,23 +115,32 @@ func (c *config) ucxTLS() string {
 	return c.tls
 }
 
+// tlsList returns the transports a UCX_TLS list names, and true; false for
+// "", "all" and lists starting with "^", which leave the choice to UCX.
+func tlsList(tls string) ([]string, bool) {
+	tls = strings.TrimSpace(tls)
+	if tls == "" || tls == "all" || strings.HasPrefix(tls, "^") {
+		return nil, false
+	}
+	names := strings.Split(tls, ",")
+	for i, t := range names {
+		names[i] = strings.TrimSpace(strings.TrimPrefix(t, "\\"))
+	}
+	return names, true
+}
+
 // sysvBesidePosix returns tls with sysv appended, and true, when it is a
 // list naming posix and no transport or alias that includes sysv.
 func sysvBesidePosix(tls string) (string, bool) {
 	tls = strings.TrimSpace(tls)
-	if tls == "" || tls == "all" || strings.HasPrefix(tls, "^") {
-		return tls, false
-	}
-	posix := false
-	for _, t := range strings.Split(tls, ",") {
-		switch strings.TrimSpace(strings.TrimPrefix(t, "\\")) {
-		case "posix":
-			posix = true
+	names, ok := tlsList(tls)
+	if !ok || !slices.Contains(names, "posix") || slices.ContainsFunc(names, func(t string) bool {
+		switch t {
 		case "sysv", "sm", "shm", "mm", "all":
-			return tls, false
+			return true
 		}
-	}
-	if !posix {
+		return false
+	}) {
 		return tls, false
 	}
 	return tls + ",sysv", true
@@ -144,55 +158,41 @@ func (c *config) effectiveTLS() string {
 // self): transports whose every event, a socket that can be written again
 // included, wakes an armed worker.
 func socketsOnly(tls string) bool {
-	tls = strings.TrimSpace(tls)
-	if tls == "" || tls == "all" || strings.HasPrefix(tls, "^") {
-		return false
-	}
-	for _, t := range strings.Split(tls, ",") {
-		switch strings.TrimSpace(strings.TrimPrefix(t, "\\")) {
-		case "tcp", "self":
-		default:
-			return false
-		}
-	}
-	return true
+	names, ok := tlsList(tls)
+	return ok && !slices.ContainsFunc(names, func(t string) bool { return t != "tcp" && t != "self" })
 }
 
 // usesSharedMemory guesses from a UCX_TLS list whether UCX loads its
 // shared-memory transports (posix, sysv).
 func usesSharedMemory(tls string) bool {
-	tls = strings.TrimSpace(tls)
-	if tls == "" || tls == "all" || strings.HasPrefix(tls, "^") {
-		return true
-	}
-	for _, t := range strings.Split(tls, ",") {
-		switch strings.TrimSpace(strings.TrimPrefix(t, "\\")) {
+	names, ok := tlsList(tls)
+	return !ok || slices.ContainsFunc(names, func(t string) bool {
+		switch t {
 		case "sm", "shm", "mm", "posix", "sysv":
 			return true
 		}
-	}
-	return false
+		return false
+	})
 }
 
 // reachesNet guesses from a UCX_TLS list whether the transports reach
 // other hosts: anything but shared memory and loopback does.
 func reachesNet(tls string) bool {
-	tls = strings.TrimSpace(tls)
-	if tls == "" || tls == "all" || strings.HasPrefix(tls, "^") {
-		return true
-	}
-	for _, t := range strings.Split(tls, ",") {
-		switch strings.TrimSpace(strings.TrimPrefix(t, "\\")) {
+	names, ok := tlsList(tls)
+	return !ok || slices.ContainsFunc(names, func(t string) bool {
+		switch t {
 		case "self", "sm", "shm", "posix", "sysv", "xpmem", "cma", "knem", "cuda_copy", "cuda_ipc", "rocm_copy", "rocm_ipc", "":
-		default:
-			return true
+			return false
 		}
-	}
-	return false
+		return true
+	})
 }
 
-// Start implements agent.Backend: it creates the UCP context and worker on
-// a new progress thread and returns the worker's address.
+// Start implements [agent.Backend]: it creates the UCP context and worker on
+// a new progress thread and returns the connection information (the
+// worker's address, the host's identity and whether the transports reach
+// other hosts). It keeps h for the backend's lifetime and logs through
+// h.Logger.
 func (b *Backend) Start(h agent.Host) ([]byte, error) {
 	if b.optErr != nil {
 		return nil, b.optErr
@@ -219,9 +219,10 @@ func (b *Backend) Start(h agent.Host) ([]byte, error) {
 	return b.self.marshal(), nil
 }
 
-// Reachable implements agent.Backend. The peer must publish ucx connection
-// information; a peer on another host (or network namespace) is reachable
-// only if both sides' transports include a network one.
+// Reachable implements [agent.Backend] without I/O, so ctx has no say. The
+// peer must publish ucx connection information; a peer on another host (or
+// network namespace) is reachable only if both sides' transports include a
+// network one, as guessed from UCX_TLS. Safe for concurrent use.
 func (b *Backend) Reachable(_ context.Context, info agent.Info) error {
 	raw, ok := info.Conn(Name)
 	if !ok {
@@ -295,8 +296,12 @@ func (b *Backend) takeCommands(into []command) []command {
 	return into
 }
 
-// Post implements agent.Backend: the progress thread connects to the peer
-// if need be and drives the transfer.
+// Post implements [agent.Backend]: it queues x for the progress thread,
+// which connects to the peer if need be and drives the transfer, lease by
+// lease; it never blocks. The backend touches x's local memory until it
+// calls x.Finish. It fails, and x is not started, for memory kinds UCX
+// cannot move here, a notification over 64 KiB, or a closed backend.
+// Safe for concurrent use.
 func (b *Backend) Post(x *agent.Work) error {
 	for i, s := range x.Segments {
 		if !b.Supports(s.Local.Kind) || !b.Supports(s.Remote.Kind) {
@@ -325,9 +330,9 @@ func (b *Backend) Notify(ctx context.Context, peer agent.Info, key agent.Key, ms
 	return b.submit(command{notify: &note{peer: peer, key: key, msg: append([]byte(nil), msg...)}})
 }
 
-// PeerDeparted implements agent.Departer: the connections to agent id are
+// PeerDeparted implements [agent.Departer]: the connections to agent id are
 // dropped at once and their endpoints force-closed, failing with cause
-// (which wraps agent.ErrRemoteLost) every transfer waiting on that peer:
+// (which wraps [agent.ErrRemoteLost]) every transfer waiting on that peer:
 // lease requests unanswered, READs the peer is writing into this agent's
 // memory, puts and flushes in flight (these once the endpoint is closed,
 // so that no operation still touches the transfer's memory). It does not
@@ -335,7 +340,8 @@ func (b *Backend) Notify(ctx context.Context, peer agent.Info, key agent.Key, ms
 // than closed its endpoints. The next transfer to it connects afresh.
 // Connections it opened to this agent (for its own transfers, and the
 // leases they hold here) are left to their heartbeats: they serve its
-// requests if it is in fact alive.
+// requests if it is in fact alive. It never blocks; safe for concurrent
+// use.
 func (b *Backend) PeerDeparted(id uuid.UUID, cause error) {
 	if cause == nil {
 		cause = agent.ErrRemoteLost
@@ -348,12 +354,16 @@ func (b *Backend) PeerDeparted(id uuid.UUID, cause error) {
 	}
 }
 
-// Stats returns the backend's counters. Safe for concurrent use.
+// Stats returns the backend's counters ([agent.Counting]). Safe for
+// concurrent use, also after Close.
 func (b *Backend) Stats() Stats { return b.stats.snapshot() }
 
-// Close implements agent.Backend: it says goodbye to every peer, fails
-// what is still in flight with agent.ErrClosed, unmaps every registration
-// and destroys the worker and context.
+// Close implements [agent.Backend]: it says goodbye to every peer, fails
+// what is still in flight with [agent.ErrClosed], unmaps every registration
+// and every block from [Backend.Alloc], and destroys the worker and
+// context. It waits for the progress thread, which gives the goodbyes up
+// to a quarter of WithTimeout (at most a second) and the endpoints up to
+// WithTimeout to close. Later calls wait for the first and return nil.
 func (b *Backend) Close() error {
 	b.mu.Lock()
 	if b.closed {
@@ -398,9 +408,12 @@ type allocReg struct {
 	k regKey
 }
 
-// RegisterMem implements agent.Registrar: ucp_mem_map of the region. GPU
-// memory is mapped only when UCX supports CUDA; otherwise the handle is
-// nil and the region is left to other backends.
+// RegisterMem implements [agent.Registrar]: ucp_mem_map of the region,
+// unmapped by DeregisterMem. GPU memory is mapped only when UCX supports
+// CUDA; otherwise the handle is nil and the region is left to other
+// backends. A region inside a block from [Backend.Alloc] reuses the
+// block's mapping. The caller keeps the memory alive and in place until
+// DeregisterMem. Safe for concurrent use.
 func (b *Backend) RegisterMem(l agent.Local) (any, error) {
 	if l.Kind == agent.KindVRAM && !b.cuda {
 		return nil, nil
@@ -466,8 +479,9 @@ func (b *Backend) mapLocked(addr, n uint64, cuda bool) (*mapping, error) {
 	return m, nil
 }
 
-// DeregisterMem implements agent.Registrar. A mapping still used by a
-// lease or a transfer is unmapped when the last one lets go of it.
+// DeregisterMem implements [agent.Registrar]. A mapping still used by a
+// lease or a transfer is unmapped when the last one lets go of it. Safe for
+// concurrent use; a second call with the same handle does nothing.
 func (b *Backend) DeregisterMem(handle any) error {
 	if r, ok := handle.(*allocReg); ok {
 		b.regMu.Lock()
@@ -510,7 +524,29 @@ func (b *Backend) dropLocked(m *mapping) error {
 	return b.n.unmap(h)
 }
 
-// find returns the registration holding [addr, addr+n), preferring the one
+// unuse lets go of mappings a lease or window used: each has one user
+// less, and one deregistered meanwhile, or mapped for it alone, is unmapped
+// once unused.
+func (b *Backend) unuse(maps []*mapping) {
+	if len(maps) == 0 {
+		return
+	}
+	b.regMu.Lock()
+	defer b.regMu.Unlock()
+	b.unuseLocked(maps)
+}
+
+// unuseLocked is unuse for a caller holding regMu.
+func (b *Backend) unuseLocked(maps []*mapping) {
+	for _, m := range maps {
+		m.users--
+		if !m.registered && m.users == 0 {
+			_ = b.dropLocked(m)
+		}
+	}
+}
+
+// findLocked returns the registration holding [addr, addr+n), preferring the one
 // registered as exactly hint. The caller holds regMu.
 func (b *Backend) findLocked(hint agent.Region, addr, n uint64) *mapping {
 	if m := b.regs[regKey{hint.Addr, hint.Len}]; m != nil && m.addr <= addr && addr+n <= m.addr+m.len {

@@ -107,6 +107,7 @@ func (l *loop) run(ready chan<- error) {
 	l.pollBusy = !socketsOnly(b.cfg.effectiveTLS())
 	l.outs, l.outCID, l.ins = map[uuid.UUID][]*outPeer{}, map[cid]*outPeer{}, map[cid]*inPeer{}
 	l.ops, l.closes, l.epErr = map[uint64]*window{}, map[uint64]endpoint{}, map[uint64]any{}
+	l.seen = map[*mapping]uint16{}
 	ready <- nil
 	l.serve()
 	l.shutdown()
@@ -233,8 +234,7 @@ func (l *loop) event(e *event) {
 	switch e.kind {
 	case evAM:
 		if e.rndv {
-			l.b.stats.protocol.Add(1)
-			l.b.host.Refused()
+			l.badMessage()
 			return
 		}
 		m, err := parseMsg(e.msg, l.b.lim)
@@ -295,8 +295,7 @@ func (l *loop) message(m *msg) {
 			l.onGrant(p, m)
 		case tPong:
 		default:
-			l.b.stats.protocol.Add(1)
-			l.b.host.Refused()
+			l.badMessage()
 		}
 		return
 	}
@@ -314,13 +313,11 @@ func (l *loop) message(m *msg) {
 		case tPing:
 			l.send(p.ep, l.frame(tPong, 0, 0, p.remote))
 		default:
-			l.b.stats.protocol.Add(1)
-			l.b.host.Refused()
+			l.badMessage()
 		}
 		return
 	}
-	l.b.stats.protocol.Add(1)
-	l.b.host.Refused() // no such connection: forged, or from a connection since failed
+	l.badMessage() // no such connection: forged, or from a connection since failed
 }
 
 // tick runs the timers: handshake and lease deadlines, heartbeats.
@@ -357,6 +354,13 @@ func (l *loop) tick(now time.Time) {
 			l.failIn(p, fmt.Errorf("ucx: no word from peer %s for %v: %w", p.peer, to, agent.ErrRemoteLost), true)
 		}
 	}
+}
+
+// badMessage counts a message dropped as malformed or out of place, the
+// connection kept, and tells the agent (Host.Refused).
+func (l *loop) badMessage() {
+	l.b.stats.protocol.Add(1)
+	l.b.host.Refused()
 }
 
 // logDrop logs, at Debug, a connection dropped or a connection request
@@ -410,30 +414,26 @@ func (l *loop) closed(ep endpoint) {
 // shutdown says goodbye to every peer, fails what is in flight, closes the
 // endpoints and destroys the worker and context.
 func (l *loop) shutdown() {
+	var eps []endpoint
 	for _, p := range l.allOuts() {
 		if p.ready {
 			_ = l.send(p.ep, l.frame(tBye, 0, 0, p.remote))
 		}
+		eps = append(eps, p.ep)
 	}
 	for _, p := range l.ins {
 		_ = l.send(p.ep, l.frame(tBye, 0, 0, p.remote))
+		eps = append(eps, p.ep)
 	}
 	// Let the goodbyes go out, within bounds: a peer that is gone may
 	// never acknowledge them.
 	deadline := time.Now().Add(min(l.b.cfg.timeout/4, time.Second))
 	var flushes []uint64
-	for _, p := range l.allOuts() {
+	for _, ep := range eps {
 		id := l.next()
 		flushes = append(flushes, id)
 		l.batch.reset()
-		_ = l.n.rma(p.ep, false, &l.batch, id)
-		l.ops[id] = &window{flushOnly: true}
-	}
-	for _, p := range l.ins {
-		id := l.next()
-		flushes = append(flushes, id)
-		l.batch.reset()
-		_ = l.n.rma(p.ep, false, &l.batch, id)
+		_ = l.n.rma(ep, false, &l.batch, id)
 		l.ops[id] = &window{flushOnly: true}
 	}
 	for time.Now().Before(deadline) && l.pending(flushes) {

@@ -9,7 +9,9 @@ import (
 	"github.com/goxfer/goxfer/agent"
 )
 
-// Option configures a Backend.
+// Option configures a [Backend]; [New] applies them in order, later ones
+// winning. An Option holds no state and may be reused for several backends.
+// docs/ucx.md (Options) explains each in full.
 type Option interface{ apply(*config) error }
 
 type optionFunc func(*config) error
@@ -38,11 +40,10 @@ func defaults() config {
 	}
 }
 
-// WithTransports sets the UCX transports this backend's context may use, in
-// UCX_TLS syntax ("tcp,self", "posix,self", "rc,sm,self", "^tcp"). It
-// applies to this backend only: the process environment is left alone.
-// Default: UCX's own choice, that is UCX_TLS from the environment, or all
-// transports UCX finds.
+// WithTransports sets the UCX transports of this backend's context alone, in
+// UCX_TLS syntax ("tcp,self", "rc,sm,self", "^tcp"); the process
+// environment is left alone. Default: UCX_TLS from the environment, else
+// every transport UCX finds.
 func WithTransports(tls string) Option {
 	return optionFunc(func(c *config) error {
 		tls = strings.TrimSpace(tls)
@@ -54,11 +55,9 @@ func WithTransports(tls string) Option {
 	})
 }
 
-// WithConfig sets one UCX configuration variable for this backend's
-// context, named without the UCX_ prefix ("NET_DEVICES", "RNDV_THRESH"),
-// as the environment variable UCX_<key> would. It overrides the
-// environment for this backend only. Later settings of a key win; TLS is
-// WithTransports. Default: none.
+// WithConfig sets the UCX variable UCX_<key> ("NET_DEVICES", "RNDV_THRESH")
+// for this backend's context alone, over the environment's; a later setting
+// of a key wins, and "TLS" is [WithTransports]. Default: none.
 func WithConfig(key, value string) Option {
 	return optionFunc(func(c *config) error {
 		key = strings.TrimPrefix(strings.TrimSpace(key), "UCX_")
@@ -73,13 +72,10 @@ func WithConfig(key, value string) Option {
 	})
 }
 
-// WithTimeout bounds how long the backend waits for a peer: for the answer
-// to a connection or lease request, and for any sign of life from a
-// connected peer (each side hears from the other at least four times per
-// timeout while connected). A peer silent for longer is lost
-// (agent.ErrRemoteLost). Shared-memory transports report no failure of a
-// peer that dies (a killed process leaves its segments mapped), so this is
-// how long such a loss takes to surface. Default: 3 s.
+// WithTimeout bounds how long the backend waits for a peer's answer to a
+// connection or lease request, and for any sign of life from a connected
+// peer; a peer silent for longer is lost ([agent.ErrRemoteLost]). At least
+// 100 ms. Default: 3 s.
 func WithTimeout(d time.Duration) Option {
 	return optionFunc(func(c *config) error {
 		if d < 100*time.Millisecond {
@@ -90,11 +86,9 @@ func WithTimeout(d time.Duration) Option {
 	})
 }
 
-// WithLeaseSize sets the most bytes one lease covers. The exposing agent
-// checks and grants each lease before its bytes move and the transferring
-// agent ends it once they have, so revoking an exposure waits for at most
-// about two leases' worth of transfer per transfer in flight. Default:
-// 16 MiB.
+// WithLeaseSize sets the most bytes one lease covers, in [64 KiB, 1 GiB]:
+// revoking an exposure waits for about two leases per transfer in flight.
+// Default: 16 MiB.
 func WithLeaseSize(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 64<<10 || n > 1<<30 {
@@ -105,14 +99,10 @@ func WithLeaseSize(n int) Option {
 	})
 }
 
-// WithGetReads makes a READ a one-sided ucp_get_nbx by the reading agent,
-// as NIXL does, instead of a ucp_put_nbx by the exposing agent into the
-// reader's memory (after the same checks of the lease). UCX 1.13 emulates
-// get in software over tcp (and over shared memory for memory it did not
-// allocate): the exposing process serves each get from its progress
-// thread, and aborts (ucp_get_req_handler: "unexpected error") when the
-// reading process dies with gets in flight. Turn it on with transports
-// that get in hardware (rc, dc, cma). Default: false.
+// WithGetReads makes a READ a ucp_get_nbx by the reading agent, as NIXL
+// does, instead of a ucp_put_nbx by the exposing agent into the reader's
+// memory; for transports that get in hardware (rc, dc, cma) only, since
+// UCX's software get can abort the exposing process. Default: false.
 func WithGetReads(on bool) Option {
 	return optionFunc(func(c *config) error {
 		c.getReads = on
@@ -120,14 +110,10 @@ func WithGetReads(on bool) Option {
 	})
 }
 
-// WithInlineSize sets the largest transfer (in bytes, all its descriptors
-// together, host memory on both sides) that travels in the control
-// messages instead of by RMA: the bytes of a WRITE go in the lease
-// request and the exposing agent copies them in after checking their
-// ranges; those of a READ come back in its answer. Such a transfer takes
-// one round trip instead of two or three, hands out no remote key, and the
-// exposing agent checks every byte. 0 turns it off. Default and maximum:
-// 16 KiB.
+// WithInlineSize sets the largest transfer (all its segments together,
+// host memory on both sides) whose bytes travel in the control messages
+// instead of by RMA: one round trip, no remote key. 0 turns it off.
+// Default and maximum: 16 KiB.
 func WithInlineSize(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 0 || n > maxInline {
@@ -138,16 +124,9 @@ func WithInlineSize(n int) Option {
 	})
 }
 
-// WithSysvBesidePosix adds UCX's sysv transport to a transport list that
-// names posix but not sysv ("posix,self" becomes "posix,self,sysv", from
-// WithTransports or UCX_TLS alike). Both are UCX's shared-memory (mm)
-// transports, with the same FIFOs and copies; with both loaded UCX prefers
-// sysv, as it does for "sm" or by default. posix alone lets UCX 1.21 and
-// later crash a process whose progress was held up while a peer that had
-// just asked to connect closed or exited (docs/ucx.md, Limitations):
-// posix can then reach no one, while sysv's reachability depends on the
-// host only, so UCX fails that request's endpoint instead of crashing.
-// Lists starting with "^" are left as they are. Default: true.
+// WithSysvBesidePosix adds sysv to a transport list (of [WithTransports] or
+// UCX_TLS) that names posix but not sysv, and not starting with "^": it
+// avoids a crash of UCX 1.21 and later over posix alone. Default: true.
 func WithSysvBesidePosix(on bool) Option {
 	return optionFunc(func(c *config) error {
 		c.noSysv = !on
@@ -155,8 +134,9 @@ func WithSysvBesidePosix(on bool) Option {
 	})
 }
 
-// CheckOptions reports invalid options as New's backend would from Start,
-// without creating anything: an error wrapping agent.ErrInvalidOption, or nil.
+// CheckOptions reports invalid options as [New]'s backend would from Start,
+// without creating anything: an error wrapping [agent.ErrInvalidOption], or
+// nil. Safe for concurrent use.
 func CheckOptions(opts ...Option) error {
 	_, err := newConfig(opts)
 	return err

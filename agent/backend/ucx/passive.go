@@ -111,9 +111,6 @@ func (l *loop) onOpen(p *inPeer, m *msg) {
 	}
 	b := l.frame(tGrant, stOK, 0, p.remote)
 	b = binary.LittleEndian.AppendUint64(b, m.lease)
-	if l.seen == nil {
-		l.seen = map[*mapping]uint16{}
-	}
 	clear(l.seen)
 	l.idx = l.idx[:0]
 	l.b.regMu.Lock()
@@ -128,8 +125,7 @@ func (l *loop) onOpen(p *inPeer, m *msg) {
 			region, _ := h.l.Region(addr, n)
 			if mp = l.b.findLocked(region, addr, n); mp == nil {
 				// Exposed but not registered: map it for this lease.
-				if mp, err = l.b.mapLocked(region.Addr, region.Len, region.Kind == agent.KindVRAM); err == nil {
-				}
+				mp, err = l.b.mapLocked(region.Addr, region.Len, region.Kind == agent.KindVRAM)
 			}
 		}
 		if err == nil && mp.packed == nil && !m.push {
@@ -144,19 +140,9 @@ func (l *loop) onOpen(p *inPeer, m *msg) {
 			l.refuse(p, m.lease, stDenied, fmt.Errorf("range %d: %w", i, err))
 			return
 		}
-		k, ok := l.seen[mp]
-		if !ok {
-			k = uint16(len(h.maps))
-			l.seen[mp] = k
-			mp.users++
-			h.maps = append(h.maps, mp)
-			if m.push {
-				l.idx = append(l.idx, k)
-				continue
-			}
-			b = binary.LittleEndian.AppendUint64(b, mp.id)
-			b = binary.LittleEndian.AppendUint16(b, uint16(len(mp.packed)))
-			b = append(b, mp.packed...)
+		k, added := l.use(mp, &h.maps)
+		if added && !m.push {
+			b = appendKey(b, mp)
 		}
 		l.idx = append(l.idx, k)
 	}
@@ -229,30 +215,11 @@ func (l *loop) push(p *inPeer, m *msg, h *held) {
 		l.failIn(p, fmt.Errorf("push open: %w", err), true)
 		return
 	}
-	rk := make([]uintptr, len(l.keys))
-	for i, k := range l.keys {
-		e := p.rkeys[k.reg]
-		if e == nil {
-			k, err := unpack(p.ep, k.packed)
-			if err != nil {
-				l.release(h)
-				l.refuse(p, m.lease, stDenied, fmt.Errorf("the reader's key: %w", err))
-				return
-			}
-			e = &rkeyEntry{k: k}
-			p.rkeys[l.keys[i].reg] = e
-		}
-		e.users++
-		h.rkeys = append(h.rkeys, e)
-		rk[i] = e.k
-	}
-	if len(p.rkeys) > maxRkeys {
-		for id, e := range p.rkeys {
-			if e.users == 0 {
-				destroyRkey(e.k)
-				delete(p.rkeys, id)
-			}
-		}
+	rk, err := unpackKeys(p.ep, p.rkeys, l.keys, &h.rkeys)
+	if err != nil {
+		l.release(h) // and h.rkeys
+		l.refuse(p, m.lease, stDenied, fmt.Errorf("the reader's key: %w", err))
+		return
 	}
 	l.batch.reset()
 	for i := range int(m.count) {
@@ -311,21 +278,9 @@ func (l *loop) onRelease(p *inPeer, id uint64) {
 func (l *loop) release(h *held) {
 	h.l.Release()
 	l.leases--
-	for _, e := range h.rkeys {
-		e.users--
-	}
+	unuseKeys(h.rkeys)
 	h.rkeys = nil
-	if len(h.maps) == 0 {
-		return
-	}
-	l.b.regMu.Lock()
-	for _, m := range h.maps {
-		m.users--
-		if !m.registered && m.users == 0 {
-			_ = l.b.dropLocked(m)
-		}
-	}
-	l.b.regMu.Unlock()
+	l.b.unuse(h.maps)
 	h.maps = nil
 }
 

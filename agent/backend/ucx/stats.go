@@ -6,19 +6,19 @@ import (
 	"github.com/goxfer/goxfer/agent"
 )
 
-// Both builds count (agent.Counting) and drop departed peers
-// (agent.Departer); without the ucx tag there is nothing to count or drop.
+// Both builds count ([agent.Counting]) and drop departed peers
+// ([agent.Departer]); without the ucx tag there is nothing to count or drop.
 var (
 	_ agent.Counting = (*Backend)(nil)
 	_ agent.Departer = (*Backend)(nil)
 )
 
-// Stats are the backend's counters since it started (agent.BackendStats),
+// Stats are the backend's counters since it started ([agent.BackendStats]),
 // for the ucx protocol. Unlike tcp's, the kinds also count messages refused
 // on their own: a malformed message, or one naming no connection, cannot
 // cost a connection, so a kind may exceed its share of Disconnected. A
 // connection whose peer closed it or died (a goodbye, a UCX endpoint
-// error), one dropped by Backend.PeerDeparted, and one this agent's own
+// error), one dropped by [Backend.PeerDeparted], and one this agent's own
 // Close ends count nowhere.
 //
 //   - HandshakeFailures: connection requests (hellos) refused for naming
@@ -35,7 +35,7 @@ var (
 //     requests of more ranges than allowed and notifications over 64 KiB
 //     (dropped messages).
 //   - Timeouts: connections cut because a peer was silent: a connection or
-//     lease request of this side unanswered within WithTimeout, or no
+//     lease request of this side unanswered within [WithTimeout], or no
 //     message (heartbeats included) from a connected peer for that long.
 //   - Denied: lease requests refused by this (exposing) side, the
 //     connection kept: an unknown, revoked or forged key, the wrong access
