@@ -491,7 +491,6 @@ func (p *peer) dial() {
 
 func (p *peer) connect(ctx context.Context) error {
 	b := p.b
-	d := net.Dialer{Timeout: b.cfg.timeout}
 	n := b.cfg.streams
 	all := make([]*stream, 0, n+1)
 	chunk, pieces := b.cfg.chunk, b.cfg.maxPieces
@@ -504,19 +503,19 @@ func (p *peer) connect(ctx context.Context) error {
 				return err
 			}
 		}
-		c, err := d.DialContext(ctx, "tcp", p.addr)
+		c, err := b.dial(ctx, p.addr)
 		if err != nil {
 			closeStreams(all)
 			return fmt.Errorf("tcp: dial peer %s at %s: %w: %w", p.id, p.addr, agent.ErrRemoteLost, err)
 		}
 		if !literal {
-			if err := p.reserve(remoteIP(c.(*net.TCPConn))); err != nil {
+			if err := p.reserve(remoteIP(c)); err != nil {
 				_ = c.Close()
 				closeStreams(all)
 				return err
 			}
 		}
-		s, in, err := p.handshake(ctx, c.(*net.TCPConn), uint8(i))
+		s, in, err := p.handshake(ctx, c, uint8(i))
 		if err != nil {
 			_ = c.Close()
 			closeStreams(all)
@@ -559,7 +558,7 @@ func closeStreams(ss []*stream) {
 
 // handshake opens c as p's stream number idx. It waits for the peer for
 // the keepalive timeout at most, and not once ctx is done.
-func (p *peer) handshake(ctx context.Context, c *net.TCPConn, idx uint8) (*stream, handshake, error) {
+func (p *peer) handshake(ctx context.Context, c net.Conn, idx uint8) (*stream, handshake, error) {
 	b := p.b
 	var hs [hsSize]byte
 	out := handshake{stream: idx, self: b.id, expect: p.id, session: p.session, timeout: b.cfg.timeout, maxPieces: b.cfg.maxPieces, maxFrame: b.cfg.maxFrame}

@@ -10,6 +10,7 @@ import (
 	"io"
 	"net"
 	"runtime"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -46,9 +47,9 @@ func watchdog(t *testing.T, d time.Duration) {
 
 // nonReader is a passive peer that answers the handshake and then never
 // reads a byte: whatever is written to it stays in the socket buffers.
-func nonReader(t *testing.T) agent.Info {
+func nonReader(t *testing.T, nw network) agent.Info {
 	stop := make(chan struct{})
-	info := fakePassive(t, uuid.New(), func(c net.Conn) { <-stop })
+	info := fakePassive(t, nw, uuid.New(), func(c net.Conn) { <-stop })
 	t.Cleanup(func() { close(stop) }) // runs before fakePassive's cleanup
 	return info
 }
@@ -61,88 +62,84 @@ func nonReader(t *testing.T) agent.Info {
 // transfer, and abandon does not release that part. The agent's Close,
 // which cancels every transfer and waits for them, waits as long.
 func TestAttackCancelWaitsBehindAnotherTransfersWrite(t *testing.T) {
-	watchdog(t, 60*time.Second)
-	peer := nonReader(t)
-	const big = 64 << 20
-	a, _ := newAgent(t, WithStreams(1), WithChunkSize(16<<20), WithKeepalive(time.Second, 30*time.Second))
-	y, err := a.Post(context.Background(), agent.Request{Op: agent.OpWrite, Peer: peer, Key: agent.NewKey(),
-		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, big)), Remote: agent.Region{Addr: 4096, Len: big}}}})
-	require.NoError(t, err)
-	time.Sleep(300 * time.Millisecond) // y's first frame fills the socket buffers and blocks, holding the write lock
-	const n = 1 << 20                  // above inlineMax: driven from a goroutine
-	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
-		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, n)), Remote: agent.Region{Addr: 4096, Len: n}}}})
-	require.NoError(t, err)
-	time.Sleep(100 * time.Millisecond)
-	x.Cancel(nil)
-	start := time.Now()
-	select {
-	case <-x.Done():
-		t.Logf("cancelled after %v", time.Since(start))
-	case <-time.After(2 * time.Second):
-		t.Errorf("Cancel of a transfer queued behind another transfer's frame did not finish within 2s (the peer never reads; keepalive timeout 30s)")
-	}
-	// The agent's Close cancels every transfer and waits for them: it
-	// waits for the peer too (y's cancelled frame is now padded with
-	// zeros under the same lock, at the peer's pace).
-	start = time.Now()
-	closed := make(chan error, 1)
-	go func() { closed <- a.Close() }()
-	select {
-	case <-closed:
-		t.Logf("Close returned after %v", time.Since(start))
-	case <-time.After(2 * time.Second):
-		t.Errorf("Close did not return within 2s: it waits for a peer that never reads")
-		<-closed
-		t.Logf("Close returned after %v", time.Since(start))
-	}
-	_ = y
+	bubble(t, func(t *testing.T, nw *memNet) {
+		watchdog(t, 60*time.Second)
+		peer := nonReader(t, nw)
+		const big = 64 << 20
+		a, _ := newAgent(t, nw, WithStreams(1), WithChunkSize(16<<20), WithKeepalive(time.Second, 30*time.Second))
+		y, err := a.Post(context.Background(), agent.Request{Op: agent.OpWrite, Peer: peer, Key: agent.NewKey(),
+			Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, big)), Remote: agent.Region{Addr: 4096, Len: big}}}})
+		require.NoError(t, err)
+		time.Sleep(300 * time.Millisecond) // y's first frame fills the socket buffers and blocks, holding the write lock
+		const n = 1 << 20                  // above inlineMax: driven from a goroutine
+		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
+			Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, n)), Remote: agent.Region{Addr: 4096, Len: n}}}})
+		require.NoError(t, err)
+		time.Sleep(100 * time.Millisecond)
+		x.Cancel(nil)
+		start := time.Now()
+		select {
+		case <-x.Done():
+			t.Logf("cancelled after %v", time.Since(start))
+		case <-time.After(2 * time.Second):
+			t.Errorf("Cancel of a transfer queued behind another transfer's frame did not finish within 2s (the peer never reads; keepalive timeout 30s)")
+		}
+		// The agent's Close cancels every transfer and waits for them: it
+		// waits for the peer too (y's cancelled frame is now padded with
+		// zeros under the same lock, at the peer's pace).
+		start = time.Now()
+		closed := make(chan error, 1)
+		go func() { closed <- a.Close() }()
+		select {
+		case <-closed:
+			t.Logf("Close returned after %v", time.Since(start))
+		case <-time.After(2 * time.Second):
+			t.Errorf("Close did not return within 2s: it waits for a peer that never reads")
+			<-closed
+			t.Logf("Close returned after %v", time.Since(start))
+		}
+		_ = y
+	})
 }
 
 // stuckReader connects to b as a fresh identity, announcing a keepalive
 // timeout of 30 ms (so b pings it every 10 ms), keeps b's server side
 // alive with its own pings, and never reads a byte, with the smallest
-// receive buffer the kernel allows: b's pings to it soon fill the socket
-// buffers. If fill, it first asks for refusals (a forged key) to fill them
-// faster. It needs no key.
+// receive buffer the kernel allows (or 1 KiB on a memNet): b's pings to it
+// soon fill the socket buffers. If fill, it first asks for refusals (a
+// forged key) to fill them faster. It needs no key.
 func stuckReader(t *testing.T, b *Backend, expect uuid.UUID, fill int) net.Conn {
 	t.Helper()
-	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
-		return rc.Control(func(fd uintptr) {
-			_ = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 1)
-			_ = syscall.SetsockoptInt(int(fd), syscall.IPPROTO_TCP, syscall.TCP_MAXSEG, 536)
-		})
-	}}
-	c, err := d.Dial("tcp", b.Addr().String())
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = c.Close() })
-	var hs [hsSize]byte
-	(&handshake{self: uuid.New(), expect: expect, timeout: 30 * time.Millisecond, session: [16]byte{1}}).put(hs[:])
-	_, err = c.Write(hs[:])
-	require.NoError(t, err)
-	_, err = io.ReadFull(c, hs[:])
-	require.NoError(t, err)
-	in, err := getHandshake(hs[:])
+	var c net.Conn
+	if b.cfg.testDial != nil {
+		c = dialBackend(t, b)
+		c.(*memConn).setReadBuffer(1 << 10)
+	} else {
+		d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
+			return rc.Control(func(fd uintptr) {
+				_ = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 1)
+				_ = syscall.SetsockoptInt(int(fd), syscall.IPPROTO_TCP, syscall.TCP_MAXSEG, 536)
+			})
+		}}
+		var err error
+		c, err = d.Dial("tcp", b.Addr().String())
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = c.Close() })
+	}
+	in, err := greet(c, handshake{self: uuid.New(), expect: expect, timeout: 30 * time.Millisecond, session: [16]byte{1}})
 	require.NoError(t, err)
 	require.Equal(t, uint8(stOK), in.status)
 	// Our send buffer may grow to megabytes before pings to a reader this
 	// slow block (the kernel's autotuning), which would take minutes of
 	// pings: start with the smallest, as memory pressure would.
-	shrinkServerSide(t, b, c.LocalAddr())
+	if b.cfg.testDial == nil {
+		shrinkServerSide(t, b, c.LocalAddr())
+	}
 	for range fill {
 		_, err := c.Write(frameBytes(header{typ: tRead, count: 1, id: 1, key: agent.NewKey()}, [][2]uint64{{4096, 64}}, nil))
 		require.NoError(t, err)
 	}
-	go func() {
-		var ping [hdrSize]byte
-		(&header{typ: tPing}).put(ping[:])
-		for {
-			if _, err := c.Write(ping[:]); err != nil {
-				return
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
-	}()
+	pinger(t, c, 20*time.Millisecond)
 	return c
 }
 
@@ -168,7 +165,7 @@ func serverSide(t *testing.T, b *Backend, local net.Addr) *wconn {
 // send buffer the kernel allows.
 func shrinkServerSide(t *testing.T, b *Backend, local net.Addr) {
 	t.Helper()
-	require.NoError(t, serverSide(t, b, local).c.SetWriteBuffer(1))
+	require.NoError(t, serverSide(t, b, local).c.(*net.TCPConn).SetWriteBuffer(1))
 }
 
 // The keepalive loop pings every connection from one goroutine, each ping
@@ -181,29 +178,31 @@ func shrinkServerSide(t *testing.T, b *Backend, local net.Addr) {
 // exposures it used report it departed. The failed ping does not even
 // close the stranger's connection.
 func TestAttackNonReaderStallsKeepalives(t *testing.T) {
-	watchdog(t, 60*time.Second)
-	const timeout = 500 * time.Millisecond
-	victim, vb := newAgent(t, WithKeepalive(50*time.Millisecond, timeout))
-	honest, hb := newAgent(t, WithKeepalive(50*time.Millisecond, timeout))
-	src := bytes.Repeat([]byte{exposedB}, 4096)
-	e, err := honest.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
-	require.NoError(t, err)
-	x, err := victim.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: honest.Info(), Key: e.Key(),
-		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, len(src))), Remote: agent.DRAM(src).Region}}})
-	require.NoError(t, err)
-	<-x.Done()
-	require.NoError(t, x.Err())
-	before := hb.Stats()
+	bubble(t, func(t *testing.T, nw *memNet) {
+		watchdog(t, 60*time.Second)
+		const timeout = 500 * time.Millisecond
+		victim, vb := newAgent(t, nw, WithKeepalive(50*time.Millisecond, timeout))
+		honest, hb := newAgent(t, nw, WithKeepalive(50*time.Millisecond, timeout))
+		src := bytes.Repeat([]byte{exposedB}, 4096)
+		e, err := honest.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
+		require.NoError(t, err)
+		x, err := victim.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: honest.Info(), Key: e.Key(),
+			Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, len(src))), Remote: agent.DRAM(src).Region}}})
+		require.NoError(t, err)
+		<-x.Done()
+		require.NoError(t, x.Err())
+		before := hb.Stats()
 
-	_ = stuckReader(t, vb, victim.ID(), 0)
-	select {
-	case ev := <-e.Events():
-		t.Errorf("a keyless stranger that never reads made the honest peer report the live victim lost: %+v", ev)
-	case <-time.After(10 * time.Second):
-	}
-	d := delta(hb.Stats(), before)
-	assert.Zero(t, d.Timeouts, "the honest peer cut the victim's connections for silence: %+v", d)
-	assert.NotZero(t, vb.Stats().Timeouts, "the stranger that took no keepalive was not cut as a timeout")
+		_ = stuckReader(t, vb, victim.ID(), 0)
+		select {
+		case ev := <-e.Events():
+			t.Errorf("a keyless stranger that never reads made the honest peer report the live victim lost: %+v", ev)
+		case <-time.After(10 * time.Second):
+		}
+		d := delta(hb.Stats(), before)
+		assert.Zero(t, d.Timeouts, "the honest peer cut the victim's connections for silence: %+v", d)
+		assert.NotZero(t, vb.Stats().Timeouts, "the stranger that took no keepalive was not cut as a timeout")
+	})
 }
 
 // A lease lasts one keepalive timeout, waiting for the connection's writer
@@ -245,7 +244,7 @@ func TestRevokeBoundedBehindStuckKeepalive(t *testing.T) {
 // socket did not take goes from a goroutine), and so do Cancel and Close.
 func TestInlinePostNeverWaitsForThePeer(t *testing.T) {
 	watchdog(t, time.Minute)
-	peer := nonReader(t)
+	peer := nonReader(t, loopback)
 	a, _ := newAgent(t, WithStreams(1), WithInflight(64), WithKeepalive(time.Second, 30*time.Second))
 	var xs []*agent.Xfer
 	var slowest time.Duration
@@ -441,48 +440,50 @@ func TestAttackCancelRacesNeverLandLate(t *testing.T) {
 // dies and the peer is failed, so every other transfer on that peer fails
 // with ErrRemoteLost: cancelling one transfer breaks its neighbours.
 func TestAttackCancelDuringRefusalTextFailsOthers(t *testing.T) {
-	watchdog(t, 60*time.Second)
-	peer := fakePassive(t, uuid.New(), func(c net.Conn) {
-		for first := true; ; first = false {
-			req, table, err := readRequest(c)
-			if err != nil || req.typ != tRead || len(table) < pieceSize {
-				return
-			}
-			var hb [hdrSize]byte
-			if first { // a refusal whose text comes late
-				msg := []byte("access denied: no such key")
-				(&header{typ: tReadResp, status: stDenied, id: req.id, length: uint64(len(msg))}).put(hb[:])
-				if _, err := c.Write(hb[:]); err != nil {
+	bubble(t, func(t *testing.T, nw *memNet) {
+		watchdog(t, 60*time.Second)
+		peer := fakePassive(t, nw, uuid.New(), func(c net.Conn) {
+			for first := true; ; first = false {
+				req, table, err := readRequest(c)
+				if err != nil || req.typ != tRead || len(table) < pieceSize {
 					return
 				}
-				time.Sleep(300 * time.Millisecond)
-				if _, err := c.Write(msg); err != nil {
+				var hb [hdrSize]byte
+				if first { // a refusal whose text comes late
+					msg := []byte("access denied: no such key")
+					(&header{typ: tReadResp, status: stDenied, id: req.id, length: uint64(len(msg))}).put(hb[:])
+					if _, err := c.Write(hb[:]); err != nil {
+						return
+					}
+					time.Sleep(300 * time.Millisecond)
+					if _, err := c.Write(msg); err != nil {
+						return
+					}
+					continue
+				}
+				n := binary.LittleEndian.Uint64(table[8:])
+				(&header{typ: tReadResp, id: req.id, length: n}).put(hb[:])
+				if _, err := c.Write(append(hb[:], bytes.Repeat([]byte{0xAB}, int(n))...)); err != nil {
 					return
 				}
-				continue
 			}
-			n := binary.LittleEndian.Uint64(table[8:])
-			(&header{typ: tReadResp, id: req.id, length: n}).put(hb[:])
-			if _, err := c.Write(append(hb[:], bytes.Repeat([]byte{0xAB}, int(n))...)); err != nil {
-				return
-			}
+		})
+		a, _ := newAgent(t, nw, WithStreams(1), WithKeepalive(time.Second, 30*time.Second))
+		post := func() *agent.Xfer {
+			x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
+				Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 4096)), Remote: agent.Region{Addr: 4096, Len: 4096}}}})
+			require.NoError(t, err)
+			return x
 		}
+		x := post()
+		time.Sleep(100 * time.Millisecond) // connected; x's refusal header has come, its text not
+		z := post()                        // queued behind x on the one stream
+		x.Cancel(nil)
+		<-x.Done()
+		require.ErrorIs(t, x.Err(), agent.ErrCancelled)
+		doneWithin(t, z, 5*time.Second, "the neighbour")
+		assert.NoError(t, z.Err(), "cancelling one transfer failed another on the same peer")
 	})
-	a, _ := newAgent(t, WithStreams(1), WithKeepalive(time.Second, 30*time.Second))
-	post := func() *agent.Xfer {
-		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
-			Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 4096)), Remote: agent.Region{Addr: 4096, Len: 4096}}}})
-		require.NoError(t, err)
-		return x
-	}
-	x := post()
-	time.Sleep(100 * time.Millisecond) // connected; x's refusal header has come, its text not
-	z := post()                        // queued behind x on the one stream
-	x.Cancel(nil)
-	<-x.Done()
-	require.ErrorIs(t, x.Err(), agent.ErrCancelled)
-	doneWithin(t, z, 5*time.Second, "the neighbour")
-	assert.NoError(t, z.Err(), "cancelling one transfer failed another on the same peer")
 }
 
 // Idle reaping racing new transfers and notifications on the same peer:
@@ -490,51 +491,53 @@ func TestAttackCancelDuringRefusalTextFailsOthers(t *testing.T) {
 // never fail, every completion notification arrives, and the exposure
 // never hears that the live peer was lost.
 func TestAttackIdleReapRacesTransfers(t *testing.T) {
-	watchdog(t, 2*time.Minute)
-	const idle = 30 * time.Millisecond
-	passive, _ := newAgent(t, WithKeepalive(10*time.Millisecond, time.Second))
-	active, ab := newAgent(t, WithKeepalive(10*time.Millisecond, time.Second), WithIdleTimeout(idle))
-	src := make([]byte, 1<<20)
-	for i := range src {
-		src[i] = pat(i)
-	}
-	e, err := passive.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
-	require.NoError(t, err)
-	before := ab.Stats()
-	const rounds = 150
-	for i := range rounds {
-		n := 4096
-		if i%2 == 1 {
-			n = len(src) // driven, not inline
+	bubble(t, func(t *testing.T, nw *memNet) {
+		watchdog(t, 2*time.Minute)
+		const idle = 30 * time.Millisecond
+		passive, _ := newAgent(t, nw, WithKeepalive(10*time.Millisecond, time.Second))
+		active, ab := newAgent(t, nw, WithKeepalive(10*time.Millisecond, time.Second), WithIdleTimeout(idle))
+		src := make([]byte, 1<<20)
+		for i := range src {
+			src[i] = pat(i)
 		}
-		dst := make([]byte, n)
-		x, err := active.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: passive.Info(), Key: e.Key(),
-			Notify:   []byte(fmt.Sprint(i)),
-			Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: agent.DRAM(src).Addr, Len: uint64(n)}}}})
+		e, err := passive.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
 		require.NoError(t, err)
-		<-x.Done()
-		require.NoError(t, x.Err(), "round %d: a transfer racing the idle reaper failed", i)
-		for j := range dst {
-			if dst[j] != pat(j) {
-				t.Fatalf("round %d: byte %d = %#x, want %#x", i, j, dst[j], pat(j))
+		before := ab.Stats()
+		const rounds = 150
+		for i := range rounds {
+			n := 4096
+			if i%2 == 1 {
+				n = len(src) // driven, not inline
 			}
+			dst := make([]byte, n)
+			x, err := active.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: passive.Info(), Key: e.Key(),
+				Notify:   []byte(fmt.Sprint(i)),
+				Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: agent.DRAM(src).Addr, Len: uint64(n)}}}})
+			require.NoError(t, err)
+			<-x.Done()
+			require.NoError(t, x.Err(), "round %d: a transfer racing the idle reaper failed", i)
+			for j := range dst {
+				if dst[j] != pat(j) {
+					t.Fatalf("round %d: byte %d = %#x, want %#x", i, j, dst[j], pat(j))
+				}
+			}
+			select {
+			case ev := <-e.Events():
+				require.Equal(t, agent.EventNotify, ev.Kind, "round %d: %+v", i, ev)
+				require.Equal(t, fmt.Sprint(i), string(ev.Msg))
+			case <-time.After(5 * time.Second):
+				t.Fatalf("round %d: the completion notification never arrived", i)
+			}
+			// Around the idle timeout: before it, at it, after it.
+			time.Sleep(idle - 10*time.Millisecond + time.Duration(i%7)*5*time.Millisecond)
 		}
 		select {
 		case ev := <-e.Events():
-			require.Equal(t, agent.EventNotify, ev.Kind, "round %d: %+v", i, ev)
-			require.Equal(t, fmt.Sprint(i), string(ev.Msg))
-		case <-time.After(5 * time.Second):
-			t.Fatalf("round %d: the completion notification never arrived", i)
+			t.Fatalf("an event after the last notification: %+v", ev)
+		case <-time.After(300 * time.Millisecond):
 		}
-		// Around the idle timeout: before it, at it, after it.
-		time.Sleep(idle - 10*time.Millisecond + time.Duration(i%7)*5*time.Millisecond)
-	}
-	select {
-	case ev := <-e.Events():
-		t.Fatalf("an event after the last notification: %+v", ev)
-	case <-time.After(300 * time.Millisecond):
-	}
-	assert.Zero(t, delta(ab.Stats(), before).Disconnected)
+		assert.Zero(t, delta(ab.Stats(), before).Disconnected)
+	})
 }
 
 // WithMaxOutgoingPerIP counts connections to one IP address, all agents
@@ -544,82 +547,74 @@ func TestAttackIdleReapRacesTransfers(t *testing.T) {
 // transfers that find no idle connection fail with ErrOutgoingLimit,
 // which does not claim the live peer lost.
 func TestOutgoingLimitSizing(t *testing.T) {
-	watchdog(t, 2*time.Minute)
 	const peers = 6
-	type target struct {
-		a *agent.Agent
-		e *agent.Exposure
-		m []byte
-	}
-	var ts []target
-	for range peers {
-		p, _ := newAgent(t)
-		m := make([]byte, 4<<20)
-		e, err := p.Expose(agent.AccessRead, []agent.Local{agent.DRAM(m)})
-		require.NoError(t, err)
-		ts = append(ts, target{p, e, m})
-	}
-	// all posts at once: none idle; 4 MiB in 64 KiB chunks holds every stream
-	postAll := func(active *agent.Agent) []*agent.Xfer {
-		var xs []*agent.Xfer
-		for _, tg := range ts {
-			x, err := active.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: tg.a.Info(), Key: tg.e.Key(),
-				Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, len(tg.m))), Remote: agent.DRAM(tg.m).Region}}})
-			require.NoError(t, err)
-			xs = append(xs, x)
-		}
-		for _, x := range xs {
-			<-x.Done()
-		}
-		return xs
-	}
 	t.Run("default", func(t *testing.T) {
-		active, _ := newAgent(t, WithStreams(64), WithChunkSize(64<<10))
-		for i, x := range postAll(active) {
-			assert.NoError(t, x.Err(), "transfer %d of %d concurrent ones to honest agents on one host", i+1, peers)
-		}
+		bubble(t, func(t *testing.T, nw *memNet) {
+			watchdog(t, 2*time.Minute)
+			active, _ := newAgent(t, nw, WithStreams(64), WithChunkSize(64<<10))
+			// All posts at once, none idle: 4 MiB in 64 KiB chunks holds
+			// every stream.
+			var xs []*agent.Xfer
+			for range peers {
+				p, _ := newAgent(t, nw)
+				m := make([]byte, 4<<20)
+				e, err := p.Expose(agent.AccessRead, []agent.Local{agent.DRAM(m)})
+				require.NoError(t, err)
+				x, err := active.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: p.Info(), Key: e.Key(),
+					Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, len(m))), Remote: agent.DRAM(m).Region}}})
+				require.NoError(t, err)
+				xs = append(xs, x)
+			}
+			for i, x := range xs {
+				<-x.Done()
+				assert.NoError(t, x.Err(), "transfer %d of %d concurrent ones to honest agents on one host", i+1, peers)
+			}
+		})
 	})
 	t.Run("over", func(t *testing.T) {
-		// Honest peers on one address that take their time to answer, so
-		// that every transfer holds its connections while the others dial.
-		slow := func(c net.Conn) {
-			for {
-				req, table, err := readRequest(c)
-				if err != nil || req.typ != tRead {
-					return
-				}
-				time.Sleep(300 * time.Millisecond)
-				n := 0
-				for i := 8; i < len(table); i += pieceSize {
-					n += int(binary.LittleEndian.Uint64(table[i:]))
-				}
-				var hb [hdrSize]byte
-				(&header{typ: tReadResp, id: req.id, length: uint64(n)}).put(hb[:])
-				if _, err := c.Write(append(hb[:], make([]byte, n)...)); err != nil {
-					return
+		bubble(t, func(t *testing.T, nw *memNet) {
+			watchdog(t, 2*time.Minute)
+			// Honest peers on one address that take their time to answer, so
+			// that every transfer holds its connections while the others dial.
+			slow := func(c net.Conn) {
+				for {
+					req, table, err := readRequest(c)
+					if err != nil || req.typ != tRead {
+						return
+					}
+					time.Sleep(300 * time.Millisecond)
+					n := 0
+					for i := 8; i < len(table); i += pieceSize {
+						n += int(binary.LittleEndian.Uint64(table[i:]))
+					}
+					var hb [hdrSize]byte
+					(&header{typ: tReadResp, id: req.id, length: uint64(n)}).put(hb[:])
+					if _, err := c.Write(append(hb[:], make([]byte, n)...)); err != nil {
+						return
+					}
 				}
 			}
-		}
-		const fit = 3
-		active, _ := newAgent(t, WithStreams(8), WithMaxOutgoingPerIP(fit*9))
-		var xs []*agent.Xfer
-		for range peers {
-			x, err := active.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: fakePassive(t, uuid.New(), slow), Key: agent.NewKey(),
-				Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 4096)), Remote: agent.Region{Addr: 4096, Len: 4096}}}})
-			require.NoError(t, err)
-			xs = append(xs, x)
-		}
-		failed := 0
-		for _, x := range xs {
-			<-x.Done()
-			if err := x.Err(); err != nil {
-				failed++
-				require.ErrorIs(t, err, ErrOutgoingLimit)
-				require.NotErrorIs(t, err, agent.ErrRemoteLost, "a live peer reported lost")
-				require.ErrorContains(t, err, "WithMaxOutgoingPerIP")
+			const fit = 3
+			active, _ := newAgent(t, nw, WithStreams(8), WithMaxOutgoingPerIP(fit*9))
+			var xs []*agent.Xfer
+			for range peers {
+				x, err := active.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: fakePassive(t, nw, uuid.New(), slow), Key: agent.NewKey(),
+					Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 4096)), Remote: agent.Region{Addr: 4096, Len: 4096}}}})
+				require.NoError(t, err)
+				xs = append(xs, x)
 			}
-		}
-		assert.GreaterOrEqual(t, failed, peers-fit, "%d peers fit %d connections at 9 each", fit, fit*9)
+			failed := 0
+			for _, x := range xs {
+				<-x.Done()
+				if err := x.Err(); err != nil {
+					failed++
+					require.ErrorIs(t, err, ErrOutgoingLimit)
+					require.NotErrorIs(t, err, agent.ErrRemoteLost, "a live peer reported lost")
+					require.ErrorContains(t, err, "WithMaxOutgoingPerIP")
+				}
+			}
+			assert.GreaterOrEqual(t, failed, peers-fit, "%d peers fit %d connections at 9 each", fit, fit*9)
+		})
 	})
 }
 
@@ -668,25 +663,24 @@ func truthfulBusyPinger(restarts *atomic.Int64) func(c net.Conn) {
 // timeout per 64 KiB of our requests still in flight": here one timeout.
 // TestBusyPingsFedByPingFlood shows the same in a second.
 func TestBusyPingsFedByOurKeepalives(t *testing.T) {
-	if testing.Short() {
-		t.Skip("takes 45s")
-	}
-	watchdog(t, 2*time.Minute)
-	const timeout = 30 * time.Second
-	var restarts atomic.Int64
-	peer := fakePassiveAnswering(t, handshake{self: uuid.New(), timeout: 30 * time.Millisecond}, truthfulBusyPinger(&restarts))
-	a, _ := newAgent(t, WithKeepalive(time.Second, timeout))
-	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
-		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 4096)), Remote: agent.Region{Addr: 4096, Len: 4096}}}})
-	require.NoError(t, err)
-	select {
-	case <-x.Done():
-		t.Logf("lost as documented: %v", x.Err())
-	case <-time.After(timeout + timeout/2):
-		t.Errorf("a 56-byte READ left unanswered for %v (keepalive timeout %v): the peer's %d truthful busy claims were fed by our own pings",
-			timeout+timeout/2, timeout, restarts.Load())
-		x.Cancel(nil)
-	}
+	bubble(t, func(t *testing.T, nw *memNet) {
+		watchdog(t, 2*time.Minute)
+		const timeout = 30 * time.Second
+		var restarts atomic.Int64
+		peer := fakePassiveAnswering(t, nw, handshake{self: uuid.New(), timeout: 30 * time.Millisecond}, truthfulBusyPinger(&restarts))
+		a, _ := newAgent(t, nw, WithKeepalive(time.Second, timeout))
+		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
+			Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 4096)), Remote: agent.Region{Addr: 4096, Len: 4096}}}})
+		require.NoError(t, err)
+		select {
+		case <-x.Done():
+			t.Logf("lost as documented: %v", x.Err())
+		case <-time.After(timeout + timeout/2):
+			t.Errorf("a 56-byte READ left unanswered for %v (keepalive timeout %v): the peer's %d truthful busy claims were fed by our own pings",
+				timeout+timeout/2, timeout, restarts.Load())
+			x.Cancel(nil)
+		}
+	})
 }
 
 // floodPings writes n keepalives at once on every connection b dialled,
@@ -719,29 +713,31 @@ func floodPings(b *Backend, n int) {
 // TestBusyPingsFedByOurKeepalives in a second: the pings we send count
 // for nothing towards the progress a busy peer claims.
 func TestBusyPingsFedByPingFlood(t *testing.T) {
-	watchdog(t, time.Minute)
-	const timeout = 300 * time.Millisecond
-	var restarts atomic.Int64
-	peer := fakePassive(t, uuid.New(), truthfulBusyPinger(&restarts))
-	a, b := newAgent(t, WithStreams(1), WithKeepalive(50*time.Millisecond, timeout))
-	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
-		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 4096)), Remote: agent.Region{Addr: 4096, Len: 4096}}}})
-	require.NoError(t, err)
-	deadline := time.After(10 * timeout)
-	for {
-		floodPings(b, 2*minProgress/hdrSize)
-		select {
-		case <-x.Done():
-			require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
-			t.Logf("lost as documented after %d truthful busy claims of our pings: %v", restarts.Load(), x.Err())
-			return
-		case <-deadline:
-			x.Cancel(nil)
-			t.Fatalf("a 56-byte READ left unanswered for %v (keepalive timeout %v): the peer's %d truthful busy claims were fed by our own pings",
-				10*timeout, timeout, restarts.Load())
-		case <-time.After(timeout / 4):
+	bubble(t, func(t *testing.T, nw *memNet) {
+		watchdog(t, time.Minute)
+		const timeout = 300 * time.Millisecond
+		var restarts atomic.Int64
+		peer := fakePassive(t, nw, uuid.New(), truthfulBusyPinger(&restarts))
+		a, b := newAgent(t, nw, WithStreams(1), WithKeepalive(50*time.Millisecond, timeout))
+		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
+			Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 4096)), Remote: agent.Region{Addr: 4096, Len: 4096}}}})
+		require.NoError(t, err)
+		deadline := time.After(10 * timeout)
+		for {
+			floodPings(b, 2*minProgress/hdrSize)
+			select {
+			case <-x.Done():
+				require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
+				t.Logf("lost as documented after %d truthful busy claims of our pings: %v", restarts.Load(), x.Err())
+				return
+			case <-deadline:
+				x.Cancel(nil)
+				t.Fatalf("a 56-byte READ left unanswered for %v (keepalive timeout %v): the peer's %d truthful busy claims were fed by our own pings",
+					10*timeout, timeout, restarts.Load())
+			case <-time.After(timeout / 4):
+			}
 		}
-	}
+	})
 }
 
 // A busy peer's first claim sets where progress is counted from: a peer
@@ -749,59 +745,61 @@ func TestBusyPingsFedByPingFlood(t *testing.T) {
 // of WRITEs it acknowledged, must not earn a timeout for every 64 KiB of
 // those, answered long ago, while it holds a new READ unanswered.
 func TestBusyPingsCannotClaimAnsweredBytes(t *testing.T) {
-	watchdog(t, time.Minute)
-	const timeout = 300 * time.Millisecond
-	var gotRead atomic.Bool
-	peer := fakePassive(t, uuid.New(), func(c net.Conn) {
-		var sent atomic.Uint64 // the READ's bytes arrived: claim from zero up
-		go func() {
-			var ping [hdrSize]byte
-			for claim := uint64(0); ; {
-				if gotRead.Load() {
-					claim += minProgress
+	bubble(t, func(t *testing.T, nw *memNet) {
+		watchdog(t, time.Minute)
+		const timeout = 300 * time.Millisecond
+		var gotRead atomic.Bool
+		peer := fakePassive(t, nw, uuid.New(), func(c net.Conn) {
+			var pings sync.WaitGroup
+			defer pings.Wait() // its next write fails: the agent closed the connection
+			pings.Go(func() {  // the READ's bytes arrived: claim from zero up
+				var ping [hdrSize]byte
+				for claim := uint64(0); ; {
+					if gotRead.Load() {
+						claim += minProgress
+					}
+					(&header{typ: tPing, status: stBusy, id: claim}).put(ping[:])
+					if _, err := c.Write(ping[:]); err != nil {
+						return
+					}
+					time.Sleep(timeout / 3)
 				}
-				(&header{typ: tPing, status: stBusy, id: claim}).put(ping[:])
-				if _, err := c.Write(ping[:]); err != nil {
+			})
+			for {
+				req, table, err := readRequest(c)
+				if err != nil {
 					return
 				}
-				sent.Add(1)
-				time.Sleep(timeout / 3)
+				if req.typ == tRead {
+					gotRead.Store(true)
+					continue // never answered
+				}
+				n := 0
+				for i := 8; i < len(table); i += pieceSize {
+					n += int(binary.LittleEndian.Uint64(table[i:]))
+				}
+				if _, err := io.CopyN(io.Discard, c, int64(n)); err != nil {
+					return
+				}
+				var hb [hdrSize]byte
+				(&header{typ: tWriteAck, id: req.id}).put(hb[:])
+				if _, err := c.Write(hb[:]); err != nil {
+					return
+				}
 			}
-		}()
-		for {
-			req, table, err := readRequest(c)
-			if err != nil {
-				return
-			}
-			if req.typ == tRead {
-				gotRead.Store(true)
-				continue // never answered
-			}
-			n := 0
-			for i := 8; i < len(table); i += pieceSize {
-				n += int(binary.LittleEndian.Uint64(table[i:]))
-			}
-			if _, err := io.CopyN(io.Discard, c, int64(n)); err != nil {
-				return
-			}
-			var hb [hdrSize]byte
-			(&header{typ: tWriteAck, id: req.id}).put(hb[:])
-			if _, err := c.Write(hb[:]); err != nil {
-				return
-			}
-		}
+		})
+		a, _ := newAgent(t, nw, WithStreams(1), WithKeepalive(50*time.Millisecond, timeout))
+		const big = 4 << 20 // 64 timeouts' worth of 64 KiB claims
+		w, err := a.Post(context.Background(), agent.Request{Op: agent.OpWrite, Peer: peer, Key: agent.NewKey(),
+			Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, big)), Remote: agent.Region{Addr: 4096, Len: big}}}})
+		require.NoError(t, err)
+		doneWithin(t, w, 10*time.Second, "the WRITE")
+		require.NoError(t, w.Err())
+		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
+			Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 4096)), Remote: agent.Region{Addr: 4096, Len: 4096}}}})
+		require.NoError(t, err)
+		took := doneWithin(t, x, 10*timeout, "a READ held by claims of answered bytes")
+		require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
+		t.Logf("lost after %v (timeout %v)", took, timeout)
 	})
-	a, _ := newAgent(t, WithStreams(1), WithKeepalive(50*time.Millisecond, timeout))
-	const big = 4 << 20 // 64 timeouts' worth of 64 KiB claims
-	w, err := a.Post(context.Background(), agent.Request{Op: agent.OpWrite, Peer: peer, Key: agent.NewKey(),
-		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, big)), Remote: agent.Region{Addr: 4096, Len: big}}}})
-	require.NoError(t, err)
-	doneWithin(t, w, 10*time.Second, "the WRITE")
-	require.NoError(t, w.Err())
-	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
-		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 4096)), Remote: agent.Region{Addr: 4096, Len: 4096}}}})
-	require.NoError(t, err)
-	took := doneWithin(t, x, 10*timeout, "a READ held by claims of answered bytes")
-	require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
-	t.Logf("lost after %v (timeout %v)", took, timeout)
 }

@@ -118,7 +118,11 @@ func (b *Backend) Start(h agent.Host) ([]byte, error) {
 	if b.optErr != nil {
 		return nil, b.optErr
 	}
-	ln, err := net.Listen("tcp", b.cfg.listen)
+	listen := b.cfg.testListen
+	if listen == nil {
+		listen = func(addr string) (net.Listener, error) { return net.Listen("tcp", addr) }
+	}
+	ln, err := listen(b.cfg.listen)
 	if err != nil {
 		return nil, fmt.Errorf("tcp: listen on %s: %w", b.cfg.listen, err)
 	}
@@ -126,7 +130,7 @@ func (b *Backend) Start(h agent.Host) ([]byte, error) {
 	b.ctx, b.cancel = context.WithCancelCause(h.Context())
 	b.self = connInfo{host: hostIdentity(), addr: b.cfg.advertise}
 	if b.self.addr == "" {
-		b.self.addr = advertiseFor(ln.Addr().(*net.TCPAddr))
+		b.self.addr = advertiseFor(ln.Addr())
 	}
 	b.wg.Add(2)
 	go b.accept()
@@ -134,9 +138,11 @@ func (b *Backend) Start(h agent.Host) ([]byte, error) {
 	return b.self.marshal(), nil
 }
 
-func advertiseFor(a *net.TCPAddr) string {
-	if !a.IP.IsUnspecified() {
-		return a.String()
+// advertiseFor returns the address to publish for a listener bound to a.
+func advertiseFor(addr net.Addr) string {
+	a, ok := addr.(*net.TCPAddr)
+	if !ok || !a.IP.IsUnspecified() {
+		return addr.String()
 	}
 	ip := net.IPv4(127, 0, 0, 1)
 	if addrs, err := net.InterfaceAddrs(); err == nil {
@@ -148,6 +154,17 @@ func advertiseFor(a *net.TCPAddr) string {
 		}
 	}
 	return net.JoinHostPort(ip.String(), fmt.Sprint(a.Port))
+}
+
+// dial connects to addr within ctx and the keepalive timeout.
+func (b *Backend) dial(ctx context.Context, addr string) (net.Conn, error) {
+	ctx, cancel := context.WithTimeout(ctx, b.cfg.timeout)
+	defer cancel()
+	if b.cfg.testDial != nil {
+		return b.cfg.testDial(ctx, addr)
+	}
+	var d net.Dialer
+	return d.DialContext(ctx, "tcp", addr)
 }
 
 // Reachable implements agent.Backend. A peer that publishes a loopback
@@ -172,7 +189,7 @@ func (b *Backend) Reachable(_ context.Context, info agent.Info) error {
 // wconn is a connection with a write lock, shared by both directions'
 // bookkeeping: the keepalive loop pings whichever connection is idle.
 type wconn struct {
-	c         *net.TCPConn
+	c         net.Conn   // a *net.TCPConn but in tests (config.testDial)
 	ip        netip.Addr // an accepted connection's remote address; zero for ours
 	peer      peerAddr   // an accepted connection's peer, once counted in byPeer
 	evicted   bool       // closed to make room for another handshake; under Backend.mu
@@ -187,7 +204,7 @@ type wconn struct {
 	ping      [hdrSize]byte
 }
 
-func newWconn(c *net.TCPConn) *wconn {
+func newWconn(c net.Conn) *wconn {
 	w := &wconn{c: c, wl: newWlock()}
 	(&header{typ: tPing}).put(w.ping[:])
 	w.lastWrite.Store(time.Now().UnixNano())

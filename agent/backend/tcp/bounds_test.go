@@ -7,7 +7,6 @@ import (
 	"io"
 	"net"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -34,6 +33,18 @@ func busyPinger(c net.Conn) {
 	}
 }
 
+// closeWithin closes a, failing the test if it takes longer than d.
+func closeWithin(t *testing.T, a *agent.Agent, d time.Duration, what string) {
+	t.Helper()
+	closed := make(chan error, 1)
+	go func() { closed <- a.Close() }()
+	select {
+	case <-closed:
+	case <-time.After(d):
+		t.Fatalf("Close hung on %s", what)
+	}
+}
+
 // doneWithin waits for x to finish, failing the test after d.
 func doneWithin(t *testing.T, x *agent.Xfer, d time.Duration, what string) time.Duration {
 	t.Helper()
@@ -50,43 +61,43 @@ func doneWithin(t *testing.T, x *agent.Xfer, d time.Duration, what string) time.
 // hold a transfer: it is lost within a bounded time, cancelling it ends it
 // at once without waiting for the peer, and Close returns.
 func TestBusyPingsCannotHoldTransfers(t *testing.T) {
-	peer := fakePassive(t, uuid.New(), busyPinger)
-	post := func(t *testing.T, a *agent.Agent, n int) *agent.Xfer {
+	// post starts a READ of n bytes from a peer pinging busy forever, on
+	// an agent with opts, inside a bubble.
+	post := func(t *testing.T, nw *memNet, n int, opts ...Option) (*agent.Agent, *agent.Xfer) {
+		peer := fakePassive(t, nw, uuid.New(), busyPinger)
+		a, _ := newAgent(t, append(opts, nw)...)
 		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
 			Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, n)), Remote: agent.Region{Addr: 4096, Len: uint64(n)}}}})
 		require.NoError(t, err)
-		return x
+		return a, x
 	}
 	for _, n := range []int{4 << 10, 1 << 20} { // inline, and driven from a goroutine
 		t.Run("lost", func(t *testing.T) {
-			a, _ := newAgent(t, WithKeepalive(50*time.Millisecond, 300*time.Millisecond))
-			x := post(t, a, n)
-			took := doneWithin(t, x, 10*time.Second, "a peer pinging busy and never answering")
-			require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
-			t.Logf("%d bytes: lost after %v (timeout 300ms): %v", n, took, x.Err())
+			bubble(t, func(t *testing.T, nw *memNet) {
+				_, x := post(t, nw, n, WithKeepalive(50*time.Millisecond, 300*time.Millisecond))
+				took := doneWithin(t, x, 10*time.Second, "a peer pinging busy and never answering")
+				require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
+				t.Logf("%d bytes: lost after %v (timeout 300ms): %v", n, took, x.Err())
+			})
 		})
 		t.Run("cancel", func(t *testing.T) {
-			// The timeout is long: only the cancellation can end it.
-			a, _ := newAgent(t, WithKeepalive(time.Second, 30*time.Second))
-			x := post(t, a, n)
-			time.Sleep(100 * time.Millisecond)
-			x.Cancel(nil)
-			took := doneWithin(t, x, 5*time.Second, "Cancel")
-			require.ErrorIs(t, x.Err(), agent.ErrCancelled)
-			t.Logf("%d bytes: cancelled after %v", n, took)
+			bubble(t, func(t *testing.T, nw *memNet) {
+				// The timeout is long: only the cancellation can end it.
+				_, x := post(t, nw, n, WithKeepalive(time.Second, 30*time.Second))
+				time.Sleep(100 * time.Millisecond)
+				x.Cancel(nil)
+				took := doneWithin(t, x, 5*time.Second, "Cancel")
+				require.ErrorIs(t, x.Err(), agent.ErrCancelled)
+				t.Logf("%d bytes: cancelled after %v", n, took)
+			})
 		})
 		t.Run("close", func(t *testing.T) {
-			a, _ := newAgent(t, WithKeepalive(time.Second, 30*time.Second))
-			x := post(t, a, n)
-			time.Sleep(100 * time.Millisecond)
-			closed := make(chan error, 1)
-			go func() { closed <- a.Close() }()
-			select {
-			case <-closed:
-			case <-time.After(5 * time.Second):
-				t.Fatal("Close hung on a peer pinging busy")
-			}
-			require.Error(t, x.Err())
+			bubble(t, func(t *testing.T, nw *memNet) {
+				a, x := post(t, nw, n, WithKeepalive(time.Second, 30*time.Second))
+				time.Sleep(100 * time.Millisecond)
+				closeWithin(t, a, 5*time.Second, "a peer pinging busy")
+				require.Error(t, x.Err())
+			})
 		})
 	}
 }
@@ -95,82 +106,86 @@ func TestBusyPingsCannotHoldTransfers(t *testing.T) {
 // and the connection's reader no longer touches the transfer's memory:
 // the peer's later bytes land nowhere.
 func TestCancelFencesLandingRead(t *testing.T) {
-	const size = 8 << 20
-	peer := fakePassive(t, uuid.New(), func(c net.Conn) {
-		req, table, err := readRequest(c)
-		if err != nil || len(table) < pieceSize {
-			return
-		}
-		go func() { _, _ = io.Copy(io.Discard, c) }()
-		n := binary.LittleEndian.Uint64(table[8:])
-		var hb [hdrSize]byte
-		(&header{typ: tReadResp, id: req.id, length: n}).put(hb[:])
-		if _, err := c.Write(hb[:]); err != nil {
-			return
-		}
-		chunk := bytes.Repeat([]byte{0xEE}, 128<<10)
-		for sent := uint64(0); sent < n; sent += uint64(len(chunk)) {
-			if _, err := c.Write(chunk[:min(uint64(len(chunk)), n-sent)]); err != nil {
+	bubble(t, func(t *testing.T, nw *memNet) {
+		const size = 8 << 20
+		peer := fakePassive(t, nw, uuid.New(), func(c net.Conn) {
+			req, table, err := readRequest(c)
+			if err != nil || len(table) < pieceSize {
 				return
 			}
-			time.Sleep(50 * time.Millisecond)
-		}
+			go func() { _, _ = io.Copy(io.Discard, c) }()
+			n := binary.LittleEndian.Uint64(table[8:])
+			var hb [hdrSize]byte
+			(&header{typ: tReadResp, id: req.id, length: n}).put(hb[:])
+			if _, err := c.Write(hb[:]); err != nil {
+				return
+			}
+			chunk := bytes.Repeat([]byte{0xEE}, 128<<10)
+			for sent := uint64(0); sent < n; sent += uint64(len(chunk)) {
+				if _, err := c.Write(chunk[:min(uint64(len(chunk)), n-sent)]); err != nil {
+					return
+				}
+				time.Sleep(50 * time.Millisecond)
+			}
+		})
+		a, _ := newAgent(t, nw, WithStreams(1), WithChunkSize(size), WithKeepalive(time.Second, 30*time.Second))
+		dst := make([]byte, size)
+		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
+			Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: size}}}})
+		require.NoError(t, err)
+		time.Sleep(300 * time.Millisecond) // some of the answer has landed
+		x.Cancel(nil)
+		took := doneWithin(t, x, time.Second, "Cancel during a trickled answer")
+		require.ErrorIs(t, x.Err(), agent.ErrCancelled)
+		landed := bytes.Clone(dst)
+		time.Sleep(300 * time.Millisecond) // the peer goes on sending
+		require.Equal(t, landed, dst, "bytes landed in the transfer's memory after it finished")
+		t.Logf("cancelled after %v, %d bytes landed", took, bytes.Count(landed, []byte{0xEE}))
 	})
-	a, _ := newAgent(t, WithStreams(1), WithChunkSize(size), WithKeepalive(time.Second, 30*time.Second))
-	dst := make([]byte, size)
-	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
-		Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: size}}}})
-	require.NoError(t, err)
-	time.Sleep(300 * time.Millisecond) // some of the answer has landed
-	x.Cancel(nil)
-	took := doneWithin(t, x, time.Second, "Cancel during a trickled answer")
-	require.ErrorIs(t, x.Err(), agent.ErrCancelled)
-	landed := bytes.Clone(dst)
-	time.Sleep(300 * time.Millisecond) // the peer goes on sending
-	require.Equal(t, landed, dst, "bytes landed in the transfer's memory after it finished")
-	t.Logf("cancelled after %v, %d bytes landed", took, bytes.Count(landed, []byte{0xEE}))
 }
 
 // Cancelling a WRITE whose frame is still being written ends it at once,
 // and the connection's writer no longer reads the transfer's memory: what
 // the peer receives afterwards is never the bytes put there after Done.
 func TestCancelFencesWritingWrite(t *testing.T) {
-	const size = 8 << 20
-	var mu sync.Mutex
-	var got []byte
-	peer := fakePassive(t, uuid.New(), func(c net.Conn) {
-		if _, _, err := readRequest(c); err != nil {
-			return
-		}
-		buf := make([]byte, 32<<10)
-		for {
-			n, err := c.Read(buf)
-			mu.Lock()
-			got = append(got, buf[:n]...)
-			mu.Unlock()
-			if err != nil {
+	bubble(t, func(t *testing.T, nw *memNet) {
+		const size = 8 << 20
+		var mu sync.Mutex
+		var got []byte
+		peer := fakePassive(t, nw, uuid.New(), func(c net.Conn) {
+			if _, _, err := readRequest(c); err != nil {
 				return
 			}
-			time.Sleep(20 * time.Millisecond)
+			buf := make([]byte, 32<<10)
+			for {
+				n, err := c.Read(buf)
+				mu.Lock()
+				got = append(got, buf[:n]...)
+				mu.Unlock()
+				if err != nil {
+					return
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+		})
+		a, _ := newAgent(t, nw, WithStreams(1), WithChunkSize(size), WithKeepalive(time.Second, 30*time.Second))
+		src := bytes.Repeat([]byte{0x5A}, size)
+		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpWrite, Peer: peer, Key: agent.NewKey(),
+			Segments: []agent.Segment{{Local: agent.DRAM(src), Remote: agent.Region{Addr: 4096, Len: size}}}})
+		require.NoError(t, err)
+		time.Sleep(300 * time.Millisecond)
+		x.Cancel(nil)
+		took := doneWithin(t, x, time.Second, "Cancel during a slowly taken WRITE")
+		require.ErrorIs(t, x.Err(), agent.ErrCancelled)
+		for i := range src { // the memory is the caller's again
+			src[i] = 0xFF
 		}
+		time.Sleep(500 * time.Millisecond)
+		mu.Lock()
+		defer mu.Unlock()
+		require.NotContains(t, string(got), "\xff\xff\xff\xff", "the writer read the transfer's memory after it finished")
+		t.Logf("cancelled after %v; the peer had taken %d bytes", took, len(got))
 	})
-	a, _ := newAgent(t, WithStreams(1), WithChunkSize(size), WithKeepalive(time.Second, 30*time.Second))
-	src := bytes.Repeat([]byte{0x5A}, size)
-	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpWrite, Peer: peer, Key: agent.NewKey(),
-		Segments: []agent.Segment{{Local: agent.DRAM(src), Remote: agent.Region{Addr: 4096, Len: size}}}})
-	require.NoError(t, err)
-	time.Sleep(300 * time.Millisecond)
-	x.Cancel(nil)
-	took := doneWithin(t, x, time.Second, "Cancel during a slowly taken WRITE")
-	require.ErrorIs(t, x.Err(), agent.ErrCancelled)
-	for i := range src { // the memory is the caller's again
-		src[i] = 0xFF
-	}
-	time.Sleep(500 * time.Millisecond)
-	mu.Lock()
-	defer mu.Unlock()
-	require.NotContains(t, string(got), "\xff\xff\xff\xff", "the writer read the transfer's memory after it finished")
-	t.Logf("cancelled after %v; the peer had taken %d bytes", took, len(got))
 }
 
 // A token holder trickling a frame, fast enough to stay within the
@@ -179,7 +194,6 @@ func TestCancelFencesWritingWrite(t *testing.T) {
 func TestRevokeBoundedAgainstTrickledFrames(t *testing.T) {
 	const timeout = 300 * time.Millisecond
 	const size = 16 << 20
-	a, b := newAgent(t, WithKeepalive(50*time.Millisecond, timeout))
 	trickleOut := func(c net.Conn, data []byte, stop <-chan struct{}) {
 		for len(data) > 0 {
 			n := min(len(data), 100<<10) // > 64 KiB per timeout: alive by the progress rule
@@ -212,127 +226,122 @@ func TestRevokeBoundedAgainstTrickledFrames(t *testing.T) {
 		require.Equal(t, snap, mem, "the exposed memory changed after Revoke returned")
 	}
 	t.Run("WRITE payload", func(t *testing.T) {
-		mem := make([]byte, size)
-		e, err := a.Expose(agent.AccessWrite, []agent.Local{agent.DRAM(mem)})
-		require.NoError(t, err)
-		p, _ := dialHostile(t, b, a.ID())
-		f := frameBytes(header{typ: tWrite, count: 1, id: 1, length: size, key: e.Key()}, [][2]uint64{{agent.DRAM(mem).Addr, size}},
-			bytes.Repeat([]byte{0xEE}, size))
-		stop := make(chan struct{})
-		defer close(stop)
-		go trickleOut(p.c, f, stop)
-		time.Sleep(500 * time.Millisecond)
-		require.Equal(t, p.id, e.Peer(), "the trickled WRITE holds a lease")
-		revokeWithin(t, e, mem)
+		bubble(t, func(t *testing.T, nw *memNet) {
+			a, b := newAgent(t, nw, WithKeepalive(50*time.Millisecond, timeout))
+			mem := make([]byte, size)
+			e, err := a.Expose(agent.AccessWrite, []agent.Local{agent.DRAM(mem)})
+			require.NoError(t, err)
+			p, _ := dialHostile(t, b, a.ID())
+			f := frameBytes(header{typ: tWrite, count: 1, id: 1, length: size, key: e.Key()}, [][2]uint64{{agent.DRAM(mem).Addr, size}},
+				bytes.Repeat([]byte{0xEE}, size))
+			stop := make(chan struct{})
+			defer close(stop)
+			go trickleOut(p.c, f, stop)
+			time.Sleep(500 * time.Millisecond)
+			require.Equal(t, p.id, e.Peer(), "the trickled WRITE holds a lease")
+			revokeWithin(t, e, mem)
+		})
 	})
 	t.Run("READ answer", func(t *testing.T) {
-		mem := bytes.Repeat([]byte{exposedB}, size)
-		e, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(mem)})
-		require.NoError(t, err)
-		p, _ := dialHostile(t, b, a.ID())
-		require.NoError(t, p.c.(*recorder).Conn.(*net.TCPConn).SetReadBuffer(4096))
-		p.frame(header{typ: tRead, count: 1, id: 1, key: e.Key()}, [][2]uint64{{agent.DRAM(mem).Addr, size}}, nil)
-		stop := make(chan struct{})
-		var wg sync.WaitGroup
-		defer wg.Wait()
-		defer close(stop)
-		wg.Go(func() { // take the answer at 200 KiB every 100 ms
-			buf := make([]byte, 200<<10)
-			for {
-				_ = p.c.SetReadDeadline(time.Now().Add(10 * time.Second))
-				if _, err := io.ReadFull(p.c, buf); err != nil {
-					return
+		bubble(t, func(t *testing.T, nw *memNet) {
+			a, b := newAgent(t, nw, WithKeepalive(50*time.Millisecond, timeout))
+			mem := bytes.Repeat([]byte{exposedB}, size)
+			e, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(mem)})
+			require.NoError(t, err)
+			p, _ := dialHostile(t, b, a.ID())
+			setReadBuffer(t, p.c, 4096)
+			p.frame(header{typ: tRead, count: 1, id: 1, key: e.Key()}, [][2]uint64{{agent.DRAM(mem).Addr, size}}, nil)
+			stop := make(chan struct{})
+			var wg sync.WaitGroup
+			defer wg.Wait()
+			defer close(stop)
+			wg.Go(func() { // take the answer at 200 KiB every 100 ms
+				buf := make([]byte, 200<<10)
+				for {
+					_ = p.c.SetReadDeadline(time.Now().Add(10 * time.Second))
+					if _, err := io.ReadFull(p.c, buf); err != nil {
+						return
+					}
+					select {
+					case <-stop:
+						return
+					case <-time.After(100 * time.Millisecond):
+					}
 				}
-				select {
-				case <-stop:
-					return
-				case <-time.After(100 * time.Millisecond):
-				}
-			}
+			})
+			time.Sleep(500 * time.Millisecond)
+			revokeWithin(t, e, mem)
 		})
-		time.Sleep(500 * time.Millisecond)
-		revokeWithin(t, e, mem)
 	})
+}
+
+// setReadBuffer lets c's peer write about n bytes ahead of c's reads.
+func setReadBuffer(t testing.TB, c net.Conn, n int) {
+	t.Helper()
+	if r, ok := c.(*recorder); ok {
+		c = r.Conn
+	}
+	switch c := c.(type) {
+	case *net.TCPConn:
+		require.NoError(t, c.SetReadBuffer(n))
+	case *memConn:
+		c.setReadBuffer(n)
+	default:
+		t.Fatalf("no read buffer to set on a %T", c)
+	}
 }
 
 // Tokens naming made-up agents at one address leave the dialling agent
 // with a bounded number of connections, and none once they are idle.
 func TestForgedIdentitiesDoNotHoardConnections(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	var live, peak atomic.Int64
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	var conns []net.Conn
-	t.Cleanup(func() {
-		_ = ln.Close()
-		mu.Lock()
-		for _, c := range conns {
-			_ = c.Close()
-		}
-		mu.Unlock()
-		wg.Wait()
-	})
-	wg.Go(func() {
-		for {
-			c, err := ln.Accept()
+	bubble(t, func(t *testing.T, nw *memNet) {
+		// Made-up agents at one address: each answers the handshake as the
+		// agent expected, and refuses every request. The listener counts
+		// the connections open at once exactly (memListener).
+		ln := serveFake(t, nw, func(c net.Conn) {
+			var hs [hsSize]byte
+			if _, err := io.ReadFull(c, hs[:]); err != nil {
+				return
+			}
+			in, err := getHandshake(hs[:])
 			if err != nil {
 				return
 			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-			wg.Go(func() {
-				defer c.Close()
-				n := live.Add(1)
-				defer live.Add(-1)
-				for p := peak.Load(); n > p && !peak.CompareAndSwap(p, n); p = peak.Load() {
-				}
-				var hs [hsSize]byte
-				if _, err := io.ReadFull(c, hs[:]); err != nil {
-					return
-				}
-				in, err := getHandshake(hs[:])
+			(&handshake{self: in.expect}).put(hs[:])
+			if _, err := c.Write(hs[:]); err != nil {
+				return
+			}
+			for {
+				req, _, err := readRequest(c)
 				if err != nil {
 					return
 				}
-				(&handshake{self: in.expect}).put(hs[:])
-				if _, err := c.Write(hs[:]); err != nil {
+				msg := []byte("access denied")
+				var hb [hdrSize]byte
+				(&header{typ: tReadResp, status: stDenied, id: req.id, length: uint64(len(msg))}).put(hb[:])
+				if _, err := c.Write(append(hb[:], msg...)); err != nil {
 					return
 				}
-				for {
-					req, _, err := readRequest(c)
-					if err != nil {
-						return
-					}
-					msg := []byte("access denied")
-					var hb [hdrSize]byte
-					(&header{typ: tReadResp, status: stDenied, id: req.id, length: uint64(len(msg))}).put(hb[:])
-					if _, err := c.Write(append(hb[:], msg...)); err != nil {
-						return
-					}
-				}
-			})
+			}
+		})
+		ml := ln.(*memListener)
+		const bound = 50
+		a, _ := newAgent(t, nw, WithMaxOutgoingPerIP(bound), WithIdleTimeout(300*time.Millisecond))
+		dst := make([]byte, 64)
+		for range 100 {
+			x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peerAt(uuid.New(), ln.Addr()), Key: agent.NewKey(),
+				Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: 64}}}})
+			require.NoError(t, err)
+			<-x.Done()
+			require.ErrorIs(t, x.Err(), agent.ErrAccessDenied)
 		}
+		t.Logf("at most %d connections at once, %d after the last transfer", ml.peak.Load(), ml.open.Load())
+		// The peers evicted to make room are closed before the next one
+		// is dialled.
+		assert.LessOrEqual(t, ml.peak.Load(), int64(bound), "the dialling agent held more connections than its bound")
+		time.Sleep(time.Second) // three idle timeouts
+		assert.Zero(t, ml.open.Load(), "idle connections to made-up agents were never closed")
 	})
-	ci := connInfo{host: hostIdentity(), addr: ln.Addr().String()}
-	const bound = 50
-	a, _ := newAgent(t, WithMaxOutgoingPerIP(bound), WithIdleTimeout(300*time.Millisecond))
-	dst := make([]byte, 64)
-	for range 100 {
-		info := agent.Info{ID: uuid.New(), Conns: []agent.ConnInfo{{Backend: Name, Data: ci.marshal()}}}
-		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: info, Key: agent.NewKey(),
-			Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: 64}}}})
-		require.NoError(t, err)
-		<-x.Done()
-		require.ErrorIs(t, x.Err(), agent.ErrAccessDenied)
-	}
-	t.Logf("at most %d connections at once, %d after the last transfer", peak.Load(), live.Load())
-	// An evicted peer's connections close as the next one is dialled: the
-	// listener may see them overlap by a handshake or so.
-	assert.LessOrEqual(t, peak.Load(), int64(bound+5), "the dialling agent held more connections than its bound")
-	require.Eventually(t, func() bool { return live.Load() == 0 }, 5*time.Second, 10*time.Millisecond,
-		"idle connections to made-up agents were never closed: %d live", live.Load())
 }
 
 // A stranger that claims an honest peer's identity cannot make the
@@ -341,29 +350,12 @@ func TestForgedIdentitiesDoNotHoardConnections(t *testing.T) {
 func TestStrangerClaimingAPeerIDOverTCP(t *testing.T) {
 	stranger := func(t *testing.T, b *Backend, claimed, expect uuid.UUID) net.Conn {
 		t.Helper()
-		c, err := net.Dial("tcp", b.Addr().String())
-		require.NoError(t, err)
-		t.Cleanup(func() { _ = c.Close() })
-		var hs [hsSize]byte
-		(&handshake{self: claimed, expect: expect, timeout: time.Minute}).put(hs[:])
-		_, err = c.Write(hs[:])
-		require.NoError(t, err)
-		_, err = io.ReadFull(c, hs[:])
-		require.NoError(t, err)
-		in, err := getHandshake(hs[:])
+		c := dialBackend(t, b)
+		in, err := greet(c, handshake{self: claimed, expect: expect, timeout: time.Minute})
 		require.NoError(t, err)
 		require.Equal(t, uint8(stOK), in.status)
 		go func() { _, _ = io.Copy(io.Discard, c) }()
-		go func() { // stays alive for as long as it likes
-			var ping [hdrSize]byte
-			(&header{typ: tPing}).put(ping[:])
-			for {
-				if _, err := c.Write(ping[:]); err != nil {
-					return
-				}
-				time.Sleep(100 * time.Millisecond)
-			}
-		}()
+		pinger(t, c, 100*time.Millisecond) // stays alive for as long as it likes
 		return c
 	}
 	read := func(t *testing.T, active, passive *agent.Agent, e *agent.Exposure, src []byte) {
@@ -375,37 +367,41 @@ func TestStrangerClaimingAPeerIDOverTCP(t *testing.T) {
 		require.NoError(t, x.Err())
 	}
 	t.Run("hang-up after the peer's operation", func(t *testing.T) {
-		pa, pb := newAgent(t)
-		aa, _ := newAgent(t)
-		src := make([]byte, 64)
-		e, err := pa.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
-		require.NoError(t, err)
-		held := stranger(t, pb, aa.ID(), pa.ID()) // connected before the peer
-		read(t, aa, pa, e, src)
-		require.NoError(t, held.Close())
-		c := stranger(t, pb, aa.ID(), pa.ID())
-		require.NoError(t, c.Close())
-		select {
-		case ev := <-e.Events():
-			t.Fatalf("a stranger's hang-up was taken for the peer's loss: %+v", ev)
-		case <-time.After(500 * time.Millisecond):
-		}
+		bubble(t, func(t *testing.T, nw *memNet) {
+			pa, pb := newAgent(t, nw)
+			aa, _ := newAgent(t, nw)
+			src := make([]byte, 64)
+			e, err := pa.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
+			require.NoError(t, err)
+			held := stranger(t, pb, aa.ID(), pa.ID()) // connected before the peer
+			read(t, aa, pa, e, src)
+			require.NoError(t, held.Close())
+			c := stranger(t, pb, aa.ID(), pa.ID())
+			require.NoError(t, c.Close())
+			select {
+			case ev := <-e.Events():
+				t.Fatalf("a stranger's hang-up was taken for the peer's loss: %+v", ev)
+			case <-time.After(500 * time.Millisecond):
+			}
+		})
 	})
 	t.Run("the peer's real loss while a stranger holds on", func(t *testing.T) {
-		pa, pb := newAgent(t)
-		aa, _ := newAgent(t)
-		src := make([]byte, 64)
-		e, err := pa.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
-		require.NoError(t, err)
-		_ = stranger(t, pb, aa.ID(), pa.ID()) // connected before the peer, and stays
-		read(t, aa, pa, e, src)
-		require.NoError(t, aa.Close())
-		select {
-		case ev := <-e.Events():
-			require.Equal(t, agent.EventPeerLost, ev.Kind)
-			require.Equal(t, aa.ID(), ev.From)
-		case <-time.After(10 * time.Second):
-			t.Fatal("the peer's departure was not reported within 10s while a stranger held a connection under its ID")
-		}
+		bubble(t, func(t *testing.T, nw *memNet) {
+			pa, pb := newAgent(t, nw)
+			aa, _ := newAgent(t, nw)
+			src := make([]byte, 64)
+			e, err := pa.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
+			require.NoError(t, err)
+			_ = stranger(t, pb, aa.ID(), pa.ID()) // connected before the peer, and stays
+			read(t, aa, pa, e, src)
+			require.NoError(t, aa.Close())
+			select {
+			case ev := <-e.Events():
+				require.Equal(t, agent.EventPeerLost, ev.Kind)
+				require.Equal(t, aa.ID(), ev.From)
+			case <-time.After(10 * time.Second):
+				t.Fatal("the peer's departure was not reported within 10s while a stranger held a connection under its ID")
+			}
+		})
 	})
 }

@@ -144,6 +144,22 @@ func dialHostile(t testing.TB, b *Backend, expect [16]byte) (*rawPeer, *recorder
 	return p, rec
 }
 
+// greet sends the handshake hs on c and returns the answer, or an error if
+// c closed first, or no answer came within 10 s.
+func greet(c net.Conn, hs handshake) (handshake, error) {
+	var b [hsSize]byte
+	hs.put(b[:])
+	if _, err := c.Write(b[:]); err != nil {
+		return handshake{}, err
+	}
+	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	defer c.SetReadDeadline(time.Time{})
+	if _, err := io.ReadFull(c, b[:]); err != nil {
+		return handshake{}, err
+	}
+	return getHandshake(b[:])
+}
+
 // dropped reports whether the server closed p's connection (rather than
 // leaving it open until the hang guard).
 func (p *rawPeer) dropped(t testing.TB) {
@@ -192,6 +208,33 @@ func legitRead(t testing.TB, active, passive *agent.Agent, exp *agent.Exposure, 
 	}
 	require.NoError(t, x.Err(), "a legitimate transfer failed")
 	require.Equal(t, r, dst)
+}
+
+// target is an agent under attack: it exposes a guarded allocation, and
+// an honest peer checks that it still serves.
+type target struct {
+	a      *agent.Agent
+	b      *Backend
+	honest *agent.Agent
+	g      *guarded
+	ex     exposures
+}
+
+// newTarget starts a target with opts, and its honest peer, on nw.
+func newTarget(t testing.TB, nw network, opts ...Option) *target {
+	t.Helper()
+	a, b := newAgent(t, append(opts, nw)...)
+	honest, _ := newAgent(t, nw)
+	g := newGuarded(t)
+	return &target{a: a, b: b, honest: honest, g: g, ex: g.expose(t, a)}
+}
+
+// stillServes fails t unless the target's memory is intact (g.intact, with
+// W equal to w if w is not nil) and it serves the honest peer a READ.
+func (tg *target) stillServes(t testing.TB, w []byte) {
+	t.Helper()
+	tg.g.intact(t, w)
+	legitRead(t, tg.honest, tg.a, tg.ex.r, tg.g.r)
 }
 
 // frameBytes encodes one frame.

@@ -34,15 +34,15 @@ type rawPeer struct {
 	id uuid.UUID
 }
 
+// dialRaw connects to b, over b's network, and sends a handshake
+// expecting agent expect.
 func dialRaw(t testing.TB, b *Backend, expect uuid.UUID) *rawPeer {
 	t.Helper()
-	c, err := net.Dial("tcp", b.Addr().String())
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = c.Close() })
+	c := dialBackend(t, b)
 	p := &rawPeer{t: t, c: c, id: uuid.New()}
 	var hs [hsSize]byte
 	(&handshake{self: p.id, expect: expect, timeout: 4 * time.Second}).put(hs[:])
-	_, err = c.Write(hs[:])
+	_, err := c.Write(hs[:])
 	require.NoError(t, err)
 	return p
 }
@@ -307,34 +307,16 @@ func TestRequestsAfterAgentClosed(t *testing.T) {
 
 // A passive peer that accepts requests and never answers is declared lost
 // after the keepalive timeout; the transfer fails with ErrRemoteLost.
+//
+// Over loopback: the one keepalive loss the kernel's sockets carry; the
+// other timing tests run in fake time.
 func TestSilentPassivePeer(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	defer ln.Close()
-	fake := uuid.New()
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() { // answer the handshake, then read and say nothing
-				defer c.Close()
-				var hs [hsSize]byte
-				if _, err := io.ReadFull(c, hs[:]); err != nil {
-					return
-				}
-				(&handshake{self: fake}).put(hs[:])
-				_, _ = c.Write(hs[:])
-				_, _ = io.Copy(io.Discard, c)
-			}()
-		}
-	}()
+	// Answers the handshake, then reads and says nothing.
+	peer := fakePassive(t, loopback, uuid.New(), func(c net.Conn) { _, _ = io.Copy(io.Discard, c) })
 	a, _ := newAgent(t, WithKeepalive(50*time.Millisecond, 300*time.Millisecond))
-	ci := connInfo{host: hostIdentity(), addr: ln.Addr().String()}
 	dst := make([]byte, 1<<20)
 	start := time.Now()
-	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: agent.Info{ID: fake, Conns: []agent.ConnInfo{{Backend: Name, Data: ci.marshal()}}}, Key: agent.NewKey(),
+	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
 		Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: 1 << 20}}}})
 	require.NoError(t, err)
 	select {
@@ -349,26 +331,28 @@ func TestSilentPassivePeer(t *testing.T) {
 // An active peer that takes a lease and then goes silent is declared lost to
 // the exposure it used.
 func TestSilentActivePeer(t *testing.T) {
-	a, b := newAgent(t, WithKeepalive(50*time.Millisecond, 300*time.Millisecond))
-	src := make([]byte, 64)
-	exp, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
-	require.NoError(t, err)
-	p := dialRaw(t, b, a.ID())
-	_, _, err = p.answer()
-	require.NoError(t, err)
-	p.frame(header{typ: tRead, count: 1, id: 1, key: exp.Key()}, [][2]uint64{{agent.DRAM(src).Addr, 64}}, nil)
-	h, _, err := p.next()
-	require.NoError(t, err)
-	require.Equal(t, uint8(stOK), h.status)
-	require.Equal(t, p.id, exp.Peer())
-	select { // the raw peer now sends nothing, not even keepalives
-	case ev := <-exp.Events():
-		require.Equal(t, agent.EventPeerLost, ev.Kind)
-		require.Equal(t, p.id, ev.From)
-		require.ErrorIs(t, ev.Err, agent.ErrRemoteLost)
-	case <-time.After(10 * time.Second):
-		t.Fatal("silent active peer never reported lost")
-	}
+	bubble(t, func(t *testing.T, nw *memNet) {
+		a, b := newAgent(t, nw, WithKeepalive(50*time.Millisecond, 300*time.Millisecond))
+		src := make([]byte, 64)
+		exp, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
+		require.NoError(t, err)
+		p := dialRaw(t, b, a.ID())
+		_, _, err = p.answer()
+		require.NoError(t, err)
+		p.frame(header{typ: tRead, count: 1, id: 1, key: exp.Key()}, [][2]uint64{{agent.DRAM(src).Addr, 64}}, nil)
+		h, _, err := p.next()
+		require.NoError(t, err)
+		require.Equal(t, uint8(stOK), h.status)
+		require.Equal(t, p.id, exp.Peer())
+		select { // the raw peer now sends nothing, not even keepalives
+		case ev := <-exp.Events():
+			require.Equal(t, agent.EventPeerLost, ev.Kind)
+			require.Equal(t, p.id, ev.From)
+			require.ErrorIs(t, ev.Err, agent.ErrRemoteLost)
+		case <-time.After(10 * time.Second):
+			t.Fatal("silent active peer never reported lost")
+		}
+	})
 }
 
 // Fuzz inputs name the exposures and their memory through placeholders,
@@ -528,43 +512,15 @@ func TestForgedIdentityDoesNotRedirect(t *testing.T) {
 
 	// The impostor answers handshakes as the victim and records every key
 	// it is sent.
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	defer ln.Close()
 	keys := make(chan agent.Key, 64)
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				var hs [hsSize]byte
-				if _, err := io.ReadFull(c, hs[:]); err != nil {
-					return
-				}
-				(&handshake{self: victim.ID()}).put(hs[:])
-				_, _ = c.Write(hs[:])
-				var hb [hdrSize]byte
-				for {
-					if _, err := io.ReadFull(c, hb[:]); err != nil {
-						return
-					}
-					var h header
-					if h.get(hb[:]); h.typ == tPing {
-						continue
-					}
-					keys <- h.key
-					return // hang up, so the decoy fails at once
-				}
-			}()
+	forgedInfo := fakePassive(t, loopback, victim.ID(), func(c net.Conn) {
+		if req, _, err := readRequest(c); err == nil {
+			keys <- req.key
 		}
-	}()
+		// and hang up, so the decoy fails at once
+	})
 
 	active, _ := newAgent(t)
-	forged := connInfo{host: hostIdentity(), addr: ln.Addr().String()}
-	forgedInfo := agent.Info{ID: victim.ID(), Conns: []agent.ConnInfo{{Backend: Name, Data: forged.marshal()}}}
 	dst := make([]byte, 4096)
 	seg := []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.DRAM(src).Region}}
 	decoy, err := active.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: forgedInfo, Key: agent.NewKey(), Segments: seg})

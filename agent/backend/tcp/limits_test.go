@@ -68,59 +68,96 @@ func trickle(t *testing.T, c net.Conn, b []byte, gap time.Duration) time.Duratio
 
 // A peer that trickles any part of its traffic, or reads its answers too
 // slowly, is cut within the keepalive timeout: it holds a goroutine, and a
-// lease, for no longer. It is counted as a timeout.
+// lease, for no longer. It is counted as a timeout. Each attack runs in
+// fake time; the slow reader, whom the kernel's socket buffers serve
+// first, over loopback too.
 func TestSlowLoris(t *testing.T) {
 	const timeout = 300 * time.Millisecond
-	a, b := newAgent(t, WithKeepalive(50*time.Millisecond, timeout))
-	honest, _ := newAgent(t)
-	g := newGuarded(t)
-	ex := g.expose(t, a)
-	big := bytes.Repeat([]byte{exposedB}, 16<<20)
-	bigExp, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(big)})
-	require.NoError(t, err)
-	defer bigExp.Revoke()
-	hs := func() []byte {
-		var hs [hsSize]byte
-		(&handshake{self: uuid.New(), expect: a.ID(), timeout: time.Minute}).put(hs[:])
-		return hs[:]
-	}
-	readR := frameBytes(header{typ: tRead, count: 1, id: 1, key: ex.r.Key()}, [][2]uint64{{agent.DRAM(g.r).Addr, page}}, nil)
-	table := make([][2]uint64, 64)
-	for i := range table {
-		table[i] = [2]uint64{agent.DRAM(g.r).Addr + uint64(i), 1}
-	}
-	tableFrame := frameBytes(header{typ: tRead, count: 64, id: 1, key: ex.r.Key()}, table, nil)
 	const gap = 20 * time.Millisecond
+	type attack func(t *testing.T, tg *target) time.Duration
+	run := func(t *testing.T, nw network, attack attack) {
+		tg := newTarget(t, nw, WithKeepalive(50*time.Millisecond, timeout))
+		before := tg.b.Stats()
+		took := attack(t, tg)
+		t.Logf("cut after %v (keepalive timeout %v)", took, timeout)
+		waitStats(t, tg.b, before, Stats{Disconnected: 1, Timeouts: 1})
+		tg.stillServes(t, nil)
+	}
+	readR := func(tg *target) []byte {
+		return frameBytes(header{typ: tRead, count: 1, id: 1, key: tg.ex.r.Key()}, [][2]uint64{{agent.DRAM(tg.g.r).Addr, page}}, nil)
+	}
+	slowReader := func(t *testing.T, tg *target) time.Duration {
+		big := bytes.Repeat([]byte{exposedB}, 16<<20)
+		bigExp, err := tg.a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(big)})
+		require.NoError(t, err)
+		defer bigExp.Revoke()
+		p, _ := dialHostile(t, tg.b, tg.a.ID())
+		setReadBuffer(t, p.c, 4096)
+		_, err = p.c.Write(frameBytes(header{typ: tRead, count: 1, id: 1, key: bigExp.Key()}, [][2]uint64{{agent.DRAM(big).Addr, 16 << 20}}, nil))
+		require.NoError(t, err)
+		start := time.Now()
+		// Read a trickle of the answer, far too slowly for 16 MiB,
+		// until the server counts the cut: what it sent before then
+		// would take this reader minutes to drain.
+		before := tg.b.Stats()
+		stop := make(chan struct{})
+		var wg sync.WaitGroup
+		defer wg.Wait()
+		defer close(stop)
+		wg.Go(func() {
+			var one [1]byte
+			for {
+				select {
+				case <-stop:
+					return
+				case <-time.After(gap):
+				}
+				if _, err := p.c.Read(one[:]); err != nil {
+					return
+				}
+			}
+		})
+		require.Eventually(t, func() bool { return tg.b.Stats().Timeouts > before.Timeouts }, 20*time.Second, time.Millisecond,
+			"the server never cut a slow reader")
+		took := time.Since(start)
+		_ = p.c.Close()
+		return took
+	}
 	for _, tc := range []struct {
 		name   string
-		attack func(t *testing.T) time.Duration
+		attack attack
 	}{
-		{"handshake", func(t *testing.T) time.Duration {
-			c, err := net.Dial("tcp", b.Addr().String())
-			require.NoError(t, err)
-			defer c.Close()
-			return trickle(t, c, hs(), gap)
+		{"handshake", func(t *testing.T, tg *target) time.Duration {
+			var hs [hsSize]byte
+			(&handshake{self: uuid.New(), expect: tg.a.ID(), timeout: time.Minute}).put(hs[:])
+			return trickle(t, dialBackend(t, tg.b), hs[:], gap)
 		}},
-		{"silent after the handshake", func(t *testing.T) time.Duration {
-			p, _ := dialHostile(t, b, a.ID())
+		{"silent after the handshake", func(t *testing.T, tg *target) time.Duration {
+			p, _ := dialHostile(t, tg.b, tg.a.ID())
 			start := time.Now()
 			p.dropped(t)
 			return time.Since(start)
 		}},
-		{"header", func(t *testing.T) time.Duration {
-			p, _ := dialHostile(t, b, a.ID())
-			return trickle(t, p.c, readR[:hdrSize], gap)
+		{"header", func(t *testing.T, tg *target) time.Duration {
+			p, _ := dialHostile(t, tg.b, tg.a.ID())
+			return trickle(t, p.c, readR(tg)[:hdrSize], gap)
 		}},
-		{"piece table", func(t *testing.T) time.Duration {
-			p, _ := dialHostile(t, b, a.ID())
-			_, err := p.c.Write(tableFrame[:hdrSize+8])
+		{"piece table", func(t *testing.T, tg *target) time.Duration {
+			table := make([][2]uint64, 64)
+			for i := range table {
+				table[i] = [2]uint64{agent.DRAM(tg.g.r).Addr + uint64(i), 1}
+			}
+			f := frameBytes(header{typ: tRead, count: 64, id: 1, key: tg.ex.r.Key()}, table, nil)
+			p, _ := dialHostile(t, tg.b, tg.a.ID())
+			_, err := p.c.Write(f[:hdrSize+8])
 			require.NoError(t, err)
-			return trickle(t, p.c, tableFrame[hdrSize+8:], gap)
+			return trickle(t, p.c, f[hdrSize+8:], gap)
 		}},
-		{"WRITE payload", func(t *testing.T) time.Duration {
-			w, err := a.Expose(agent.AccessWrite, []agent.Local{agent.DRAM(g.w)})
+		{"WRITE payload", func(t *testing.T, tg *target) time.Duration {
+			g := tg.g
+			w, err := tg.a.Expose(agent.AccessWrite, []agent.Local{agent.DRAM(g.w)})
 			require.NoError(t, err)
-			p, _ := dialHostile(t, b, a.ID())
+			p, _ := dialHostile(t, tg.b, tg.a.ID())
 			f := frameBytes(header{typ: tWrite, count: 1, id: 1, length: page, key: w.Key()}, [][2]uint64{{agent.DRAM(g.w).Addr, page}}, make([]byte, page))
 			_, err = p.c.Write(f[:hdrSize+pieceSize+1])
 			require.NoError(t, err)
@@ -142,49 +179,13 @@ func TestSlowLoris(t *testing.T) {
 			}
 			return took
 		}},
-		{"slow reader", func(t *testing.T) time.Duration {
-			p, _ := dialHostile(t, b, a.ID())
-			require.NoError(t, p.c.(*recorder).Conn.(*net.TCPConn).SetReadBuffer(4096))
-			_, err := p.c.Write(frameBytes(header{typ: tRead, count: 1, id: 1, key: bigExp.Key()}, [][2]uint64{{agent.DRAM(big).Addr, 16 << 20}}, nil))
-			require.NoError(t, err)
-			start := time.Now()
-			// Read a trickle of the answer, far too slowly for 16 MiB,
-			// until the server counts the cut: what it sent before then
-			// would take this reader minutes to drain.
-			before := b.Stats()
-			stop := make(chan struct{})
-			var wg sync.WaitGroup
-			defer wg.Wait()
-			defer close(stop)
-			wg.Go(func() {
-				var one [1]byte
-				for {
-					select {
-					case <-stop:
-						return
-					case <-time.After(gap):
-					}
-					if _, err := p.c.Read(one[:]); err != nil {
-						return
-					}
-				}
-			})
-			require.Eventually(t, func() bool { return b.Stats().Timeouts > before.Timeouts }, 20*time.Second, time.Millisecond,
-				"the server never cut a slow reader")
-			took := time.Since(start)
-			_ = p.c.Close()
-			return took
-		}},
+		{"slow reader", slowReader},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			before := b.Stats()
-			took := tc.attack(t)
-			t.Logf("cut after %v (keepalive timeout %v)", took, timeout)
-			waitStats(t, b, before, Stats{Disconnected: 1, Timeouts: 1})
-			g.intact(t, nil)
-			legitRead(t, honest, a, ex.r, g.r)
+			bubble(t, func(t *testing.T, nw *memNet) { run(t, nw, tc.attack) })
 		})
 	}
+	t.Run("slow reader over loopback", func(t *testing.T) { run(t, loopback, slowReader) })
 }
 
 // A flood of connections that never handshake holds at most

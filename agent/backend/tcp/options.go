@@ -1,6 +1,7 @@
 package tcp
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net"
@@ -39,6 +40,11 @@ type config struct {
 
 	maxOut int           // connections we dial to one address
 	idle   time.Duration // a peer with nothing in flight this long is closed
+
+	// Tests replace the network: an in-memory one runs inside a
+	// testing/synctest bubble. Nil means TCP.
+	testListen func(addr string) (net.Listener, error)
+	testDial   func(ctx context.Context, addr string) (net.Conn, error)
 }
 
 func defaults() config {

@@ -36,7 +36,7 @@ func (b *Backend) accept() {
 			time.Sleep(10 * time.Millisecond) // e.g. EMFILE: do not spin
 			continue
 		}
-		w := newWconn(c.(*net.TCPConn))
+		w := newWconn(c)
 		w.ip = remoteIP(w.c)
 		switch b.admit(w) {
 		case admitClosed:
@@ -52,7 +52,8 @@ func (b *Backend) accept() {
 	}
 }
 
-func remoteIP(c *net.TCPConn) netip.Addr {
+// remoteIP returns the IP address of c's remote end.
+func remoteIP(c net.Conn) netip.Addr {
 	if a, ok := c.RemoteAddr().(*net.TCPAddr); ok {
 		return a.AddrPort().Addr().Unmap()
 	}

@@ -114,35 +114,37 @@ func TestHostilePassivePeer(t *testing.T) {
 		{"silent", onRequest(func(c net.Conn, req header, n uint64) {}), slow},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			peer := fakePassive(t, uuid.New(), tc.serve)
-			a, b := newAgent(t, WithStreams(1), WithKeepalive(50*time.Millisecond, timeout))
-			all := bytes.Repeat([]byte{0x11}, 3*page)
-			dst := all[page : 2*page]
-			clear(dst)
-			start := time.Now()
-			x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
-				Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 1 << 20, Len: page}}}})
-			require.NoError(t, err)
-			select {
-			case <-x.Done():
-			case <-time.After(20 * time.Second):
-				t.Fatal("a transfer to a hostile peer hung")
-			}
-			require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
-			t.Logf("failed after %v: %v", time.Since(start), x.Err())
-			assert.Equal(t, bytes.Repeat([]byte{0x11}, page), all[:page], "bytes landed before the transfer's memory")
-			assert.Equal(t, bytes.Repeat([]byte{0x11}, page), all[2*page:], "bytes landed after the transfer's memory")
-			require.Eventually(t, func() bool { return b.Stats().Disconnected > 0 }, 10*time.Second, time.Millisecond)
-			got := b.Stats()
-			// The control connection may fail of the same cause in the same
-			// instant: count one or two.
-			n := got.Disconnected
-			assert.LessOrEqual(t, n, uint64(2))
-			want := tc.want
-			want.Disconnected *= n
-			want.ProtocolErrors *= n
-			want.Timeouts *= n
-			assert.Equal(t, want, got)
+			bubble(t, func(t *testing.T, nw *memNet) {
+				peer := fakePassive(t, nw, uuid.New(), tc.serve)
+				a, b := newAgent(t, nw, WithStreams(1), WithKeepalive(50*time.Millisecond, timeout))
+				all := bytes.Repeat([]byte{0x11}, 3*page)
+				dst := all[page : 2*page]
+				clear(dst)
+				start := time.Now()
+				x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
+					Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 1 << 20, Len: page}}}})
+				require.NoError(t, err)
+				select {
+				case <-x.Done():
+				case <-time.After(20 * time.Second):
+					t.Fatal("a transfer to a hostile peer hung")
+				}
+				require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
+				t.Logf("failed after %v: %v", time.Since(start), x.Err())
+				assert.Equal(t, bytes.Repeat([]byte{0x11}, page), all[:page], "bytes landed before the transfer's memory")
+				assert.Equal(t, bytes.Repeat([]byte{0x11}, page), all[2*page:], "bytes landed after the transfer's memory")
+				require.Eventually(t, func() bool { return b.Stats().Disconnected > 0 }, 10*time.Second, time.Millisecond)
+				got := b.Stats()
+				// The control connection may fail of the same cause in the same
+				// instant: count one or two.
+				n := got.Disconnected
+				assert.LessOrEqual(t, n, uint64(2))
+				want := tc.want
+				want.Disconnected *= n
+				want.ProtocolErrors *= n
+				want.Timeouts *= n
+				assert.Equal(t, want, got)
+			})
 		})
 	}
 }
@@ -191,7 +193,7 @@ func TestPeerAnnouncedLimits(t *testing.T) {
 			}
 		}
 	}
-	peer := fakePassiveAnswering(t, handshake{self: uuid.New(), maxPieces: maxPieces, maxFrame: maxFrame}, serve)
+	peer := fakePassiveAnswering(t, loopback, handshake{self: uuid.New(), maxPieces: maxPieces, maxFrame: maxFrame}, serve)
 	a, _ := newAgent(t)
 	var segs []agent.Segment
 	var dsts [][]byte

@@ -75,7 +75,7 @@ func (f *fence) isRaised() bool {
 // minProgress bytes read since the connection was last armed or extended.
 // It is used by one reading goroutine; fence may be raised by others.
 type patientConn struct {
-	c       *net.TCPConn
+	c       net.Conn
 	rx      *atomic.Uint64 // the connection's bytes read, for keepalives
 	timeout time.Duration
 	moved   int

@@ -20,18 +20,13 @@ import (
 	"github.com/goxfer/goxfer/agent"
 )
 
-// fakePassive listens, answers handshakes as id, and hands each connection
-// to serve. It stops with the test.
-func fakePassive(t *testing.T, id uuid.UUID, serve func(c net.Conn)) agent.Info {
+// serveFake listens on nw and hands each connection it accepts to handle,
+// on a goroutine of its own, which closes the connection when handle
+// returns. It stops with the test: the listener and every connection are
+// closed, and the goroutines waited for.
+func serveFake(t testing.TB, nw network, handle func(c net.Conn)) net.Listener {
 	t.Helper()
-	return fakePassiveAnswering(t, handshake{self: id}, serve)
-}
-
-// fakePassiveAnswering is fakePassive answering every handshake with ans.
-func fakePassiveAnswering(t *testing.T, ans handshake, serve func(c net.Conn)) agent.Info {
-	t.Helper()
-	id := ans.self
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	ln, err := nw.listen("127.0.0.1:0")
 	require.NoError(t, err)
 	var wg sync.WaitGroup
 	var mu sync.Mutex
@@ -47,15 +42,7 @@ func fakePassiveAnswering(t *testing.T, ans handshake, serve func(c net.Conn)) a
 			mu.Unlock()
 			wg.Go(func() {
 				defer c.Close()
-				var hs [hsSize]byte
-				if _, err := io.ReadFull(c, hs[:]); err != nil {
-					return
-				}
-				ans.put(hs[:])
-				if _, err := c.Write(hs[:]); err != nil {
-					return
-				}
-				serve(c)
+				handle(c)
 			})
 		}
 	})
@@ -68,75 +55,105 @@ func fakePassiveAnswering(t *testing.T, ans handshake, serve func(c net.Conn)) a
 		mu.Unlock()
 		wg.Wait()
 	})
-	ci := connInfo{host: hostIdentity(), addr: ln.Addr().String()}
+	return ln
+}
+
+// peerAt is the metadata of agent id listening at addr, on this host.
+func peerAt(id uuid.UUID, addr net.Addr) agent.Info {
+	ci := connInfo{host: hostIdentity(), addr: addr.String()}
 	return agent.Info{ID: id, Conns: []agent.ConnInfo{{Backend: Name, Data: ci.marshal()}}}
+}
+
+// fakePassive listens on nw, answers handshakes as id, and hands each
+// connection to serve. It stops with the test.
+func fakePassive(t testing.TB, nw network, id uuid.UUID, serve func(c net.Conn)) agent.Info {
+	t.Helper()
+	return fakePassiveAnswering(t, nw, handshake{self: id}, serve)
+}
+
+// fakePassiveAnswering is fakePassive answering every handshake with ans.
+func fakePassiveAnswering(t testing.TB, nw network, ans handshake, serve func(c net.Conn)) agent.Info {
+	t.Helper()
+	ln := serveFake(t, nw, func(c net.Conn) {
+		var hs [hsSize]byte
+		if _, err := io.ReadFull(c, hs[:]); err != nil {
+			return
+		}
+		ans.put(hs[:])
+		if _, err := c.Write(hs[:]); err != nil {
+			return
+		}
+		serve(c)
+	})
+	return peerAt(ans.self, ln.Addr())
 }
 
 // A peer whose connections die after a few honest answers: every transfer
 // either has all its bytes or fails with ErrRemoteLost; none reports success
 // without its data.
 func TestDyingStreamsNeverFakeSuccess(t *testing.T) {
-	peer := fakePassive(t, uuid.New(), func(c net.Conn) {
-		payload := bytes.Repeat([]byte{0xAB}, 4096)
-		var hb [hdrSize]byte
-		table := make([]byte, pieceSize)
-		for served, limit := 0, 1+rand.IntN(6); served < limit; {
-			if _, err := io.ReadFull(c, hb[:]); err != nil {
-				return
-			}
-			var h header
-			h.get(hb[:])
-			if h.typ == tPing {
-				continue
-			}
-			if h.typ != tRead || h.count != 1 {
-				return
-			}
-			if _, err := io.ReadFull(c, table); err != nil {
-				return
-			}
-			n := binary.LittleEndian.Uint64(table[8:])
-			ans := header{typ: tReadResp, id: h.id, length: n}
-			ans.put(hb[:])
-			if _, err := c.Write(append(hb[:], payload[:n]...)); err != nil {
-				return
-			}
-			served++
-		}
-	})
-	a, _ := newAgent(t, WithStreams(1))
-	var ok, lost atomic.Int64
-	var wg sync.WaitGroup
-	deadline := time.Now().Add(2 * time.Second)
-	for range 8 {
-		wg.Go(func() {
-			dst := make([]byte, 4096)
-			for time.Now().Before(deadline) {
-				clear(dst)
-				x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
-					Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: 4096}}}})
-				if !assert.NoError(t, err) {
+	bubble(t, func(t *testing.T, nw *memNet) {
+		peer := fakePassive(t, nw, uuid.New(), func(c net.Conn) {
+			payload := bytes.Repeat([]byte{0xAB}, 4096)
+			var hb [hdrSize]byte
+			table := make([]byte, pieceSize)
+			for served, limit := 0, 1+rand.IntN(6); served < limit; {
+				if _, err := io.ReadFull(c, hb[:]); err != nil {
 					return
 				}
-				<-x.Done()
-				switch err := x.Err(); {
-				case err == nil:
-					if !assert.Equal(t, payload4K(), dst, "a READ reported success without its bytes") {
-						return
-					}
-					ok.Add(1)
-				case errors.Is(err, agent.ErrRemoteLost):
-					lost.Add(1)
-				default:
-					t.Errorf("unexpected error: %v", err)
+				var h header
+				h.get(hb[:])
+				if h.typ == tPing {
+					continue
+				}
+				if h.typ != tRead || h.count != 1 {
 					return
 				}
+				if _, err := io.ReadFull(c, table); err != nil {
+					return
+				}
+				n := binary.LittleEndian.Uint64(table[8:])
+				ans := header{typ: tReadResp, id: h.id, length: n}
+				ans.put(hb[:])
+				if _, err := c.Write(append(hb[:], payload[:n]...)); err != nil {
+					return
+				}
+				served++
 			}
 		})
-	}
-	wg.Wait()
-	t.Logf("%d reads complete, %d lost with their connection", ok.Load(), lost.Load())
-	require.Positive(t, ok.Load())
+		a, _ := newAgent(t, nw, WithStreams(1))
+		var ok, lost atomic.Int64
+		var wg sync.WaitGroup
+		for range 8 {
+			wg.Go(func() {
+				dst := make([]byte, 4096)
+				for range 100 {
+					clear(dst)
+					x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
+						Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: 4096}}}})
+					if !assert.NoError(t, err) {
+						return
+					}
+					<-x.Done()
+					switch err := x.Err(); {
+					case err == nil:
+						if !assert.Equal(t, payload4K(), dst, "a READ reported success without its bytes") {
+							return
+						}
+						ok.Add(1)
+					case errors.Is(err, agent.ErrRemoteLost):
+						lost.Add(1)
+					default:
+						t.Errorf("unexpected error: %v", err)
+						return
+					}
+				}
+			})
+		}
+		wg.Wait()
+		t.Logf("%d reads complete, %d lost with their connection", ok.Load(), lost.Load())
+		require.Positive(t, ok.Load())
+	})
 }
 
 func payload4K() []byte { return bytes.Repeat([]byte{0xAB}, 4096) }
@@ -144,95 +161,96 @@ func payload4K() []byte { return bytes.Repeat([]byte{0xAB}, 4096) }
 // A peer that keeps sending keepalives but never answers a request is lost
 // within the keepalive timeout: Cancel and Close cannot hang on it.
 func TestStalledPeerIsBounded(t *testing.T) {
-	peer := fakePassive(t, uuid.New(), func(c net.Conn) {
-		var ping [hdrSize]byte
-		(&header{typ: tPing}).put(ping[:])
-		go func() { _, _ = io.Copy(io.Discard, c) }()
-		for {
-			if _, err := c.Write(ping[:]); err != nil {
-				return
+	bubble(t, func(t *testing.T, nw *memNet) {
+		peer := fakePassive(t, nw, uuid.New(), func(c net.Conn) {
+			var ping [hdrSize]byte
+			(&header{typ: tPing}).put(ping[:])
+			go func() { _, _ = io.Copy(io.Discard, c) }()
+			for {
+				if _, err := c.Write(ping[:]); err != nil {
+					return
+				}
+				time.Sleep(50 * time.Millisecond)
 			}
-			time.Sleep(50 * time.Millisecond)
+		})
+		a, _ := newAgent(t, nw, WithKeepalive(100*time.Millisecond, 500*time.Millisecond))
+		dst := make([]byte, 1<<20)
+		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
+			Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: 1 << 20}}}})
+		require.NoError(t, err)
+		time.Sleep(100 * time.Millisecond)
+		start := time.Now()
+		x.Cancel(nil)
+		select {
+		case <-x.Done():
+		case <-time.After(10 * time.Second):
+			t.Fatal("Cancel hung on a peer that pings but never answers")
+		}
+		require.Error(t, x.Err())
+		t.Logf("cancelled transfer to a stalled peer ended after %v (timeout 500ms): %v", time.Since(start), x.Err())
+		closed := make(chan error)
+		go func() { closed <- a.Close() }()
+		select {
+		case <-closed:
+		case <-time.After(10 * time.Second):
+			t.Fatal("Close hung")
 		}
 	})
-	a, _ := newAgent(t, WithKeepalive(100*time.Millisecond, 500*time.Millisecond))
-	dst := make([]byte, 1<<20)
-	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
-		Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: 1 << 20}}}})
-	require.NoError(t, err)
-	time.Sleep(100 * time.Millisecond)
-	start := time.Now()
-	x.Cancel(nil)
-	select {
-	case <-x.Done():
-	case <-time.After(10 * time.Second):
-		t.Fatal("Cancel hung on a peer that pings but never answers")
-	}
-	require.Error(t, x.Err())
-	t.Logf("cancelled transfer to a stalled peer ended after %v (timeout 500ms): %v", time.Since(start), x.Err())
-	closed := make(chan error)
-	go func() { closed <- a.Close() }()
-	select {
-	case <-closed:
-	case <-time.After(10 * time.Second):
-		t.Fatal("Close hung")
-	}
 }
 
 // Claiming a live peer's identity and hanging up reports nothing: only the
 // peer's own last connection can.
 func TestStrangerCannotReportPeerLost(t *testing.T) {
-	pa, pb := newAgent(t)
-	aa, _ := newAgent(t)
-	src := make([]byte, 64)
-	exp, err := pa.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
-	require.NoError(t, err)
-	x, err := aa.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: pa.Info(), Key: exp.Key(),
-		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 64)), Remote: agent.DRAM(src).Region}}})
-	require.NoError(t, err)
-	<-x.Done()
-	require.NoError(t, x.Err())
-	require.Equal(t, aa.ID(), exp.Peer())
+	bubble(t, func(t *testing.T, nw *memNet) {
+		pa, pb := newAgent(t, nw)
+		aa, _ := newAgent(t, nw)
+		src := make([]byte, 64)
+		exp, err := pa.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
+		require.NoError(t, err)
+		x, err := aa.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: pa.Info(), Key: exp.Key(),
+			Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 64)), Remote: agent.DRAM(src).Region}}})
+		require.NoError(t, err)
+		<-x.Done()
+		require.NoError(t, x.Err())
+		require.Equal(t, aa.ID(), exp.Peer())
 
-	c, err := net.Dial("tcp", pb.Addr().String())
-	require.NoError(t, err)
-	var hs [hsSize]byte
-	(&handshake{self: aa.ID(), expect: pa.ID()}).put(hs[:])
-	_, err = c.Write(hs[:])
-	require.NoError(t, err)
-	_, err = io.ReadFull(c, hs[:])
-	require.NoError(t, err)
-	require.NoError(t, c.Close())
-	select {
-	case ev := <-exp.Events():
-		t.Fatalf("a stranger's hang-up was taken for the peer's loss: %+v", ev)
-	case <-time.After(500 * time.Millisecond):
-	}
+		c := dialBackend(t, pb)
+		_, err = greet(c, handshake{self: aa.ID(), expect: pa.ID()})
+		require.NoError(t, err)
+		require.NoError(t, c.Close())
+		select {
+		case ev := <-exp.Events():
+			t.Fatalf("a stranger's hang-up was taken for the peer's loss: %+v", ev)
+		case <-time.After(500 * time.Millisecond):
+		}
+	})
 }
 
 // A peer declared departed from outside (a presence registry) fails the
 // transfers waiting on its silent connections at once, not at the
 // keepalive timeout: the backend drops its connections to it.
 func TestDepartedPeerFailsAtOnce(t *testing.T) {
-	peer := fakePassive(t, uuid.New(), func(c net.Conn) {
-		_, _ = io.Copy(io.Discard, c) // a black hole: reads, never answers, never pings
+	bubble(t, func(t *testing.T, nw *memNet) {
+		peer := fakePassive(t, nw, uuid.New(), func(c net.Conn) {
+			_, _ = io.Copy(io.Discard, c) // a black hole: reads, never answers, never pings
+		})
+		a, _ := newAgent(t, nw, WithKeepalive(5*time.Second, 20*time.Second))
+		dst := make([]byte, 1<<20)
+		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
+			Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: 1 << 20}}}})
+		require.NoError(t, err)
+		time.Sleep(100 * time.Millisecond)
+		start := time.Now()
+		a.PeerDeparted(peer.ID, errors.New("registry: heartbeats stopped"))
+		select {
+		case <-x.Done():
+		case <-time.After(10 * time.Second):
+			t.Fatal("the departed peer's transfer waited for the keepalive timeout")
+		}
+		require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
+		assert.Contains(t, x.Err().Error(), "heartbeats stopped")
+		t.Logf("transfer to a departed peer ended %v after the departure (keepalive timeout 20s): %v", time.Since(start), x.Err())
 	})
-	a, _ := newAgent(t, WithKeepalive(5*time.Second, 20*time.Second))
-	dst := make([]byte, 1<<20)
-	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
-		Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: 1 << 20}}}})
-	require.NoError(t, err)
-	time.Sleep(100 * time.Millisecond)
-	start := time.Now()
-	a.PeerDeparted(peer.ID, errors.New("registry: heartbeats stopped"))
-	select {
-	case <-x.Done():
-	case <-time.After(10 * time.Second):
-		t.Fatal("the departed peer's transfer waited for the keepalive timeout")
-	}
-	require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
-	assert.Contains(t, x.Err().Error(), "heartbeats stopped")
-	t.Logf("transfer to a departed peer ended %v after the departure (keepalive timeout 20s): %v", time.Since(start), x.Err())
 }
 
 // A Notify to a peer that accepts connections but never completes the
@@ -240,31 +258,15 @@ func TestDepartedPeerFailsAtOnce(t *testing.T) {
 // not after the keepalive timeout the dial waits; and Close does not wait
 // for the handshake either.
 func TestNotifyEndsWithContext(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	var wg sync.WaitGroup
-	defer wg.Wait()
-	defer ln.Close()
-	wg.Go(func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			wg.Go(func() { // reads the handshake, never answers
-				defer c.Close()
-				_, _ = io.Copy(io.Discard, c)
-			})
-		}
-	})
+	// Reads the handshake, never answers.
+	ln := serveFake(t, loopback, func(c net.Conn) { _, _ = io.Copy(io.Discard, c) })
+	peer := peerAt(uuid.New(), ln.Addr())
 	a, _ := newAgent(t, WithKeepalive(time.Second, 30*time.Second))
-	ci := connInfo{host: hostIdentity(), addr: ln.Addr().String()}
-	peer := agent.Info{ID: uuid.New(), Conns: []agent.ConnInfo{{Backend: Name, Data: ci.marshal()}}}
 	const wait = 100 * time.Millisecond
 	ctx, cancel := context.WithTimeout(context.Background(), wait)
 	defer cancel()
 	start := time.Now()
-	err = a.Notify(ctx, peer, agent.NewKey(), []byte("hi"))
+	err := a.Notify(ctx, peer, agent.NewKey(), []byte("hi"))
 	took := time.Since(start)
 	require.ErrorIs(t, err, context.DeadlineExceeded)
 	assert.Less(t, took, wait+time.Second, "Notify waited for the handshake past its context")

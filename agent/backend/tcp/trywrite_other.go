@@ -4,17 +4,8 @@ package tcp
 
 import (
 	"net"
-	"time"
+	"syscall"
 )
 
-// tryWrite writes what of b the socket takes within a millisecond: a full
-// socket takes nothing (0, nil). The keepalive loop writes pings with it,
-// so that no peer that stops reading holds the loop up for long.
-func tryWrite(c *net.TCPConn, b []byte) (int, error) {
-	_ = c.SetWriteDeadline(time.Now().Add(time.Millisecond))
-	n, err := c.Write(b)
-	if isTimeout(err) {
-		err = nil
-	}
-	return n, err
-}
+// tryWriteRaw is not available here: tryWrite waits a millisecond at most.
+func tryWriteRaw(net.Conn, syscall.Conn, []byte) (int, error) { return 0, errNoRaw }

@@ -8,17 +8,17 @@ import (
 	"time"
 )
 
-// tryWrite writes what of b the socket takes at once, without waiting: a
-// full socket takes nothing (0, nil). The keepalive loop writes pings with
-// it, so that no peer that stops reading holds the loop up.
-func tryWrite(c *net.TCPConn, b []byte) (int, error) {
+// tryWriteRaw writes what of b the socket under c takes at once, with one
+// non-blocking write(2): a full socket takes nothing (0, nil). It returns
+// errNoRaw if c has no file descriptor to write to.
+func tryWriteRaw(c net.Conn, sc syscall.Conn, b []byte) (int, error) {
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return 0, errNoRaw
+	}
 	// A deadline in the past, left by an earlier write, would refuse even
 	// the attempt.
 	_ = c.SetWriteDeadline(time.Time{})
-	rc, err := c.SyscallConn()
-	if err != nil {
-		return 0, err
-	}
 	var n int
 	var werr error
 	if err := rc.Write(func(fd uintptr) bool {
