@@ -17,8 +17,8 @@ import (
 )
 
 // OperationKind is the access a token grants: READ tokens come from
-// CreateReadable and go to BeginRead, WRITE tokens come from CreateWritable
-// and go to BeginWrite.
+// [Connector.CreateReadable] and go to [Connector.BeginRead], WRITE tokens
+// come from [Connector.CreateWritable] and go to [Connector.BeginWrite].
 type OperationKind uint8
 
 const (
@@ -49,7 +49,7 @@ func (k OperationKind) String() string {
 // goroutines. The zero Metadata is invalid: it encodes to "" and no
 // operation accepts it.
 //
-// Its binary form (MarshalBinary), version 1, is little-endian throughout,
+// Its binary form ([Metadata.MarshalBinary]), version 1, is little-endian throughout,
 // with varints as in encoding/binary:
 //
 //	magic    "gx"
@@ -59,12 +59,13 @@ func (k OperationKind) String() string {
 //	agent    [16]byte, the agent's UUID
 //	backends uvarint count (0..16), each: u8 name length (1..32), name
 //	         ([a-z0-9._-]), uvarint data length (<= 4096), data; none in
-//	         a compact token (see Compact)
+//	         a compact token (see [Metadata.Compact])
 //	regions  uvarint count (>= 1), each: u64 address, uvarint size (>= 1),
 //	         uvarint device<<1 | memory kind (0 host, 1 GPU)
 //	crc      u32, CRC-32C (Castagnoli) of every byte before it
 //
-// Its text form (String, MarshalText, JSON) is the binary form in unpadded
+// Its text form ([Metadata.String], [Metadata.MarshalText], JSON) is the
+// binary form in unpadded
 // base64url. With the default backends a token with one descriptor takes
 // about 110 bytes of binary; each further descriptor takes at most 23 more.
 type Metadata struct {
@@ -108,14 +109,14 @@ func newMetadata(kind OperationKind, key agent.Key, info agent.Info, ls []agent.
 }
 
 // Agent returns the ID of the agent that made the token: the Connector
-// whose memory it names (Connector.AgentInfo().ID()).
+// whose memory it names ([Connector.AgentInfo], [AgentInfo.ID]).
 func (m Metadata) Agent() uuid.UUID { return m.peer.ID }
 
 // Compact returns the token without the endpoints of the agent that made
 // it, which saves their bytes (about 70 with the default backends). A
-// Connector given a compact token looks the agent up with its Resolver
-// (WithResolver), such as a presence registry the agent joined; without
-// one, BeginRead and BeginWrite fail with ErrNoBackend. A compact token
+// Connector given a compact token looks the agent up with its [Resolver]
+// ([WithResolver]), such as a presence registry the agent joined; without
+// one, BeginRead and BeginWrite fail with [ErrNoBackend]. A compact token
 // grants the same access as the full one.
 func (m Metadata) Compact() Metadata {
 	m.peer.Conns = nil
@@ -170,9 +171,10 @@ func (m Metadata) String() string {
 	return tokenEncoding.EncodeToString(b)
 }
 
-// ParseMetadata decodes a token's text form. Errors wrap ErrInvalidMetadata
-// and say what was expected and what was found. It never panics, and it
-// allocates at most a small multiple of len(s).
+// ParseMetadata decodes a token's text form. s is untrusted: errors wrap
+// [ErrInvalidMetadata] and say what was expected and what was found, with
+// the token's own text quoted; it never panics, and it allocates at most a
+// small multiple of len(s).
 func ParseMetadata(s string) (Metadata, error) {
 	if i := strings.IndexAny(s, "\r\n"); i >= 0 {
 		return Metadata{}, fmt.Errorf("%w: want unpadded base64url, found a line break at offset %d", ErrInvalidMetadata, i)
@@ -184,7 +186,7 @@ func ParseMetadata(s string) (Metadata, error) {
 	return decodeMetadata(b)
 }
 
-// MarshalText implements encoding.TextMarshaler; JSON encodes a Metadata as
+// MarshalText implements [encoding.TextMarshaler]; JSON encodes a Metadata as
 // this string. It fails only for the zero Metadata.
 func (m Metadata) MarshalText() ([]byte, error) {
 	b, err := m.MarshalBinary()
@@ -194,8 +196,8 @@ func (m Metadata) MarshalText() ([]byte, error) {
 	return tokenEncoding.AppendEncode(nil, b), nil
 }
 
-// UnmarshalText implements encoding.TextUnmarshaler, as ParseMetadata. It
-// does not retain text.
+// UnmarshalText implements [encoding.TextUnmarshaler], as [ParseMetadata].
+// It does not retain text, and leaves m unchanged on error.
 func (m *Metadata) UnmarshalText(text []byte) error {
 	md, err := ParseMetadata(string(text))
 	if err != nil {
@@ -205,7 +207,7 @@ func (m *Metadata) UnmarshalText(text []byte) error {
 	return nil
 }
 
-// MarshalBinary implements encoding.BinaryMarshaler. It fails only for the
+// MarshalBinary implements [encoding.BinaryMarshaler]. It fails only for the
 // zero Metadata.
 func (m Metadata) MarshalBinary() ([]byte, error) {
 	if err := m.check(); err != nil {
@@ -226,8 +228,9 @@ func (m Metadata) MarshalBinary() ([]byte, error) {
 	return binary.LittleEndian.AppendUint32(b, crc32.Checksum(b, castagnoli)), nil
 }
 
-// UnmarshalBinary implements encoding.BinaryUnmarshaler with the guarantees
-// of ParseMetadata. It does not retain data.
+// UnmarshalBinary implements [encoding.BinaryUnmarshaler] with the
+// guarantees of [ParseMetadata]. It does not retain data, and leaves m
+// unchanged on error.
 func (m *Metadata) UnmarshalBinary(data []byte) error {
 	md, err := decodeMetadata(data)
 	if err != nil {
@@ -266,7 +269,7 @@ func checkConns(cs []agent.ConnInfo, least int) error {
 			return fmt.Errorf("%w: %v", ErrInvalidMetadata, err)
 		}
 		if len(c.Data) > maxConnDataLen {
-			return fmt.Errorf("%w: backend %s: want at most %d bytes of connection data, found %d", ErrInvalidMetadata, c.Backend, maxConnDataLen, len(c.Data))
+			return fmt.Errorf("%w: backend %q: want at most %d bytes of connection data, found %d", ErrInvalidMetadata, c.Backend, maxConnDataLen, len(c.Data))
 		}
 	}
 	return nil
@@ -325,7 +328,7 @@ func readConns(r *wire.Reader, least uint64) []agent.ConnInfo {
 		at = r.Offset()
 		dlen := r.Uvarint("connection data length")
 		if r.Err() == nil && dlen > maxConnDataLen {
-			r.FailAtf(at, "backend %s: want at most %d bytes of connection data, found %d", name, maxConnDataLen, dlen)
+			r.FailAtf(at, "backend %q: want at most %d bytes of connection data, found %d", name, maxConnDataLen, dlen)
 		}
 		data := bytes.Clone(r.Bytes(int(dlen), "connection data"))
 		cs = append(cs, agent.ConnInfo{Backend: name, Data: data})
@@ -347,25 +350,35 @@ func checkName(s string) error {
 	return nil
 }
 
+// unframe checks the frame both binary forms share (magic, version, at
+// least minLen bytes, and a CRC-32C of every byte before it in the last
+// crcLen) and returns the bytes the CRC covers. The error says what was
+// expected and what was found, quoting the input's bytes.
+func unframe(b, magic []byte, version byte, minLen int) ([]byte, error) {
+	hl := len(magic) + 1
+	if len(b) < hl || !bytes.Equal(b[:len(magic)], magic) {
+		return nil, fmt.Errorf("want magic %q and a version, found %q", magic, b[:min(len(b), hl)])
+	}
+	if b[hl-1] != version {
+		return nil, fmt.Errorf("want version %d, found version %d", version, b[hl-1])
+	}
+	if len(b) < minLen {
+		return nil, fmt.Errorf("want at least %d bytes, found %d (truncated)", minLen, len(b))
+	}
+	body := b[:len(b)-crcLen]
+	if want, got := binary.LittleEndian.Uint32(b[len(body):]), crc32.Checksum(body, castagnoli); want != got {
+		return nil, fmt.Errorf("want CRC-32C 0x%08x, computed 0x%08x (damaged or truncated)", want, got)
+	}
+	return body, nil
+}
+
 // decodeMetadata parses a binary token. It checks every count against the
 // bytes that remain before allocating for it, so a short input cannot make
 // it allocate much.
 func decodeMetadata(b []byte) (Metadata, error) {
-	bad := func(format string, args ...any) (Metadata, error) {
-		return Metadata{}, fmt.Errorf("%w: %s", ErrInvalidMetadata, fmt.Sprintf(format, args...))
-	}
-	if len(b) < 3 || !bytes.Equal(b[:2], metaMagic[:]) {
-		return bad("want magic %q and a version, found %q", metaMagic[:], b[:min(len(b), 3)])
-	}
-	if b[2] != metaVersion {
-		return bad("want version %d, found version %d", metaVersion, b[2])
-	}
-	if len(b) < minLen {
-		return bad("want at least %d bytes, found %d (truncated)", minLen, len(b))
-	}
-	body := b[:len(b)-crcLen]
-	if want, got := binary.LittleEndian.Uint32(b[len(body):]), crc32.Checksum(body, castagnoli); want != got {
-		return bad("want CRC-32C 0x%08x, computed 0x%08x (damaged or truncated)", want, got)
+	body, err := unframe(b, metaMagic[:], metaVersion, minLen)
+	if err != nil {
+		return Metadata{}, fmt.Errorf("%w: %w", ErrInvalidMetadata, err)
 	}
 
 	var m Metadata

@@ -227,7 +227,7 @@ func TestCorruptMetadata(t *testing.T) {
 			r := validRaw()
 			r.conns[0].Data = make([]byte, 5000)
 			return r.token()
-		}(), "backend mem: want at most 4096 bytes of connection data, found 5000"},
+		}(), `backend "mem": want at most 4096 bytes of connection data, found 5000`},
 		{"no descriptors", func() []byte { r := validRaw(); r.nregs = u64(0); r.regions = nil; return r.token() }(), "want 1 to 0 descriptors"},
 		{"descriptor count past end", func() []byte { r := validRaw(); r.nregs = u64(1 << 50); return r.token() }(), "offset 58: want 1 to 2 descriptors (21 bytes left, 10 or more each), found 1125899906842624"},
 		{"zero size", func() []byte { r := validRaw(); r.regions[1][1] = 0; return r.token() }(), "offset 70: descriptor 1: want a size of at least 1, found 0"},

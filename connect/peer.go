@@ -1,7 +1,6 @@
 package connect
 
 import (
-	"bytes"
 	"context"
 	"encoding/binary"
 	"fmt"
@@ -15,14 +14,14 @@ import (
 
 // AgentInfo is the public description of a Connector's agent: its ID and
 // how each of its backends is reached. Full tokens embed it; a presence
-// registry publishes it so that compact tokens (Metadata.Compact) can name
-// the agent by ID alone. It grants nothing by itself: every access still
+// registry publishes it so that compact tokens ([Metadata.Compact]) can
+// name the agent by ID alone. It grants nothing by itself: every access still
 // needs a token's key.
 //
 // An AgentInfo is an immutable value, safe to copy and to share. The zero
 // AgentInfo is invalid.
 //
-// Its binary form (MarshalBinary), version 1, is:
+// Its binary form ([AgentInfo.MarshalBinary]), version 1, is:
 //
 //	magic    "gxa"
 //	version  u8 (1)
@@ -44,7 +43,7 @@ var infoMagic = [3]byte{'g', 'x', 'a'}
 // same for the Connector's life.
 func (c *Connector) AgentInfo() AgentInfo { return AgentInfo{info: c.info} }
 
-// ID returns the agent's ID, the one tokens name (Metadata.Agent).
+// ID returns the agent's ID, the one tokens name ([Metadata.Agent]).
 func (i AgentInfo) ID() uuid.UUID { return i.info.ID }
 
 // Backends returns the names of the agent's backends, in its order of
@@ -57,7 +56,7 @@ func (i AgentInfo) Backends() []string {
 	return names
 }
 
-// MarshalBinary implements encoding.BinaryMarshaler. It fails only for an
+// MarshalBinary implements [encoding.BinaryMarshaler]. It fails only for an
 // invalid AgentInfo, such as the zero one.
 func (i AgentInfo) MarshalBinary() ([]byte, error) {
 	if i.info.ID == uuid.Nil {
@@ -74,25 +73,14 @@ func (i AgentInfo) MarshalBinary() ([]byte, error) {
 	return binary.LittleEndian.AppendUint32(b, crc32.Checksum(b, castagnoli)), nil
 }
 
-// UnmarshalBinary implements encoding.BinaryUnmarshaler. data is untrusted:
-// errors wrap ErrInvalidMetadata and say what was expected and what was
-// found; it never panics and does not retain data.
+// UnmarshalBinary implements [encoding.BinaryUnmarshaler]. data is
+// untrusted: errors wrap [ErrInvalidMetadata] and say what was expected and
+// what was found, with the input's own text quoted; it never panics, does
+// not retain data, and leaves i unchanged on error.
 func (i *AgentInfo) UnmarshalBinary(data []byte) error {
-	bad := func(format string, args ...any) error {
-		return fmt.Errorf("%w: agent info: %s", ErrInvalidMetadata, fmt.Sprintf(format, args...))
-	}
-	if len(data) < 4 || !bytes.Equal(data[:3], infoMagic[:]) {
-		return bad("want magic %q and a version, found %q", infoMagic[:], data[:min(len(data), 4)])
-	}
-	if data[3] != infoVersion {
-		return bad("want version %d, found version %d", infoVersion, data[3])
-	}
-	if len(data) < minInfoLen {
-		return bad("want at least %d bytes, found %d (truncated)", minInfoLen, len(data))
-	}
-	body := data[:len(data)-crcLen]
-	if want, got := binary.LittleEndian.Uint32(data[len(body):]), crc32.Checksum(body, castagnoli); want != got {
-		return bad("want CRC-32C 0x%08x, computed 0x%08x (damaged or truncated)", want, got)
+	body, err := unframe(data, infoMagic[:], infoVersion, minInfoLen)
+	if err != nil {
+		return fmt.Errorf("%w: agent info: %w", ErrInvalidMetadata, err)
 	}
 	var info agent.Info
 	r := wire.NewReader(body[4:], 4)
@@ -113,9 +101,10 @@ func (i *AgentInfo) UnmarshalBinary(data []byte) error {
 }
 
 // Resolver finds an agent's description by its ID, for compact tokens (see
-// Metadata.Compact and WithResolver). transport/nats's presence registry is
-// one. Resolve must be safe for concurrent use; it should return an error
-// matching ErrRemoteLost for an agent it knows has departed.
+// [Metadata.Compact] and [WithResolver]). transport/nats's presence registry
+// is one. Resolve must be safe for concurrent use and return once ctx is
+// done; it should return an error matching [ErrRemoteLost] for an agent it
+// knows has departed.
 type Resolver interface {
 	Resolve(ctx context.Context, id uuid.UUID) (AgentInfo, error)
 }
@@ -145,9 +134,9 @@ func (c *Connector) resolve(ctx context.Context, md Metadata) (agent.Info, error
 // PeerDeparted declares the agent id gone, on word from outside the
 // backends: typically a presence registry that stopped hearing its
 // heartbeats, which tells long before transport keepalives would. Active
-// operations in flight with that agent fail with a *TransferError matching
-// ErrRemoteLost; passive operations it has used (read, written or notified)
-// end their Wait the same way. Operations begun afterwards are not refused:
+// operations in flight with that agent fail with a [*TransferError]
+// matching [ErrRemoteLost]; passive operations it has used (read, written
+// or notified) end their Wait the same way ([agent.Agent.PeerDeparted]). Operations begun afterwards are not refused:
 // a peer declared gone by mistake keeps working. Safe for concurrent use.
 func (c *Connector) PeerDeparted(id uuid.UUID) {
 	c.a.PeerDeparted(id, fmt.Errorf("%w: agent %s departed", ErrRemoteLost, id))
