@@ -14,8 +14,9 @@ import (
 )
 
 // Connector creates the four kinds of operation over one shared transfer
-// agent and its backends. Create one per process (or per set of memory
-// that is managed together) with NewConnector, and Close it when done.
+// agent ([agent.Agent]) and its backends. Create one per process (or per
+// set of memory that is managed together) with [NewConnector], and Close it
+// when done.
 //
 // A Connector is safe for concurrent use by any number of goroutines.
 type Connector struct {
@@ -38,8 +39,11 @@ type Connector struct {
 	closeErr  error
 }
 
-// NewConnector starts a Connector and its agent. See the Option functions
-// for the defaults. On error nothing is left running.
+// NewConnector starts a Connector and its agent. Each [Option] states its
+// default; with none, the Connector has the default backends (mem, cma,
+// tcp, with tcp listening on loopback only). Invalid or conflicting options
+// fail with an error wrapping [ErrInvalidOption]. On error nothing is left
+// running.
 func NewConnector(opts ...Option) (*Connector, error) {
 	o := options{logger: slog.Default()}
 	for _, opt := range opts {
@@ -88,14 +92,18 @@ func closeBackends(bs []agent.Backend) {
 	}
 }
 
-// Close ends every operation and stops the Connector: active operations are
-// cancelled (their Wait returns an error matching ErrClosed and
-// ErrCancelled, unless the transfer had already completed), passive ones are
-// closed (their Wait returns ErrClosed unless the peer had already reported
-// completion), then the agent and its backends stop. It returns once no
+// Close ends every operation and stops the Connector. It first refuses new
+// Create and Begin calls and waits for those in progress. Then active
+// operations are cancelled (their Wait returns an error matching [ErrClosed]
+// and [ErrCancelled], unless the transfer had already ended), and Close
+// waits for their transfers to end and for the notices telling their peers
+// (each bounded by 10 s). Then passive operations are closed (their Wait
+// returns [ErrClosed] unless the operation already had an outcome), and the
+// agent and its backends stop ([agent.Agent.Close]). It returns once no
 // backend touches any operation's memory and every goroutine the Connector
 // started has ended. Errors from releasing memory and stopping backends are
-// joined. Close is idempotent; every call returns the first call's result.
+// joined. Close is idempotent and safe to call concurrently; every call
+// returns the first call's result.
 func (c *Connector) Close() error {
 	c.closeOnce.Do(func() {
 		c.mu.Lock()
@@ -128,32 +136,30 @@ func (c *Connector) Close() error {
 	return c.closeErr
 }
 
-// enter admits a Create or Begin call unless the Connector is closing; the
-// call ends with c.calls.Done.
-func (c *Connector) enter(ctx context.Context) error {
+// enter admits a Create or Begin call unless ctx is done or the Connector
+// is closing, and takes a reference to every region of ls, in one call. On
+// success the call ends with c.calls.Done.
+func (c *Connector) enter(ctx context.Context, ls []agent.Local) (*agent.Registration, error) {
 	if err := ctx.Err(); err != nil {
-		return err
+		return nil, err
 	}
 	c.mu.Lock()
-	defer c.mu.Unlock()
 	if c.closing {
-		return ErrClosed
+		c.mu.Unlock()
+		return nil, ErrClosed
 	}
 	c.calls.Add(1)
-	return nil
+	c.mu.Unlock()
+	r, err := c.a.Register(ls...)
+	if err != nil {
+		c.calls.Done()
+		return nil, fmt.Errorf("connect: register descriptors: %w", err)
+	}
+	return r, nil
 }
 
 func (c *Connector) isClosing() bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.closing
-}
-
-// register takes a reference to every local region, in one call.
-func (c *Connector) register(ls []agent.Local) (*agent.Registration, error) {
-	r, err := c.a.Register(ls...)
-	if err != nil {
-		return nil, fmt.Errorf("connect: register descriptors: %w", err)
-	}
-	return r, nil
 }

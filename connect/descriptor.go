@@ -17,8 +17,9 @@ import (
 // until Wait returns), the caller must keep the memory alive and must not
 // touch the bytes the operation moves; afterwards the memory may be reused or
 // freed. Go memory is not moved by the garbage collector, so a []byte given
-// to NewDescriptor needs no further pinning: the operation holds a reference
-// to it for as long as it may be accessed.
+// to [NewDescriptor] needs no further pinning: the operation holds a
+// reference to it for as long as it may be accessed. Memory given to
+// [NewDeviceDescriptor] is the caller's to keep alive.
 type Descriptor struct {
 	mem  []byte  // Go memory, from NewDescriptor
 	ptr  uintptr // raw memory, from NewDeviceDescriptor
@@ -28,18 +29,18 @@ type Descriptor struct {
 
 // NewDescriptor describes the host memory held in buf. An empty buf is
 // accepted here and reported, naming its index, by the Create or Begin call
-// it is given to (ErrInvalidDescriptor).
+// it is given to ([ErrInvalidDescriptor]).
 func NewDescriptor(buf []byte) Descriptor {
 	return Descriptor{mem: buf, size: len(buf), dev: Host()}
 }
 
 // NewDeviceDescriptor describes size bytes of raw memory at ptr on dev: a
-// CUDA device pointer for CUDA(n), or host memory that the Go runtime does
-// not manage (mmap, a C allocator, pinned host memory) for Host(). It must
-// not point into the Go heap: use NewDescriptor for that, since the Go
+// CUDA device pointer for [CUDA](n), or host memory that the Go runtime does
+// not manage (mmap, a C allocator, pinned host memory) for [Host](). It must
+// not point into the Go heap: use [NewDescriptor] for that, since the Go
 // garbage collector does not see a uintptr as a reference. Invalid arguments
 // (null pointer, size <= 0, negative GPU ordinal) are reported by the Create
-// or Begin call the descriptor is given to.
+// or Begin call the descriptor is given to ([ErrInvalidDescriptor]).
 func NewDeviceDescriptor(ptr uintptr, size int, dev Device) Descriptor {
 	return Descriptor{ptr: ptr, size: size, dev: dev}
 }

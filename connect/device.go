@@ -43,11 +43,12 @@ const maxDeviceID = math.MaxInt32
 func Host() Device { return Device{Kind: DeviceHost} }
 
 // CUDA returns the CUDA GPU with ordinal id. A negative id yields a device
-// that descriptors reject with ErrInvalidDescriptor.
+// that descriptors reject with [ErrInvalidDescriptor].
 func CUDA(id int) Device { return Device{Kind: DeviceCUDA, ID: id} }
 
 // ParseDevice parses "cpu" or "host" (the host), "cuda" (GPU 0) or "cuda:N"
-// (GPU N), ignoring case. It is the inverse of Device.String.
+// (GPU N), ignoring case. It is the inverse of [Device.String]. Errors quote
+// s.
 func ParseDevice(s string) (Device, error) {
 	kind, id, hasID := strings.Cut(strings.ToLower(s), ":")
 	switch kind {
@@ -69,7 +70,7 @@ func ParseDevice(s string) (Device, error) {
 	return Device{}, fmt.Errorf("connect: device %q: want \"cpu\", \"host\", \"cuda\" or \"cuda:N\"", s)
 }
 
-// String returns "host" or "cuda:N", which ParseDevice accepts.
+// String returns "host" or "cuda:N", which [ParseDevice] accepts.
 func (d Device) String() string {
 	if d.Kind == DeviceCUDA {
 		return "cuda:" + strconv.Itoa(d.ID)

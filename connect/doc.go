@@ -1,14 +1,16 @@
 // Package connect moves bulk memory (KV-cache blocks, embeddings, tensors)
 // between processes and hosts, in the style of NVIDIA Dynamo's NIXL Connect.
 //
-// One side, the passive one, exposes memory with CreateReadable or
-// CreateWritable and hands out the operation's Metadata, a small token. The
-// other side, the active one, passes the token to BeginRead or BeginWrite,
-// which move the bytes one-sidedly over the best backend both sides share
-// (in-process copy, TCP, ...). Both sides await completion with Wait: the
-// active side's Wait returns once every byte is in place, then the passive
-// side hears of it. Tokens travel however the application likes (NATS, HTTP,
-// a file): they are plain strings.
+// One side, the passive one, exposes memory with [Connector.CreateReadable]
+// or [Connector.CreateWritable] and hands out the operation's [Metadata], a
+// small token. The other side, the active one, passes the token to
+// [Connector.BeginRead] or [Connector.BeginWrite], which move the bytes
+// one-sidedly over the first backend both sides share that reaches the peer
+// (in-process copy, same-host cross-memory attach, TCP, ...). Both sides
+// await completion with Wait: the active side's Wait returns once every
+// byte is in place, then the passive side hears of it. Tokens travel
+// however the application likes (NATS, HTTP, a file): they are plain
+// strings.
 //
 // The happy path, READ:
 //
@@ -32,7 +34,11 @@
 // Keep it alive and leave alone the bytes being moved until the passive
 // operation's Close returns or the active operation's Wait returns.
 //
-// Errors match the package's sentinels with errors.Is; failures of a
-// transfer come as *TransferError, naming the operation, the peer and the
+// Contexts: the one given to BeginRead or BeginWrite bounds the whole
+// transfer, and the one given to an active Wait cancels the transfer too
+// when it ends; the one given to a passive Wait bounds only that wait.
+//
+// Errors match the package's sentinels with [errors.Is]; failures of a
+// transfer come as [*TransferError], naming the operation, the peer and the
 // backend.
 package connect

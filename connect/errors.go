@@ -7,15 +7,18 @@ import (
 	"github.com/goxfer/goxfer/agent"
 )
 
-// Sentinel errors, matched with errors.Is. The first six are the agent's own
-// sentinels re-exported, so an error from any layer (connect, agent, a
+// Sentinel errors, matched with [errors.Is]. The first six are the agent's
+// own sentinels ([agent.ErrClosed], ...) re-exported, so an error from any layer (connect, agent, a
 // backend) matches the same value.
 var (
 	// ErrClosed reports use of a closed Connector or operation, and ends the
-	// Waits in progress when one is closed.
+	// Waits in progress when one is closed (for an active operation, joined
+	// to ErrCancelled).
 	ErrClosed = agent.ErrClosed
 	// ErrCancelled reports an operation cancelled before it completed: by
-	// Cancel, by the context given to Wait, or by the peer.
+	// Cancel, by the context given to BeginRead, BeginWrite or an active
+	// Wait (the error then matches the context's error too), by
+	// [Connector.Close], or by the peer.
 	ErrCancelled = agent.ErrCancelled
 	// ErrRemoteLost reports a peer that died, became unreachable or stopped
 	// answering keepalives.
@@ -26,13 +29,14 @@ var (
 	// ErrNoBackend reports that no backend both sides share can move the
 	// memory involved, or that the forced backend is not configured.
 	ErrNoBackend = agent.ErrNoBackend
-	// ErrInvalidOption reports an invalid or conflicting Option given to
-	// NewConnector, or to a backend (WithTCPOptions, WithCMAOptions,
-	// WithUCX): every backend's option errors wrap this one value.
+	// ErrInvalidOption reports an invalid or conflicting [Option] given to
+	// [NewConnector], or to a backend ([WithTCPOptions], [WithCMAOptions],
+	// [WithUCX]): every backend's option errors wrap this one value.
 	ErrInvalidOption = agent.ErrInvalidOption
 
 	// ErrKindMismatch reports metadata of the wrong kind: a READ token given
-	// to BeginWrite, or a WRITE token given to BeginRead.
+	// to [Connector.BeginWrite], or a WRITE token given to
+	// [Connector.BeginRead].
 	ErrKindMismatch = errors.New("connect: operation kind mismatch")
 	// ErrSizeMismatch reports local descriptors that do not match the remote
 	// ones in number or, index by index, in size.
@@ -50,12 +54,16 @@ var (
 var errPeerFailed = errors.New("connect: peer reports the transfer failed")
 
 // TransferError describes a failed or cancelled operation. Err is the cause
-// and matches the sentinels above with errors.Is (for a cancelled Wait also
-// the context's error).
+// and matches the sentinels above with [errors.Is] (for a transfer a
+// context cancelled, also the context's error). Text the peer sent (the
+// reason it gave for a failure) appears quoted in Err's message.
 type TransferError struct {
-	Op      string // "read", "write" (active side), "readable", "writable" (passive side)
-	Remote  string // the peer agent's ID, or "" when no peer is known
-	Backend string // the backend that moved the bytes, or "" when none did
+	Op     string // "read", "write" (active side), "readable", "writable" (passive side)
+	Remote string // the peer agent's ID, or "" when no peer is known
+	// Backend is the backend that moved the bytes; for a transfer that
+	// could not start, the one [WithBackend] forced, or "". Passive
+	// operations leave it "".
+	Backend string
 	Err     error
 }
 

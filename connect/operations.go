@@ -26,9 +26,10 @@ const (
 	// StatusComplete: every byte is in place (active side), or the peer
 	// reported completion (passive side).
 	StatusComplete
-	// StatusCancelled: cancelled by Cancel, a context, the peer, or Close.
+	// StatusCancelled: cancelled by Cancel, a context, the peer, or Close
+	// (the operation's error matches [ErrCancelled] or [ErrClosed]).
 	StatusCancelled
-	// StatusErrored: failed; Wait returns why.
+	// StatusErrored: failed for any other reason; Wait returns why.
 	StatusErrored
 )
 
@@ -63,76 +64,83 @@ func statusOf(err error) Status {
 }
 
 // ReadableOperation exposes local memory for reading by the holder of its
-// Metadata (BeginRead); Wait reports the first outcome a peer reports. Create
-// one with Connector.CreateReadable. It is safe for concurrent use. The
-// memory it names must stay alive and unchanged until Close returns.
+// [Metadata] ([Connector.BeginRead]); Wait reports the first outcome a peer
+// reports. Create one with [Connector.CreateReadable]. It is safe for
+// concurrent use. The memory it names must stay alive and unchanged until
+// Close returns.
 type ReadableOperation struct{ passiveOp }
 
 // WritableOperation exposes local memory for writing by the holder of its
-// Metadata (BeginWrite); Wait reports the first outcome a peer reports.
-// Create one with Connector.CreateWritable. It is safe for concurrent use.
-// The memory it names holds the peer's bytes once Wait returns nil; it must
-// stay alive until Close returns.
+// [Metadata] ([Connector.BeginWrite]); Wait reports the first outcome a peer
+// reports. Create one with [Connector.CreateWritable]. It is safe for
+// concurrent use. The memory it names holds the peer's bytes once Wait
+// returns nil; it must stay alive, and the caller must not touch it, until
+// Close returns.
 type WritableOperation struct{ passiveOp }
 
 // ReadOperation reads remote memory into local memory. Start one with
-// Connector.BeginRead. It is safe for concurrent use. The local memory must
-// stay alive and untouched until Wait returns.
+// [Connector.BeginRead]. It is safe for concurrent use. The local memory
+// must stay alive and untouched until Wait returns (or, if nobody waits,
+// until the transfer has ended: see Wait). It needs no Close.
 type ReadOperation struct{ activeOp }
 
 // WriteOperation writes local memory into remote memory. Start one with
-// Connector.BeginWrite. It is safe for concurrent use. The local memory must
-// stay alive and unchanged until Wait returns.
+// [Connector.BeginWrite]. It is safe for concurrent use. The local memory
+// must stay alive and unchanged until Wait returns (or, if nobody waits,
+// until the transfer has ended: see Wait). It needs no Close.
 type WriteOperation struct{ activeOp }
 
 // CreateReadable exposes descs for reading by the holder of the returned
-// operation's Metadata. The memory is registered with the Connector's
+// operation's [Metadata]. The memory is registered with the Connector's
 // backends (registrations are reference-counted, so several operations may
-// share a buffer) and stays readable until the operation is closed.
+// share a buffer) and stays readable until the operation is closed. ctx is
+// checked only on entry: creating waits on no peer. Invalid descriptors
+// fail with [ErrInvalidDescriptor], a closed Connector with [ErrClosed].
 func (c *Connector) CreateReadable(ctx context.Context, descs ...Descriptor) (*ReadableOperation, error) {
 	o := &ReadableOperation{}
-	if err := c.create(ctx, &o.passiveOp, KindRead, descs); err != nil {
-		return nil, err
-	}
-	return o, nil
+	return made(o, c.create(ctx, &o.passiveOp, KindRead, descs))
 }
 
 // CreateWritable exposes descs for writing by the holder of the returned
-// operation's Metadata, as CreateReadable does for reading.
+// operation's [Metadata], as [Connector.CreateReadable] does for reading.
 func (c *Connector) CreateWritable(ctx context.Context, descs ...Descriptor) (*WritableOperation, error) {
 	o := &WritableOperation{}
-	if err := c.create(ctx, &o.passiveOp, KindWrite, descs); err != nil {
-		return nil, err
-	}
-	return o, nil
+	return made(o, c.create(ctx, &o.passiveOp, KindWrite, descs))
 }
 
 // BeginRead starts reading the remote memory md names into local, index by
 // index, and returns without waiting for the bytes. md must be a READ token
-// (else ErrKindMismatch) naming as many descriptors as local, of the same
-// sizes (else ErrSizeMismatch); both are checked before any byte moves.
-// A compact token (Metadata.Compact) is resolved first, with ctx, through
-// the Connector's Resolver. Invalid arguments and a failed resolution come
-// as plain errors matching the sentinels above; a transfer the agent could
-// not start (no shared backend, a closed Connector) comes as a
-// *TransferError.
+// (else [ErrKindMismatch]) naming as many descriptors as local, of the same
+// sizes (else [ErrSizeMismatch]); both are checked before any byte moves.
+// A compact token ([Metadata.Compact]) is resolved first, with ctx, through
+// the Connector's [Resolver]. Invalid arguments, a failed resolution, a
+// closed Connector ([ErrClosed]) and a ctx already done come as plain
+// errors; a transfer the agent could not start (no backend both sides share
+// reaches the peer, a backend refused it) comes as a [*TransferError], and
+// the peer is told, best effort (for at most 10 s), before BeginRead
+// returns.
 //
 // ctx bounds the whole transfer, not just the call, as with
-// exec.CommandContext: if it ends before the transfer finishes, the transfer
-// is cancelled. Use Wait's context to bound only the wait.
+// [exec.CommandContext]: if it ends before the transfer finishes, the
+// transfer is cancelled. The context given to [ReadOperation.Wait] cancels
+// the transfer too when it ends: on the active side no context bounds only
+// the wait.
 func (c *Connector) BeginRead(ctx context.Context, md Metadata, local ...Descriptor) (*ReadOperation, error) {
 	o := &ReadOperation{}
-	if err := c.begin(ctx, &o.activeOp, agent.OpRead, md, local); err != nil {
-		return nil, err
-	}
-	return o, nil
+	return made(o, c.begin(ctx, &o.activeOp, agent.OpRead, md, local))
 }
 
 // BeginWrite starts writing local into the remote memory md names, index by
-// index, as BeginRead does for reading; md must be a WRITE token.
+// index, as [Connector.BeginRead] does for reading; md must be a WRITE
+// token.
 func (c *Connector) BeginWrite(ctx context.Context, md Metadata, local ...Descriptor) (*WriteOperation, error) {
 	o := &WriteOperation{}
-	if err := c.begin(ctx, &o.activeOp, agent.OpWrite, md, local); err != nil {
+	return made(o, c.begin(ctx, &o.activeOp, agent.OpWrite, md, local))
+}
+
+// made returns o, or nil and err if making it failed.
+func made[T any](o *T, err error) (*T, error) {
+	if err != nil {
 		return nil, err
 	}
 	return o, nil
@@ -170,14 +178,11 @@ func (c *Connector) create(ctx context.Context, o *passiveOp, kind OperationKind
 	if err != nil {
 		return err
 	}
-	if err := c.enter(ctx); err != nil {
-		return err
-	}
-	defer c.calls.Done()
-	regs, err := c.register(ls)
+	regs, err := c.enter(ctx, ls)
 	if err != nil {
 		return err
 	}
+	defer c.calls.Done()
 	acc, name := agent.AccessRead, "readable"
 	if kind == KindWrite {
 		acc, name = agent.AccessWrite, "writable"
@@ -205,17 +210,18 @@ func (c *Connector) create(ctx context.Context, o *passiveOp, kind OperationKind
 }
 
 // Metadata returns the token to hand to the peer. It grants access to the
-// operation's memory until Close.
+// operation's memory until Close; treat it as a secret until then.
 func (o *passiveOp) Metadata() Metadata { return o.md }
 
 // Wait blocks until the peer reports completion (nil), reports that it
-// failed or was cancelled (a *TransferError, matching ErrCancelled when the
-// peer cancelled), is lost (ErrRemoteLost), until the operation or its
-// Connector is closed (ErrClosed), or until ctx is done (ctx's error). A
-// context that ends leaves the operation open and its status unchanged:
-// Wait may be called again. The operation's outcome is the first the peer
-// reported, or ErrClosed if it reported none before Close; once it has
-// one, every Wait returns it. Safe to call concurrently.
+// failed or was cancelled (a [*TransferError], matching [ErrCancelled] when
+// the peer cancelled), is lost (a [*TransferError] matching
+// [ErrRemoteLost]), until the operation or its Connector is closed
+// ([ErrClosed]), or until ctx is done (ctx.Err(), unwrapped). A context
+// that ends leaves the operation open and its status unchanged: Wait may be
+// called again, and the peer's access is not affected. The operation's
+// outcome is the first of these events, other than ctx's end; once it has
+// one, every Wait returns it, also after Close. Safe to call concurrently.
 func (o *passiveOp) Wait(ctx context.Context) error {
 	for {
 		if s, err := o.outcome(); s.terminal() {
@@ -259,9 +265,12 @@ func (o *passiveOp) acquire() {
 
 func (o *passiveOp) release() { <-o.turn }
 
-// Status returns where the operation stands. It notices a completion the
-// peer reported even if nobody is waiting for it, and every event queued
-// before the call, even one a concurrent Wait is taking.
+// Status returns where the operation stands: [StatusInitialized] until a
+// peer uses it, [StatusInProgress] once one has, then its outcome's status.
+// It notices a completion the peer reported even if nobody is waiting for
+// it, and every event queued before the call, even one a concurrent Wait is
+// taking. It never blocks for long: at most while a concurrent Status or
+// Close records an event. Safe to call concurrently.
 func (o *passiveOp) Status() Status {
 	if s, _ := o.outcome(); !s.terminal() {
 		o.acquire()
@@ -276,11 +285,14 @@ func (o *passiveOp) Status() Status {
 }
 
 // Close revokes the peer's access and releases the memory: when it returns,
-// no peer can touch the memory any more, and the caller may reuse or free it.
-// A Wait in progress returns ErrClosed, unless the peer had already reported
-// an outcome (completion or failure), which it then returns, as every later
-// Wait does. Close is idempotent and safe to call concurrently; every call
-// returns the first call's result.
+// no peer can touch the memory any more, and the caller may reuse or free
+// it. It waits for the peer accesses in progress to end, which each backend
+// bounds (see docs/concepts.md, Lifetimes). A Wait in progress returns
+// [ErrClosed], unless the operation already had an outcome (the peer's
+// completion, failure or cancellation, or its loss), which it then returns,
+// as every later Wait does. The error is that of releasing the memory's
+// registration. Close is idempotent and safe to call concurrently; every
+// call returns the first call's result.
 func (o *passiveOp) Close() error {
 	o.closeOnce.Do(func() {
 		o.exp.Revoke()
@@ -411,15 +423,11 @@ func (c *Connector) begin(ctx context.Context, o *activeOp, op agent.Op, md Meta
 	if err != nil {
 		return err
 	}
-	if err := c.enter(ctx); err != nil {
-		return err
-	}
-	defer c.calls.Done()
-
-	regs, err := c.register(ls)
+	regs, err := c.enter(ctx, ls)
 	if err != nil {
 		return err
 	}
+	defer c.calls.Done()
 	*o = activeOp{c: c, name: op.String(), peer: peer, key: md.key, regs: regs, done: make(chan struct{})}
 	// Tracked before posting: a small transfer may finish inside Post.
 	c.mu.Lock()
@@ -516,12 +524,14 @@ func (o *activeOp) tellPeer(err error) {
 
 // Wait blocks until every byte is in place (nil: for a read, landed in local
 // memory; for a write, acknowledged by the remote) or the operation fails
-// (a *TransferError). When ctx ends first, Wait cancels the transfer, waits
-// until the backend no longer touches local memory, and returns an error
-// matching both ErrCancelled and ctx's error (unless the transfer completed
-// meanwhile). When Wait returns, the local memory is the caller's again.
-// Once the operation has finished, every Wait returns the same result. Safe
-// to call concurrently.
+// (a [*TransferError]). When ctx ends first, Wait cancels the transfer, as
+// [ReadOperation.Cancel] does, for every waiter: it does not stop waiting
+// alone. It then waits until the backend no longer touches local memory,
+// and returns an error matching both [ErrCancelled] and ctx.Err(), unless
+// the transfer completed, failed or was cancelled meanwhile. When Wait
+// returns, the local memory is the caller's again; it is too once the
+// transfer has ended, even if nobody calls Wait. Once the operation has
+// finished, every Wait returns the same result. Safe to call concurrently.
 func (o *activeOp) Wait(ctx context.Context) error {
 	select {
 	case <-o.done:
@@ -538,12 +548,14 @@ func (o *activeOp) Wait(ctx context.Context) error {
 }
 
 // Cancel asks the transfer to stop and returns without waiting; Wait then
-// returns an error matching ErrCancelled once the local memory is free. The
-// peer is told. Cancelling a finished operation does nothing.
+// returns an error matching [ErrCancelled] once the local memory is free,
+// unless the transfer completed first. The peer is told, best effort, from
+// a goroutine the Connector owns. Cancelling a finished operation does
+// nothing. Safe to call concurrently.
 func (o *activeOp) Cancel() { o.x.Cancel(nil) }
 
-// Status returns StatusInProgress until the transfer finishes, then
-// StatusComplete, StatusCancelled or StatusErrored.
+// Status returns [StatusInProgress] until the transfer finishes, then
+// [StatusComplete], [StatusCancelled] or [StatusErrored]. It never blocks.
 func (o *activeOp) Status() Status {
 	select {
 	case <-o.done:
@@ -553,7 +565,8 @@ func (o *activeOp) Status() Status {
 	}
 }
 
-// Backend returns the name of the backend moving the bytes ("mem", "tcp").
+// Backend returns the name of the backend moving the bytes ("mem", "cma",
+// "tcp", ...).
 func (o *activeOp) Backend() string { return o.x.Backend() }
 
 // Notifications from the active side to the passive side: one code byte,

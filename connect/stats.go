@@ -6,8 +6,8 @@ import "github.com/goxfer/goxfer/agent"
 // connections it dropped on a peer's account, by kind (HandshakeFailures,
 // ProtocolErrors, LimitRejected, Timeouts; Disconnected is their sum), and
 // the requests it refused without dropping the connection (Denied). The
-// backends' Stats types (tcp.Stats, cma.Stats) say what falls under each
-// kind.
+// backends' Stats types ([tcp.Stats], [cma.Stats]) say what falls under
+// each kind.
 type BackendStats = agent.BackendStats
 
 // Stats are a Connector's counters since it started: what remote peers
@@ -30,7 +30,7 @@ type Stats struct {
 	// operations are not being closed.
 	Registered, Exposed, InFlight int
 	// Backends holds, per backend name ("tcp", "cma", "ucx"), the counters
-	// of backends that keep them.
+	// of backends that keep them ([agent.Counting]); mem keeps none.
 	Backends map[string]BackendStats
 }
 
