@@ -14,8 +14,9 @@ import (
 )
 
 // Option configures a Connector. Options are applied in order by
-// NewConnector, which reports invalid or conflicting ones with an error
-// wrapping ErrInvalidOption.
+// [NewConnector], which reports invalid or conflicting ones with an error
+// wrapping [ErrInvalidOption]. docs/concepts.md (Connector options) says
+// when to use which.
 type Option interface{ apply(*options) error }
 
 type optionFunc func(*options) error
@@ -35,15 +36,10 @@ type options struct {
 }
 
 // WithBackends replaces the default backends with bs, in order of
-// preference: for each transfer the Connector uses the first one that
-// reaches the peer and supports the memory involved. The Connector owns the
-// backends from NewConnector on, even when it fails, and closes them. The
-// option may be given more than once; backends accumulate.
+// preference; the Connector owns and closes them. Backends accumulate over
+// repeated options.
 //
-// Default: the in-process backend (agent/backend/mem), then same-host
-// cross-memory attach (agent/backend/cma, see WithCMAOptions and
-// WithoutCMA), then UCX if WithUCX asks for it, then TCP
-// (agent/backend/tcp, see WithTCPOptions).
+// Default: mem, cma, ucx (with [WithUCX] only), tcp.
 func WithBackends(bs ...agent.Backend) Option {
 	return optionFunc(func(o *options) error {
 		if len(bs) == 0 {
@@ -60,12 +56,11 @@ func WithBackends(bs ...agent.Backend) Option {
 }
 
 // WithBackend makes every transfer the Connector begins use the backend
-// named name ("mem", "tcp", ...), which must be one of its backends; a peer
-// that backend cannot reach fails with ErrNoBackend instead of falling back.
-// It affects only the active side: passive operations serve any backend.
+// named name, one of its own; a peer it cannot reach fails with
+// [ErrNoBackend] instead of falling back. Passive operations serve any.
 //
-// Default: for each transfer, the first backend in preference order that
-// both sides share and that supports the memory involved.
+// Default: per transfer, the first backend that reaches the peer and
+// supports the memory.
 func WithBackend(name string) Option {
 	return optionFunc(func(o *options) error {
 		if name == "" {
@@ -81,7 +76,7 @@ func WithBackend(name string) Option {
 
 // WithLogger sets where the Connector, its agent and its backends log.
 //
-// Default: slog.Default().
+// Default: [slog.Default]().
 func WithLogger(l *slog.Logger) Option {
 	return optionFunc(func(o *options) error {
 		if l == nil {
@@ -93,11 +88,10 @@ func WithLogger(l *slog.Logger) Option {
 }
 
 // WithResolver sets how the Connector finds the agent a compact token names
-// (Metadata.Compact), for example a transport/nats presence registry. Full
-// tokens never consult it. The Connector calls r.Resolve from BeginRead and
-// BeginWrite, with their context.
+// ([Metadata.Compact]); BeginRead and BeginWrite call r.Resolve with their
+// context. Full tokens never consult it.
 //
-// Default: none; compact tokens fail with ErrNoBackend.
+// Default: none; compact tokens fail with [ErrNoBackend].
 func WithResolver(r Resolver) Option {
 	return optionFunc(func(o *options) error {
 		if r == nil {
@@ -108,11 +102,8 @@ func WithResolver(r Resolver) Option {
 	})
 }
 
-// WithAgentID gives the Connector's agent a chosen ID instead of a random
-// one. Tokens and presence registries name the agent by this ID, so a
-// deployment can tie each service's NATS credentials to the registry entry
-// under its own ID (see docs/security.md). Two live Connectors must never
-// share an ID: peers would take one for the other.
+// WithAgentID gives the Connector's agent a chosen ID, the one tokens and
+// registries name it by; two live Connectors must never share one.
 //
 // Default: a random (version 4) UUID per Connector.
 func WithAgentID(id uuid.UUID) Option {
@@ -125,15 +116,12 @@ func WithAgentID(id uuid.UUID) Option {
 	})
 }
 
-// WithTCPOptions configures the default TCP backend, for example
-// tcp.WithListenAddr(":0") to accept peers on other hosts: by default it
-// listens on loopback only. It conflicts with WithBackends, which replaces
-// the defaults. The option may be given more than once; options accumulate.
-// Invalid TCP options fail NewConnector with an error matching
-// ErrInvalidOption.
+// WithTCPOptions configures the default tcp backend, for example
+// [tcp.WithListenAddr] to accept peers on other hosts. Options accumulate;
+// it conflicts with [WithBackends].
 //
-// Default: the tcp package's defaults (listen on 127.0.0.1:0, 4 streams,
-// keepalive every second, peer lost after 4 silent seconds).
+// Default: tcp's defaults: loopback only (127.0.0.1:0), 4 streams, a peer
+// lost after 4 silent seconds.
 func WithTCPOptions(opts ...tcp.Option) Option {
 	return optionFunc(func(o *options) error {
 		o.tcp = append(o.tcp, opts...)
@@ -142,13 +130,11 @@ func WithTCPOptions(opts ...tcp.Option) Option {
 }
 
 // WithCMAOptions configures the default same-host backend, for example
-// cma.WithWorkers(4). It conflicts with WithBackends, which replaces the
-// defaults, and with WithoutCMA. The option may be given more than once;
-// options accumulate. Invalid cma options fail NewConnector with an error
-// matching ErrInvalidOption.
+// [cma.WithWorkers]. Options accumulate; it conflicts with [WithBackends]
+// and [WithoutCMA].
 //
-// Default: the cma package's defaults (GOMAXPROCS copy workers up to 8,
-// 16 MiB leases, a 4 s timeout, PR_SET_PTRACER where Yama needs it).
+// Default: cma's defaults: GOMAXPROCS copy workers up to 8, 16 MiB leases,
+// a 4 s timeout.
 func WithCMAOptions(opts ...cma.Option) Option {
 	return optionFunc(func(o *options) error {
 		o.cma = append(o.cma, opts...)
@@ -156,13 +142,12 @@ func WithCMAOptions(opts ...cma.Option) Option {
 	})
 }
 
-// WithoutCMA leaves the same-host cross-memory-attach backend out of the
-// defaults: peers in other processes on this host are then reached over
-// TCP. Use it where reading another process's memory is not wanted, or to
-// compare the two. It conflicts with WithBackends and WithCMAOptions.
+// WithoutCMA leaves the same-host backend (cma) out of the defaults: peers
+// in other processes on this host are then reached over tcp. It conflicts
+// with [WithBackends] and [WithCMAOptions].
 //
-// Default: cma is used with peers on the same host that the kernel lets
-// this process read and write (see docs/cma.md).
+// Default: cma serves same-host peers the kernel lets this process read
+// and write.
 func WithoutCMA() Option {
 	return optionFunc(func(o *options) error {
 		o.noCMA = true
