@@ -22,6 +22,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backend/internal/serve"
 )
 
 // Adversarial tests of the reworked tcp backend's promises: cancelling
@@ -148,9 +149,7 @@ func serverSide(t *testing.T, b *Backend, local net.Addr) *wconn {
 	t.Helper()
 	var found *wconn
 	require.Eventually(t, func() bool {
-		b.mu.Lock()
-		defer b.mu.Unlock()
-		for w := range b.conns {
+		for _, w := range b.conns.Members() {
 			if w.c.RemoteAddr().String() == local.String() {
 				found = w
 				return true
@@ -199,7 +198,7 @@ func TestAttackNonReaderStallsKeepalives(t *testing.T) {
 			t.Errorf("a keyless stranger that never reads made the honest peer report the live victim lost: %+v", ev)
 		case <-time.After(10 * time.Second):
 		}
-		d := delta(hb.Stats(), before)
+		d := serve.Delta(hb.Stats(), before)
 		assert.Zero(t, d.Timeouts, "the honest peer cut the victim's connections for silence: %+v", d)
 		assert.NotZero(t, vb.Stats().Timeouts, "the stranger that took no keepalive was not cut as a timeout")
 	})
@@ -536,7 +535,7 @@ func TestAttackIdleReapRacesTransfers(t *testing.T) {
 			t.Fatalf("an event after the last notification: %+v", ev)
 		case <-time.After(300 * time.Millisecond):
 		}
-		assert.Zero(t, delta(ab.Stats(), before).Disconnected)
+		assert.Zero(t, serve.Delta(ab.Stats(), before).Disconnected)
 	})
 }
 

@@ -32,6 +32,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backend/internal/serve"
 )
 
 // Name is the backend's name in metadata and reports.
@@ -52,15 +53,15 @@ type Backend struct {
 	mu      sync.Mutex
 	closed  bool
 	peers   map[peerKey]*peer
-	conns   map[*wconn]struct{}
 	inbound map[sessionKey]*inbound // live connections of each dialling peer's session
 	out     map[netip.Addr]int      // connections we dialled to each address
-	byIP    map[netip.Addr]int      // accepted connections from each address
-	byPeer  map[peerAddr]int        // handshaken connections from each identity at each address
-	shaking map[*wconn]uint64       // accepted connections still in the handshake, by arrival
-	arrived uint64                  // accepted connections so far, to order shaking
 
-	stats stats
+	conns  serve.Set[*wconn]       // live connections, both directions, and the goroutines serving accepted ones
+	byIP   *serve.Caps[netip.Addr] // accepted connections from each address
+	byPeer *serve.Caps[peerAddr]   // handshaken connections from each identity at each address
+	gate   *serve.Gate             // accepted connections still in the handshake
+
+	stats serve.Counters
 
 	// The backend's lifetime: the host's (agent.Host.Context), also
 	// cancelled when Close begins (the agent cancels it just before; a
@@ -76,9 +77,9 @@ type Backend struct {
 // New returns a TCP backend for one agent. Invalid options are reported by
 // Start, that is by the agent's constructor.
 func New(opts ...Option) *Backend {
-	b := &Backend{cfg: defaults(), peers: map[peerKey]*peer{}, conns: map[*wconn]struct{}{}, inbound: map[sessionKey]*inbound{},
-		out: map[netip.Addr]int{}, byIP: map[netip.Addr]int{}, byPeer: map[peerAddr]int{}, shaking: map[*wconn]uint64{},
-		nudge: make(chan struct{}, 1)}
+	b := &Backend{cfg: defaults(), peers: map[peerKey]*peer{}, inbound: map[sessionKey]*inbound{},
+		out: map[netip.Addr]int{}, nudge: make(chan struct{}, 1)}
+	b.stats.Classes = serve.Classes{Limit: errLimit, Protocol: errProtocol, Timeouts: []error{errStalled}}
 	var errs []error
 	for _, o := range opts {
 		if err := o.apply(&b.cfg); err != nil {
@@ -91,6 +92,10 @@ func New(opts ...Option) *Backend {
 		}
 	}
 	b.optErr = errors.Join(errs...)
+	// An option that failed left its default in place: the limits are valid.
+	b.byIP = serve.NewCaps[netip.Addr](b.cfg.maxConnsPerIP)
+	b.byPeer = serve.NewCaps[peerAddr](b.cfg.maxConnsPerPeer)
+	b.gate = serve.NewGate(b.cfg.maxHandshakes)
 	return b
 }
 
@@ -133,7 +138,10 @@ func (b *Backend) Start(h agent.Host) ([]byte, error) {
 		b.self.addr = advertiseFor(ln.Addr())
 	}
 	b.wg.Add(2)
-	go b.accept()
+	go func() {
+		defer b.wg.Done()
+		serve.Accept(b.ctx, ln, b.log, b.admit)
+	}()
 	go b.keepalive()
 	return b.self.marshal(), nil
 }
@@ -189,10 +197,10 @@ func (b *Backend) Reachable(_ context.Context, info agent.Info) error {
 // wconn is a connection with a write lock, shared by both directions'
 // bookkeeping: the keepalive loop pings whichever connection is idle.
 type wconn struct {
-	c         net.Conn   // a *net.TCPConn but in tests (config.testDial)
-	ip        netip.Addr // an accepted connection's remote address; zero for ours
-	peer      peerAddr   // an accepted connection's peer, once counted in byPeer
-	evicted   bool       // closed to make room for another handshake; under Backend.mu
+	c         net.Conn    // a *net.TCPConn but in tests (config.testDial)
+	ip        netip.Addr  // an accepted connection's remote address, counted in byIP; zero for ours
+	peer      peerAddr    // an accepted connection's peer, once counted in byPeer
+	pass      *serve.Pass // an accepted connection's passage through Backend.gate
 	wl        wlock
 	why       atomic.Pointer[error] // why the connection was cut (cut)
 	lastWrite atomic.Int64          // unix nanos
@@ -236,31 +244,22 @@ func (b *Backend) setPingEvery(w *wconn, every time.Duration) {
 	}
 }
 
-func (b *Backend) track(w *wconn) bool {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.closed {
-		return false
-	}
-	b.conns[w] = struct{}{}
-	return true
-}
+// track counts a connection we dialled among those Close ends, unless the
+// backend is closing: it reports whether it did.
+func (b *Backend) track(w *wconn) bool { return b.conns.Add(w) }
 
+// untrack uncounts w, ended, wherever it was counted.
 func (b *Backend) untrack(w *wconn) {
-	b.mu.Lock()
-	delete(b.conns, w)
-	delete(b.shaking, w)
+	b.conns.Remove(w)
+	if w.pass != nil {
+		w.pass.Done()
+	}
 	if w.ip.IsValid() {
-		if b.byIP[w.ip]--; b.byIP[w.ip] <= 0 {
-			delete(b.byIP, w.ip)
-		}
+		b.byIP.Release(w.ip)
 	}
 	if w.peer.id != uuid.Nil {
-		if b.byPeer[w.peer]--; b.byPeer[w.peer] <= 0 {
-			delete(b.byPeer, w.peer)
-		}
+		b.byPeer.Release(w.peer)
 	}
-	b.mu.Unlock()
 }
 
 // keepalive pings connections that have not written for their ping
@@ -284,8 +283,7 @@ func (b *Backend) keepalive() {
 		now := time.Now()
 		tick := b.cfg.interval / 2
 		idle = idle[:0]
-		b.mu.Lock()
-		for w := range b.conns {
+		for _, w := range b.conns.Members() {
 			every := time.Duration(w.every.Load())
 			if every <= 0 {
 				continue // still in the handshake: it must not see a ping first
@@ -295,6 +293,7 @@ func (b *Backend) keepalive() {
 				idle = append(idle, w)
 			}
 		}
+		b.mu.Lock()
 		reaped := b.reapable(now)
 		b.mu.Unlock()
 		for _, w := range idle {
@@ -368,16 +367,16 @@ func (b *Backend) Close() error {
 	for _, p := range b.peers {
 		peers = append(peers, p)
 	}
-	conns := make([]*wconn, 0, len(b.conns))
-	for w := range b.conns {
-		conns = append(conns, w)
-	}
+	conns, _ := b.conns.Stop()
 	b.mu.Unlock()
 	if b.ln == nil {
 		return nil
 	}
 	b.cancel(agent.ErrClosed)
-	err := b.ln.Close()
+	err := b.ln.Close() // the accept loop closes it too, when the agent cancels Host.Context
+	if errors.Is(err, net.ErrClosed) {
+		err = nil
+	}
 	var bye [hdrSize]byte
 	(&header{typ: tBye}).put(bye[:])
 	for _, w := range conns {
@@ -391,5 +390,6 @@ func (b *Backend) Close() error {
 		p.fail(agent.ErrClosed)
 	}
 	b.wg.Wait()
+	b.conns.Wait()
 	return err
 }

@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backend/internal/serve"
 )
 
 // The test-only hostile client: exposed memory surrounded by secret guard
@@ -171,26 +172,14 @@ func (p *rawPeer) dropped(t testing.TB) {
 	}
 }
 
-// delta returns what changed between two Stats.
-func delta(after, before Stats) Stats {
-	return Stats{
-		Disconnected:      after.Disconnected - before.Disconnected,
-		HandshakeFailures: after.HandshakeFailures - before.HandshakeFailures,
-		ProtocolErrors:    after.ProtocolErrors - before.ProtocolErrors,
-		LimitRejected:     after.LimitRejected - before.LimitRejected,
-		Timeouts:          after.Timeouts - before.Timeouts,
-		Denied:            after.Denied - before.Denied,
-	}
-}
-
 // waitStats waits until b's counters moved by want since before, and fails
 // if they moved by anything else.
 func waitStats(t testing.TB, b *Backend, before, want Stats) {
 	t.Helper()
-	require.Eventually(t, func() bool { return delta(b.Stats(), before) == want }, 10*time.Second, time.Millisecond,
+	require.Eventually(t, func() bool { return serve.Delta(b.Stats(), before) == want }, 10*time.Second, time.Millisecond,
 		"want counters to move by %+v", want)
 	time.Sleep(5 * time.Millisecond) // nothing more arrives late
-	assert.Equal(t, want, delta(b.Stats(), before))
+	assert.Equal(t, want, serve.Delta(b.Stats(), before))
 }
 
 // legitRead has active READ all of exp's region r from passive and checks

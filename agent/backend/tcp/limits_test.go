@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backend/internal/serve"
 )
 
 func TestLimitOptions(t *testing.T) {
@@ -221,9 +222,7 @@ func TestHandshakeFlood(t *testing.T) {
 		open()
 	}
 	require.Eventually(t, func() bool { return b.Stats().LimitRejected-before.LimitRejected == flood-limit }, 10*time.Second, time.Millisecond)
-	b.mu.Lock()
-	assert.LessOrEqual(t, len(b.shaking), limit)
-	b.mu.Unlock()
+	assert.LessOrEqual(t, b.gate.Len(), limit)
 
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
@@ -242,7 +241,7 @@ func TestHandshakeFlood(t *testing.T) {
 	}
 	close(stop)
 	wg.Wait()
-	got := delta(b.Stats(), before)
+	got := serve.Delta(b.Stats(), before)
 	assert.Equal(t, got.LimitRejected, got.Disconnected)
 	assert.Zero(t, got.HandshakeFailures+got.ProtocolErrors+got.Timeouts+got.Denied)
 	t.Logf("%d connections in the flood, %d closed to make room", len(conns), got.LimitRejected)
@@ -325,7 +324,7 @@ func TestConnectionFloods(t *testing.T) {
 		waitStats(t, b, before, Stats{Disconnected: 16, LimitRejected: 16})
 		legitRead(t, honest, a, ex.r, g.r)
 	})
-	require.Eventually(t, func() bool { b.mu.Lock(); defer b.mu.Unlock(); return len(b.byIP) == 1 }, 10*time.Second, time.Millisecond,
+	require.Eventually(t, func() bool { return b.byIP.Len() == 1 }, 10*time.Second, time.Millisecond,
 		"the closed connections are uncounted")
 
 	t.Run("one identity from one address", func(t *testing.T) {

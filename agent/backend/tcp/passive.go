@@ -14,42 +14,46 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backend/internal/serve"
 )
 
 // readBuf is the read buffer per connection: it batches small headers and
 // tables into few system calls; payloads larger than it bypass it.
 const readBuf = 16 << 10
 
-func (b *Backend) accept() {
-	defer b.wg.Done()
-	for {
-		c, err := b.ln.Accept()
-		if err != nil {
-			if b.stopping() {
-				return
-			}
-			var ne net.Error
-			if errors.As(err, &ne) && ne.Timeout() {
-				continue
-			}
-			b.log.Warn("accept failed; retrying", "addr", b.ln.Addr().String(), "err", err, "retry_in", 10*time.Millisecond)
-			time.Sleep(10 * time.Millisecond) // e.g. EMFILE: do not spin
-			continue
-		}
-		w := newWconn(c)
-		w.ip = remoteIP(w.c)
-		switch b.admit(w) {
-		case admitClosed:
-			_ = c.Close()
-			return
-		case admitRefused:
-			_ = c.Close()
-			b.host.Refused()
-			continue
-		}
-		b.wg.Add(1)
-		go b.serve(w)
+// admit is the accept loop's handler (serve.Accept): it refuses a
+// connection whose address already holds WithMaxConnsPerIP, and lets the
+// others into the gate of WithMaxHandshakes, which closes the oldest
+// handshake when it is full: a legitimate handshake takes one round trip,
+// so the oldest is the likeliest to be a slow-loris.
+func (b *Backend) admit(c net.Conn) bool {
+	if b.conns.Stopping() {
+		_ = c.Close()
+		return false
 	}
+	w := newWconn(c)
+	ip := remoteIP(c)
+	if !b.byIP.Acquire(ip) {
+		_ = c.Close()
+		b.stats.Drop(serve.LimitRejected)
+		b.host.Refused()
+		b.log.Debug("refused a connection: its address holds WithMaxConnsPerIP connections", "remote", c.RemoteAddr().String())
+		return true
+	}
+	w.ip = ip
+	var evicted bool
+	w.pass, evicted = b.gate.Enter(c)
+	if evicted { // its goroutine returns, uncounted: counted here
+		b.stats.Drop(serve.LimitRejected)
+		b.host.Refused()
+		b.log.Debug("closed the oldest handshake to make room (WithMaxHandshakes)")
+	}
+	if !b.conns.Serve(w, b.serve) {
+		b.untrack(w)
+		_ = c.Close()
+		return false
+	}
+	return true
 }
 
 // remoteIP returns the IP address of c's remote end.
@@ -58,57 +62,6 @@ func remoteIP(c net.Conn) netip.Addr {
 		return a.AddrPort().Addr().Unmap()
 	}
 	return netip.IPv6Unspecified()
-}
-
-const (
-	admitted = iota
-	admitRefused
-	admitClosed
-)
-
-// admit tracks an accepted connection, or refuses it if its address already
-// holds WithMaxConnsPerIP. When more than WithMaxHandshakes connections are
-// in the handshake, it closes the oldest: a legitimate handshake takes one
-// round trip, so the oldest is the likeliest to be a slow-loris.
-func (b *Backend) admit(w *wconn) int {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.closed {
-		return admitClosed
-	}
-	if b.byIP[w.ip] >= b.cfg.maxConnsPerIP {
-		b.limited()
-		b.log.Debug("refused a connection: its address holds WithMaxConnsPerIP connections", "remote", w.c.RemoteAddr().String())
-		return admitRefused
-	}
-	b.byIP[w.ip]++
-	b.conns[w] = struct{}{}
-	b.arrived++
-	b.shaking[w] = b.arrived
-	if len(b.shaking) > b.cfg.maxHandshakes {
-		var oldest *wconn
-		for v, n := range b.shaking {
-			if oldest == nil || n < b.shaking[oldest] {
-				oldest = v
-			}
-		}
-		delete(b.shaking, oldest)
-		oldest.evicted = true
-		_ = oldest.c.Close() // its goroutine returns, uncounted: counted here
-		b.limited()
-		b.host.Refused()
-		b.log.Debug("closed the oldest handshake to make room (WithMaxHandshakes)", "remote", oldest.c.RemoteAddr().String())
-	}
-	return admitted
-}
-
-// handshook reports that w's handshake arrived, or ended, and whether w may
-// go on: false if it was closed to make room for another.
-func (b *Backend) handshook(w *wconn) bool {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	delete(b.shaking, w)
-	return !w.evicted
 }
 
 // peerAddr names a claimed identity at one remote address: identities are
@@ -144,15 +97,16 @@ type server struct {
 	out     net.Buffers
 }
 
+// serve serves an accepted connection, on a goroutine of its own
+// (serve.Set.Serve), until it ends.
 func (b *Backend) serve(w *wconn) {
-	defer b.wg.Done()
 	defer b.untrack(w)
 	defer w.c.Close()
 	pc := &patientConn{c: w.c, rx: &w.rx, timeout: b.cfg.timeout}
 	s := &server{b: b, w: w, pc: pc, br: bufio.NewReaderSize(pc, readBuf)}
 	s.renewFn = s.renew
 	if err := s.handshake(); err != nil {
-		if !b.stopping() && !errors.Is(err, errEvicted) && b.dropped(err, true, "remote", w.c.RemoteAddr().String()) {
+		if !b.stopping() && !errors.Is(err, serve.ErrEvicted) && b.dropped(err, true, "remote", w.c.RemoteAddr().String()) {
 			b.host.Refused()
 		}
 		return
@@ -205,10 +159,9 @@ func (b *Backend) joined(w *wconn, peer uuid.UUID, session [16]byte) (*inbound, 
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	k := peerAddr{peer, w.ip}
-	if b.byPeer[k] >= b.cfg.maxConnsPerPeer {
+	if !b.byPeer.Acquire(k) {
 		return nil, false
 	}
-	b.byPeer[k]++
 	w.peer = k
 	sk := sessionKey{peer, session}
 	in := b.inbound[sk]
@@ -241,7 +194,6 @@ func (b *Backend) left(in *inbound, loss bool) bool {
 var (
 	errBye     = errors.New("tcp: peer said goodbye")
 	errIdleBye = errors.New("tcp: peer closed an idle connection")
-	errEvicted = errors.New("tcp: handshake closed to make room for another")
 )
 
 func (s *server) handshake() error {
@@ -249,8 +201,8 @@ func (s *server) handshake() error {
 	var hs [hsSize]byte
 	_ = s.w.c.SetDeadline(time.Now().Add(b.cfg.timeout))
 	_, err := io.ReadFull(s.br, hs[:])
-	if !b.handshook(s.w) {
-		return errEvicted
+	if !s.w.pass.Done() {
+		return serve.ErrEvicted
 	}
 	if err != nil {
 		return err
@@ -261,13 +213,10 @@ func (s *server) handshake() error {
 	}
 	peer, expect := in.self, in.expect
 	var status uint8
-	switch {
-	case expect != b.id: // an agent that used to live at this address
+	switch hsErr := serve.CheckHandshake(b.id, peer, expect); {
+	case hsErr != nil: // an agent that used to live at this address, or none
 		status = stDenied
-		err = fmt.Errorf("%w: handshake expected agent %s, this is %s", errProtocol, expect, b.id)
-	case peer == uuid.Nil:
-		status = stDenied
-		err = fmt.Errorf("%w: handshake from the nil agent", errProtocol)
+		err = fmt.Errorf("%w: %w", errProtocol, hsErr)
 	case !s.join(peer, in.session):
 		// Counted before the peer can use the connection: otherwise its
 		// other connections could all close, and report it lost, before
@@ -415,7 +364,7 @@ func (s *server) access(h *header) error {
 	}
 	s.iov = iov[:0]
 	if denied != nil {
-		s.b.stats.denied.Add(1)
+		s.b.stats.Deny()
 	}
 	if write {
 		if denied != nil {
@@ -435,7 +384,7 @@ func (s *server) access(h *header) error {
 			if errors.Is(err, errRevoked) {
 				s.pc.renew = nil
 				s.dropLease()
-				s.b.stats.denied.Add(1)
+				s.b.stats.Deny()
 				s.pc.arm()
 				if _, err := io.CopyN(io.Discard, s.br, int64(total-got)); err != nil {
 					return err

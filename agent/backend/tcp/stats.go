@@ -2,8 +2,6 @@ package tcp
 
 import (
 	"errors"
-	"net"
-	"sync/atomic"
 
 	"github.com/goxfer/goxfer/agent"
 )
@@ -36,22 +34,9 @@ import (
 // these too; Stats says which kind each was.
 type Stats = agent.BackendStats
 
-type stats struct {
-	disconnected, handshake, protocol, limit, timeouts, denied atomic.Uint64
-}
-
-// Stats returns the backend's counters. Safe for concurrent use.
-func (b *Backend) Stats() Stats {
-	s := &b.stats
-	return Stats{
-		Disconnected:      s.disconnected.Load(),
-		HandshakeFailures: s.handshake.Load(),
-		ProtocolErrors:    s.protocol.Load(),
-		LimitRejected:     s.limit.Load(),
-		Timeouts:          s.timeouts.Load(),
-		Denied:            s.denied.Load(),
-	}
-}
+// Stats returns the backend's counters. Safe for concurrent use, also
+// after Close.
+func (b *Backend) Stats() Stats { return b.stats.Stats() }
 
 // errStalled marks a peer that kept a request of ours unanswered.
 var errStalled = errors.New("tcp: request unanswered")
@@ -60,39 +45,9 @@ var errStalled = errors.New("tcp: request unanswered")
 // inHandshake, and logs it at level Debug with args. It reports whether err
 // was the peer's fault.
 func (b *Backend) dropped(err error, inHandshake bool, args ...any) bool {
-	if !b.count(err, inHandshake) {
+	if _, ok := b.stats.Dropped(err, inHandshake); !ok {
 		return false
 	}
 	b.log.Debug("dropped a connection", append(args, "err", err)...)
 	return true
-}
-
-// count counts a connection ended by err (dropped), and reports whether
-// err was the peer's fault.
-func (b *Backend) count(err error, inHandshake bool) bool {
-	s := &b.stats
-	var ne net.Error
-	switch {
-	case err == nil:
-		return false
-	case errors.Is(err, errLimit):
-		s.limit.Add(1)
-	case errors.Is(err, errStalled), errors.As(err, &ne) && ne.Timeout():
-		s.timeouts.Add(1)
-	case inHandshake:
-		s.handshake.Add(1)
-	case errors.Is(err, errProtocol):
-		s.protocol.Add(1)
-	default:
-		return false
-	}
-	s.disconnected.Add(1)
-	return true
-}
-
-// limited counts a connection closed for going over a limit before it got a
-// goroutine of its own.
-func (b *Backend) limited() {
-	b.stats.limit.Add(1)
-	b.stats.disconnected.Add(1)
 }
