@@ -21,14 +21,6 @@ import (
 // answer Resolve with ErrRemoteLost rather than ErrUnknownAgent.
 const maxDeparted = 4096
 
-// createWithin bounds the creation of a missing bucket (a variable for
-// tests).
-var createWithin = 5 * time.Second
-
-// bindTries is how many times OpenRegistry asks JetStream for the bucket
-// when it does not answer within its API timeout.
-const bindTries = 3
-
 // Registry is an agent presence registry kept in a JetStream key-value
 // bucket: Connectors that Join publish their connect.AgentInfo under their
 // agent ID and heartbeat it, and every Registry watches the bucket, so it
@@ -113,15 +105,6 @@ type departure struct {
 	rev, seq uint64 // rev 0: no put to ignore
 }
 
-// Presence is an arrival (Departed false) or departure of an agent, as
-// Registry.Watch reports it. Info is the zero AgentInfo for a departure of
-// an agent the Registry never saw arrive.
-type Presence struct {
-	ID       uuid.UUID
-	Info     connect.AgentInfo
-	Departed bool
-}
-
 // OpenRegistry binds the registry's bucket (WithBucket, default
 // "goxfer_agents") over nc, which stays the caller's, and starts watching
 // it. A missing bucket is created (History 1, TTL 3 heartbeats,
@@ -202,55 +185,6 @@ func OpenRegistry(ctx context.Context, nc *nats.Conn, opts ...Option) (*Registry
 	return r, nil
 }
 
-func bindBucket(ctx context.Context, nc *nats.Conn, js jetstream.JetStream, o options) (jetstream.KeyValue, error) {
-	kv, err := js.KeyValue(ctx, o.bucket)
-	// A JetStream API left unanswered for its timeout (5 s) is busy, for
-	// example creating the bucket for a peer that started at the same
-	// moment on a slow disk, or refusing us silently for lack of
-	// permission: ask again a bounded number of times, within ctx.
-	for try := 1; try < bindTries && errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil; try++ {
-		o.logger.Warn("goxfer/nats: binding the registry bucket: no answer from JetStream; asking again", "bucket", o.bucket, "attempt", try+1, "of", bindTries)
-		kv, err = js.KeyValue(ctx, o.bucket)
-	}
-	if err == nil {
-		return kv, nil
-	}
-	if !errors.Is(err, jetstream.ErrBucketNotFound) {
-		return nil, fmt.Errorf("%w: bind bucket %q: %w", ErrRegistry, o.bucket, err)
-	}
-	if !o.createBucket {
-		return nil, fmt.Errorf("%w: bucket %q does not exist, and WithCreateBucket(false) forbids creating it", ErrRegistry, o.bucket)
-	}
-	return createBucket(ctx, nc, js, o)
-}
-
-// createBucket creates the missing bucket, or binds it if a racing peer
-// created it first.
-func createBucket(ctx context.Context, nc *nats.Conn, js jetstream.JetStream, o options) (jetstream.KeyValue, error) {
-	// A server that refuses the request for lack of permission does not
-	// answer it; do not wait for the caller's whole ctx.
-	cctx, cancel := context.WithTimeout(ctx, createWithin)
-	defer cancel()
-	kv, err := js.CreateKeyValue(cctx, jetstream.KeyValueConfig{
-		Bucket:      o.bucket,
-		Description: "goxfer agent presence registry",
-		History:     1,
-		TTL:         3 * o.heartbeat,
-		Replicas:    o.replicas,
-		Storage:     jetstream.FileStorage,
-	})
-	if errors.Is(err, jetstream.ErrBucketExists) {
-		kv, err = js.KeyValue(ctx, o.bucket) // created by a racing peer
-	}
-	if err != nil {
-		if le := nc.LastError(); errors.Is(le, nats.ErrPermissionViolation) {
-			return nil, fmt.Errorf("%w: bucket %q does not exist and creating it failed: %w (the server reports: %v)", ErrRegistry, o.bucket, err, le)
-		}
-		return nil, fmt.Errorf("%w: bucket %q does not exist and creating it failed: %w", ErrRegistry, o.bucket, err)
-	}
-	return kv, nil
-}
-
 // Bucket returns the name of the registry's bucket.
 func (r *Registry) Bucket() string { return r.bucket }
 
@@ -306,105 +240,6 @@ func (r *Registry) Agents() []uuid.UUID {
 	r.mu.Unlock()
 	slices.SortFunc(ids, func(a, b uuid.UUID) int { return bytes.Compare(a[:], b[:]) })
 	return ids
-}
-
-// Watch reports arrivals and departures on the returned channel, starting
-// with an arrival for every agent present now, until ctx is done or the
-// Registry closes; then the channel is closed. Events are queued for a slow
-// reader, never dropped, so keep reading until the channel closes or ctx is
-// done.
-func (r *Registry) Watch(ctx context.Context) <-chan Presence {
-	q := &presenceQueue{ch: make(chan Presence), wake: make(chan struct{}, 1)}
-	r.mu.Lock()
-	if r.closed {
-		r.mu.Unlock()
-		close(q.ch)
-		return q.ch
-	}
-	ids := make([]uuid.UUID, 0, len(r.live))
-	for id := range r.live {
-		ids = append(ids, id)
-	}
-	slices.SortFunc(ids, func(a, b uuid.UUID) int { return bytes.Compare(a[:], b[:]) })
-	for _, id := range ids {
-		q.push(Presence{ID: id, Info: r.live[id].info})
-	}
-	r.watches[q] = struct{}{}
-	r.wg.Add(1)
-	r.mu.Unlock()
-	go r.forward(ctx, q)
-	return q.ch
-}
-
-// notifyLocked queues p for every Watch; r.mu is held.
-func (r *Registry) notifyLocked(p Presence) {
-	for q := range r.watches {
-		q.push(p)
-	}
-}
-
-// forward is a Watch's goroutine: it hands queued events to the reader.
-func (r *Registry) forward(ctx context.Context, q *presenceQueue) {
-	defer r.wg.Done()
-	defer close(q.ch)
-	defer func() {
-		r.mu.Lock()
-		delete(r.watches, q)
-		r.mu.Unlock()
-	}()
-	for {
-		for {
-			p, ok := q.pop()
-			if !ok {
-				break
-			}
-			select {
-			case q.ch <- p:
-			case <-ctx.Done():
-				return
-			case <-r.ctx.Done():
-				return
-			}
-		}
-		select {
-		case <-q.wake:
-		case <-ctx.Done():
-			return
-		case <-r.ctx.Done():
-			return
-		}
-	}
-}
-
-// presenceQueue is an unbounded queue of events for one Watch.
-type presenceQueue struct {
-	ch   chan Presence
-	wake chan struct{}
-
-	mu sync.Mutex
-	q  []Presence
-}
-
-func (q *presenceQueue) push(p Presence) {
-	q.mu.Lock()
-	q.q = append(q.q, p)
-	q.mu.Unlock()
-	select {
-	case q.wake <- struct{}{}:
-	default:
-	}
-}
-
-func (q *presenceQueue) pop() (Presence, bool) {
-	q.mu.Lock()
-	defer q.mu.Unlock()
-	if len(q.q) == 0 {
-		return Presence{}, false
-	}
-	p := q.q[0]
-	q.q[0] = Presence{}
-	q.q = q.q[1:]
-	return p, true
 }
 
 // Err says whether presence works now: nil while the Registry hears its

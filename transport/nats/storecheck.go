@@ -3,7 +3,6 @@ package nats
 import (
 	"context"
 	"errors"
-	"fmt"
 	"time"
 
 	"github.com/google/uuid"
@@ -45,24 +44,6 @@ type storeCheck struct {
 type keyCheck struct {
 	rev uint64 // of the put it holds; 0 with err
 	err error  // jetstream.ErrKeyNotFound: none (deleted, purged or expired)
-}
-
-// bucketGoneErr says whether err means the bucket does not exist.
-func bucketGoneErr(err error) bool {
-	return errors.Is(err, jetstream.ErrStreamNotFound) || errors.Is(err, jetstream.ErrBucketNotFound)
-}
-
-// bucketCreated returns when the bucket's stream was created; it tells a
-// bucket created anew under the same name from the one watched.
-func (r *Registry) bucketCreated(ctx context.Context) (time.Time, error) {
-	st, err := r.kv.Status(ctx)
-	if err != nil {
-		return time.Time{}, err
-	}
-	if s, ok := st.(interface{ StreamInfo() *jetstream.StreamInfo }); ok && s.StreamInfo() != nil {
-		return s.StreamInfo().Created, nil
-	}
-	return time.Time{}, nil
 }
 
 // checkStore runs one store check of the bucket and of ids' keys, and
@@ -117,23 +98,4 @@ func (r *Registry) judgeByStore(res storeCheck) (missed uuid.UUID, found bool) {
 		r.depart(id, "silent", 0)
 	}
 	return missed, found
-}
-
-// setStuck records that a suspect has waited for a verdict for long (nil:
-// none has).
-func (r *Registry) setStuck(err error) {
-	r.mu.Lock()
-	r.stuckErr = err
-	r.mu.Unlock()
-}
-
-// stuckAfter is how many of its heartbeats past its deadline a suspect
-// may wait for a verdict before Err says presence lags.
-const stuckAfter = 8
-
-func stuckError(id uuid.UUID, waited time.Duration, lastErr error) error {
-	if lastErr != nil {
-		return fmt.Errorf("agent %s is silent, and for %v neither an echo of this process's heartbeats nor the store (last: %w) has confirmed it departed", id, waited.Round(time.Millisecond), lastErr)
-	}
-	return fmt.Errorf("agent %s is silent, and for %v neither an echo of this process's heartbeats nor the store has confirmed it departed", id, waited.Round(time.Millisecond))
 }

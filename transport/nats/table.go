@@ -1,0 +1,123 @@
+package nats
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/goxfer/goxfer/connect"
+)
+
+// apply records one update of the bucket.
+func (r *Registry) apply(e jetstream.KeyValueEntry) {
+	id, err := uuid.Parse(e.Key())
+	if err != nil {
+		r.log.Warn("goxfer/nats: registry entry with a key that is no agent ID; ignored", "bucket", r.bucket, "key", e.Key())
+		return
+	}
+	if e.Operation() != jetstream.KeyValuePut {
+		r.depart(id, "left", e.Revision())
+		return
+	}
+	ent, err := decodeEntry(e.Value())
+	if err == nil && ent.info.ID() != id {
+		err = fmt.Errorf("entry under key %s describes agent %s", id, ent.info.ID())
+	}
+	if err != nil {
+		r.log.Warn("goxfer/nats: undecodable registry entry; ignored", "bucket", r.bucket, "key", e.Key(), "err", err)
+		return
+	}
+	if !r.hear(id, ent, e.Revision()) {
+		return
+	}
+	r.echo(id, ent.seq)
+}
+
+// hear records that agent id put e at revision rev, so is present now;
+// it returns false, ignoring e, when e is the last put of an agent already
+// declared departed, delivered again by a re-watch.
+func (r *Registry) hear(id uuid.UUID, e entry, rev uint64) bool {
+	now := time.Now()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	p, known := r.live[id]
+	if !known {
+		if d, ok := r.departed[id]; ok && d.rev != 0 && d.rev == rev && d.seq == e.seq &&
+			(r.ttl == 0 || now.Sub(d.at) < r.ttl) {
+			return false
+		}
+		p = &peer{heard: now}
+		r.live[id] = p
+		delete(r.departed, id)
+	}
+	p.info, p.hb, p.suspect = e.info, e.hb, false
+	if rev != 0 {
+		p.rev, p.seq = rev, e.seq
+	}
+	if now.After(p.heard) {
+		p.heard = now
+	}
+	if !known {
+		r.notifyLocked(Presence{ID: id, Info: e.info})
+	}
+	return true
+}
+
+// depart declares id gone: it leaves the table, joined Connectors are told,
+// and watchers hear of it.
+//
+// A delete marker (why "left", at revision rev) forgets the agent's last
+// put: a re-watch delivers the marker, not the put.
+func (r *Registry) depart(id uuid.UUID, why string, rev uint64) {
+	r.mu.Lock()
+	p, known := r.live[id]
+	if d, already := r.departed[id]; already && !known {
+		// Its delete marker again (a re-watch delivers it anew): it was
+		// declared departed once, and has not come back since.
+		if rev != 0 {
+			d.rev, d.seq = 0, 0
+			r.departed[id] = d
+		}
+		r.mu.Unlock()
+		return
+	}
+	delete(r.live, id)
+	if len(r.departed) >= maxDeparted {
+		var oldest uuid.UUID
+		var at time.Time
+		for k, d := range r.departed {
+			if at.IsZero() || d.at.Before(at) {
+				oldest, at = k, d.at
+			}
+		}
+		delete(r.departed, oldest)
+	}
+	d := departure{at: time.Now()}
+	if known && rev == 0 {
+		d.rev, d.seq = p.rev, p.seq
+	}
+	r.departed[id] = d
+	var info connect.AgentInfo
+	if known {
+		info = p.info
+	}
+	r.notifyLocked(Presence{ID: id, Info: info, Departed: true})
+	conns := make([]*connect.Connector, 0, len(r.members))
+	for m := range r.members {
+		if m.id != id {
+			conns = append(conns, m.c)
+		}
+	}
+	r.mu.Unlock()
+	switch {
+	case known && why == "silent":
+		r.log.Info("goxfer/nats: agent departed: no heartbeat for two intervals", "bucket", r.bucket, "agent", id, "heartbeat", p.hb)
+	case known:
+		r.log.Debug("goxfer/nats: agent left", "bucket", r.bucket, "agent", id)
+	}
+	for _, c := range conns {
+		c.PeerDeparted(id)
+	}
+}
