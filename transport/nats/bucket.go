@@ -60,7 +60,7 @@ func createBucket(ctx context.Context, nc *nats.Conn, js jetstream.JetStream, o 
 	}
 	if err != nil {
 		if le := nc.LastError(); errors.Is(le, nats.ErrPermissionViolation) {
-			return nil, fmt.Errorf("%w: bucket %q does not exist and creating it failed: %w (the server reports: %v)", ErrRegistry, o.bucket, err, le)
+			return nil, fmt.Errorf("%w: bucket %q does not exist and creating it failed: %w (the server reports: %q)", ErrRegistry, o.bucket, err, le)
 		}
 		return nil, fmt.Errorf("%w: bucket %q does not exist and creating it failed: %w", ErrRegistry, o.bucket, err)
 	}

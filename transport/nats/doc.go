@@ -1,13 +1,14 @@
-// Package nats is goxfer's NATS control plane: it carries connect.Metadata
-// tokens between services, request/reply (Serve, Request) or push style
-// (Publish, Subscribe), and keeps a presence registry of agents in a
-// JetStream key-value bucket (OpenRegistry), which resolves compact tokens
-// and tells Connectors when a peer departs, long before transport
-// keepalives would.
+// Package nats is goxfer's NATS control plane: it carries
+// [connect.Metadata] tokens between services, request/reply ([Serve],
+// [Request]) or push style ([Publish], [Subscribe]), and keeps a presence
+// registry of agents in a JetStream key-value bucket ([OpenRegistry]),
+// which resolves compact tokens and tells Connectors when a peer departs,
+// long before transport keepalives would.
 //
-// Every function takes the caller's *nats.Conn (with the caller's TLS,
-// credentials and reconnect settings) and never dials a connection of its
-// own. Import it under another name, since nats.go's package is also nats:
+// Every function takes the caller's [*nats.Conn] (with the caller's TLS,
+// credentials and reconnect settings), never dials a connection of its
+// own, and never closes the caller's. Import it under another name, since
+// nats.go's package is also nats:
 //
 //	// Worker: expose a KV block, answer with its token.
 //	svc, _ := gxnats.Serve(nc, "prefill.kv", func(ctx context.Context, req *gxnats.ServiceRequest) (*gxnats.Reply, error) {
@@ -29,6 +30,6 @@
 // as a uvarint, the token's binary form, then the application's payload;
 // goxfer's own headers start with "Goxfer-". Every message is checked
 // against the server's max payload before it is sent. Package
-// transport/nats/natsserver runs an embedded server for single-machine use
-// and tests.
+// [github.com/goxfer/goxfer/transport/nats/natsserver] runs an embedded
+// server for single-machine use and tests. docs/nats.md is the guide.
 package nats

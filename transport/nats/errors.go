@@ -8,27 +8,30 @@ import (
 	"github.com/nats-io/nats.go"
 )
 
-// Sentinel errors, matched with errors.Is.
+// Sentinel errors, matched with [errors.Is].
 var (
 	// ErrNoResponders reports a request to a subject that no worker serves.
-	// Errors that match it also match nats.ErrNoResponders.
+	// Errors that match it also match [nats.ErrNoResponders].
 	ErrNoResponders = errors.New("goxfer/nats: no worker serves the subject")
-	// ErrHandler reports a request that the worker's Handler failed; the
-	// error is a *HandlerError.
+	// ErrHandler reports a request that the worker's [Handler] failed; the
+	// error is a [*HandlerError].
 	ErrHandler = errors.New("goxfer/nats: handler failed")
 	// ErrPayloadTooLarge reports a message larger than the server accepts;
-	// the error is a *PayloadTooLargeError and nothing was sent.
+	// the error is a [*PayloadTooLargeError] and nothing was sent.
 	ErrPayloadTooLarge = errors.New("goxfer/nats: message exceeds the server's max payload")
-	// ErrClosed reports use of a closed Service, Subscription, Registry or
-	// Member.
+	// ErrClosed reports use of a closed [Service], [Subscription],
+	// [Registry] or [Member], or a [Registry.Join] cut short by
+	// [Registry.Close].
 	ErrClosed = errors.New("goxfer/nats: closed")
-	// ErrInvalidOption reports an invalid Option.
+	// ErrInvalidOption reports an invalid [Option], or a nil connection,
+	// [Handler] or Connector.
 	ErrInvalidOption = errors.New("goxfer/nats: invalid option")
-	// ErrUnknownAgent reports an agent ID the presence registry has never
-	// seen.
+	// ErrUnknownAgent reports an agent ID that [Registry.Resolve] finds
+	// neither in its table nor in the bucket.
 	ErrUnknownAgent = errors.New("goxfer/nats: unknown agent")
-	// ErrRegistry reports a presence registry bucket that is missing and
-	// could not be created, or could not be bound.
+	// ErrRegistry reports a presence registry that cannot work: a bucket
+	// that [OpenRegistry] could not bind, watch or create, or what
+	// [Registry.Err] finds failing now.
 	ErrRegistry = errors.New("goxfer/nats: presence registry unavailable")
 )
 
@@ -40,9 +43,10 @@ const (
 	codeTimeout     = "timeout"
 )
 
-// HandlerError is a worker's Handler failure as the requester sees it. A
-// Handler may also return one itself to choose the Code the requester gets.
-// It matches ErrHandler with errors.Is.
+// HandlerError is a worker's [Handler] failure as the requester sees it:
+// [Request] returns it, and the caller owns it. A Handler may also return
+// one itself to choose the Code the requester gets (Subject is then set at
+// the requester). It matches [ErrHandler] with [errors.Is].
 type HandlerError struct {
 	Subject string // the subject the request was sent to
 	// Code classifies the failure: "handler" (the default: the Handler
@@ -51,28 +55,29 @@ type HandlerError struct {
 	// run the Handler; safe to retry) or "timeout" (the Handler ran out of
 	// time). Unknown codes from newer peers are passed through.
 	Code    string
-	Message string // the Handler's error message
+	Message string // the Handler's error message, as the worker sent it
 }
 
 // Error returns a message naming the subject, the code and the handler's
-// message.
+// message; the code and the message come from the worker, and are quoted.
 func (e *HandlerError) Error() string {
 	code := e.Code
 	if code == "" {
 		code = codeHandler
 	}
 	if e.Subject == "" {
-		return fmt.Sprintf("goxfer/nats: handler error (%s): %s", code, e.Message)
+		return fmt.Sprintf("goxfer/nats: handler error (code %q): %q", code, e.Message)
 	}
-	return fmt.Sprintf("goxfer/nats: handler for subject %q failed (%s): %s", e.Subject, code, e.Message)
+	return fmt.Sprintf("goxfer/nats: handler for subject %q failed (code %q): %q", e.Subject, code, e.Message)
 }
 
-// Is reports whether target is ErrHandler.
+// Is reports whether target is [ErrHandler].
 func (e *HandlerError) Is(target error) bool { return target == ErrHandler }
 
 // PayloadTooLargeError reports a message of Size bytes (headers and body)
-// that exceeds the server's max payload of Max bytes. Nothing was sent. It
-// matches ErrPayloadTooLarge with errors.Is.
+// that exceeds the server's max payload of Max bytes ([nats.Conn.MaxPayload]).
+// Nothing was sent. The caller owns it. It matches [ErrPayloadTooLarge]
+// with [errors.Is].
 type PayloadTooLargeError struct {
 	Subject string
 	Size    int64
@@ -84,11 +89,11 @@ func (e *PayloadTooLargeError) Error() string {
 	return fmt.Sprintf("goxfer/nats: token message of %d bytes exceeds the server's max payload of %d bytes (subject %q)", e.Size, e.Max, e.Subject)
 }
 
-// Is reports whether target is ErrPayloadTooLarge.
+// Is reports whether target is [ErrPayloadTooLarge].
 func (e *PayloadTooLargeError) Is(target error) bool { return target == ErrPayloadTooLarge }
 
 // noRespondersError names the subject nobody serves; it matches both
-// ErrNoResponders and nats.ErrNoResponders.
+// [ErrNoResponders] and [nats.ErrNoResponders].
 type noRespondersError struct {
 	subject  string
 	attempts int

@@ -14,8 +14,10 @@ import (
 	"github.com/goxfer/goxfer/connect"
 )
 
-// Member is a Connector's presence in a Registry; see Registry.Join. It is
-// safe for concurrent use.
+// Member is a Connector's presence in a [Registry]; see [Registry.Join].
+// It is safe for concurrent use. It owns the goroutine that heartbeats,
+// stopped by [Member.Leave] (or [Registry.Close]); the Connector stays the
+// caller's.
 type Member struct {
 	r    *Registry
 	c    *connect.Connector
@@ -37,21 +39,23 @@ type Member struct {
 	leaveErr  error
 }
 
-// Join publishes c's AgentInfo in the registry under its agent ID, then
-// re-puts it every heartbeat (WithHeartbeat; default: the Registry's) from
-// one goroutine, until Leave, and at once whenever the Registry re-creates
-// its watch (after a reconnection, or after re-creating a bucket that
-// vanished). A heartbeat that fails (while the connection is down, say) is
-// retried at the next tick; one that fails on a live connection is logged
-// at Warn level, reported by Registry.Err until one succeeds, and has the
-// Registry check (at most once a second) that its bucket still exists. Until
-// Leave, every departure the Registry sees is forwarded to c.PeerDeparted,
-// so c's operations in flight with a departed peer fail with
-// connect.ErrRemoteLost within about two heartbeats. The Member must Leave
-// before c closes (Registry.Close leaves it otherwise). Join fails if the
-// first put does, which ctx bounds, and so does Registry.Close: a Join cut
-// short by Close fails with an error matching ErrClosed. Options honoured:
-// WithHeartbeat.
+// Join publishes c's [connect.AgentInfo] in the registry under its agent
+// ID, then re-puts it every heartbeat ([WithHeartbeat]; default: the
+// Registry's) from one goroutine, until [Member.Leave], and at once
+// whenever the Registry re-creates its watch (after a reconnection, or
+// after re-creating a bucket that vanished). A heartbeat that fails (while
+// the connection is down, say) is retried at the next tick; one that fails
+// on a live connection is logged at Warn level, reported by [Registry.Err]
+// until one succeeds, and has the Registry check (at most once a second)
+// that its bucket still exists. Until Leave, every departure the Registry
+// sees is forwarded to c ([connect.Connector.PeerDeparted]), so c's
+// operations in flight with a departed peer fail with
+// [connect.ErrRemoteLost] within about two heartbeats. c stays the
+// caller's; the Member must Leave before c closes ([Registry.Close] leaves
+// it otherwise). Join fails if the first put does, which ctx bounds, and
+// so does Registry.Close: a Join cut short by Close fails with an error
+// matching [ErrClosed]. Options honoured: WithHeartbeat. Safe for
+// concurrent use.
 func (r *Registry) Join(ctx context.Context, c *connect.Connector, opts ...Option) (*Member, error) {
 	o, err := newOptions(append([]Option{WithHeartbeat(r.hb)}, opts...))
 	if err != nil {
@@ -111,7 +115,7 @@ func (r *Registry) Join(ctx context.Context, c *connect.Connector, opts ...Optio
 	return m, nil
 }
 
-// ID returns the agent ID the Member publishes.
+// ID returns the agent ID the Member publishes. Safe for concurrent use.
 func (m *Member) ID() uuid.UUID { return m.id }
 
 // put puts m's entry once, numbered so that its echo is known.
@@ -184,8 +188,8 @@ func (m *Member) heartbeat() {
 // Leave stops the heartbeats and deletes the entry, so that every Registry
 // sees the departure at once. It honours ctx: if ctx ends first, the entry
 // is left to expire (peers then declare this agent departed after two
-// heartbeats) and the error matches ctx.Err(). It is idempotent; every
-// call returns the first call's result.
+// heartbeats) and the error matches ctx.Err(). It is idempotent and safe
+// for concurrent use; every call returns the first call's result.
 func (m *Member) Leave(ctx context.Context) error {
 	m.leaveOnce.Do(func() {
 		m.cancel()
@@ -215,7 +219,7 @@ func (m *Member) Leave(ctx context.Context) error {
 	return m.leaveErr
 }
 
-// Close is Leave with a short internal timeout (2 s).
+// Close is [Member.Leave] with a short internal timeout (2 s).
 func (m *Member) Close() error {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()

@@ -11,7 +11,9 @@ import (
 // Option configures a call of this package. There is one Option type for
 // every function; each function documents which options it honours and
 // ignores the others. Invalid options make the function fail with an error
-// matching ErrInvalidOption.
+// matching [ErrInvalidOption]. An Option is a value: it may be shared and
+// reused, concurrently too. The defaults are those of a call given no
+// options; docs/nats.md gives each option's rationale.
 type Option interface{ apply(*options) error }
 
 type optionFunc func(*options) error
@@ -69,12 +71,10 @@ func newOptions(opts []Option) (options, error) {
 	return o, nil
 }
 
-// WithQueue makes the subscriber join queue group group: the server gives
-// each message to one member of the group only, which is how a pool of
-// workers shares a subject. Honoured by Serve and Subscribe.
-//
-// Default: "goxfer" for Serve (every Service on a subject shares its
-// requests); none for Subscribe (every Subscription gets every offer).
+// WithQueue makes [Serve] or [Subscribe] join queue group group: each
+// message goes to one member of the group. Default: "goxfer" for Serve;
+// none for Subscribe (every Subscription gets every offer); group not
+// empty.
 func WithQueue(group string) Option {
 	return optionFunc(func(o *options) error {
 		if group == "" {
@@ -85,11 +85,9 @@ func WithQueue(group string) Option {
 	})
 }
 
-// WithConcurrency bounds how many Handler calls a Service runs at once;
-// further requests wait in the subscription's pending buffer (nats.go's
-// pending limits apply). Honoured by Serve.
-//
-// Default: 64.
+// WithConcurrency bounds how many [Handler] calls a [Service] runs at
+// once; further requests wait in the subscription's pending buffer.
+// Honoured by Serve. Default: 64; n at least 1.
 func WithConcurrency(n int) Option {
 	return optionFunc(func(o *options) error {
 		if n < 1 {
@@ -100,11 +98,10 @@ func WithConcurrency(n int) Option {
 	})
 }
 
-// WithHeader adds application headers to the message sent. Header names
-// starting with "Goxfer-" are reserved and dropped. h is read, not kept
-// beyond the call. Honoured by Request and Publish.
-//
-// Default: no headers.
+// WithHeader adds the application headers h to what [Request] or
+// [Publish] sends; names starting with "Goxfer-" are reserved and dropped.
+// Every call the Option is given to reads h then, so h must not change
+// while such a call runs; no call keeps it. Default: none.
 func WithHeader(h nats.Header) Option {
 	return optionFunc(func(o *options) error {
 		if o.header == nil {
@@ -122,11 +119,9 @@ func WithHeader(h nats.Header) Option {
 	})
 }
 
-// WithTimeout bounds a call whose ctx has no deadline; a ctx deadline
-// always wins. Honoured by Request (the whole call, retries included) and
-// Publish (waiting for the server to acknowledge the flush).
-//
-// Default: 10 s.
+// WithTimeout bounds a [Request] (retries included) or the flush of a
+// [Publish] when its ctx has no deadline; a ctx deadline always wins.
+// Default: 10 s; d positive.
 func WithTimeout(d time.Duration) Option {
 	return optionFunc(func(o *options) error {
 		if d <= 0 {
@@ -137,15 +132,10 @@ func WithTimeout(d time.Duration) Option {
 	})
 }
 
-// WithRetry makes Request try up to attempts times in all, with backoff,
-// while its ctx allows. It retries only when the request cannot have been
-// handled or its outcome was lost: no responders, the connection closed
-// or disconnected, one attempt timing out (WithAttemptTimeout), or a worker
-// answering "unavailable" because it was shutting down. A request may thus
-// reach a Handler more than once: use retries only with idempotent
-// handlers. Honoured by Request.
-//
-// Default: 1 (no retry).
+// WithRetry makes [Request] try up to attempts times in all, retrying only
+// failures after which the request cannot have been handled or its outcome
+// was lost; a Handler may then see a request twice. Default: 1 (no
+// retry); attempts at least 1.
 func WithRetry(attempts int) Option {
 	return optionFunc(func(o *options) error {
 		if attempts < 1 {
@@ -156,11 +146,9 @@ func WithRetry(attempts int) Option {
 	})
 }
 
-// WithAttemptTimeout bounds each attempt of a Request made with WithRetry
-// greater than 1; a timed-out attempt is retried. Without retries the
-// whole ctx is the one attempt's limit. Honoured by Request.
-//
-// Default: 2 s.
+// WithAttemptTimeout bounds each attempt of a [Request] made with
+// [WithRetry] above 1; without retries, ctx bounds the one attempt.
+// Default: 2 s; d positive.
 func WithAttemptTimeout(d time.Duration) Option {
 	return optionFunc(func(o *options) error {
 		if d <= 0 {
@@ -171,11 +159,9 @@ func WithAttemptTimeout(d time.Duration) Option {
 	})
 }
 
-// WithLogger sets where a Service or a Registry logs (handler panics,
-// undecodable registry entries, watch restarts). Honoured by Serve and
-// OpenRegistry.
-//
-// Default: slog.Default().
+// WithLogger sets where a [Service] or a [Registry] logs. Honoured by
+// [Serve] and [OpenRegistry]. Default: [slog.Default] at the call; l not
+// nil.
 func WithLogger(l *slog.Logger) Option {
 	return optionFunc(func(o *options) error {
 		if l == nil {
@@ -186,11 +172,9 @@ func WithLogger(l *slog.Logger) Option {
 	})
 }
 
-// WithBucket names the JetStream key-value bucket of the presence
-// registry. Every process that shares a registry must use the same name.
-// Honoured by OpenRegistry.
-//
-// Default: "goxfer_agents".
+// WithBucket names the presence registry's JetStream key-value bucket;
+// every process sharing a registry must use the same name. Honoured by
+// [OpenRegistry]. Default: "goxfer_agents"; letters, digits, '_' and '-'.
 func WithBucket(name string) Option {
 	return optionFunc(func(o *options) error {
 		if !validBucket(name) {
@@ -201,14 +185,11 @@ func WithBucket(name string) Option {
 	})
 }
 
-// WithHeartbeat sets how often a Member re-puts its entry. Others declare
-// it departed after two heartbeats of silence, using the interval carried
-// in its entry, so agents with different intervals can share a registry.
-// Given to OpenRegistry, it is the default for the registry's Joins and
-// sets the TTL of a bucket it creates (3 heartbeats); given to Join, it
-// applies to that Member. Honoured by OpenRegistry and Join.
-//
-// Default: 1 s. At least 10 ms, at most 1 h.
+// WithHeartbeat sets how often a [Member] re-puts its entry; peers declare
+// it departed after two heartbeats of silence. Given to [OpenRegistry] it
+// is the default of [Registry.Join] and sets the TTL of a bucket the
+// registry creates (3 heartbeats); given to Join, that Member's. Default:
+// 1 s; d from 10 ms to 1 h.
 func WithHeartbeat(d time.Duration) Option {
 	return optionFunc(func(o *options) error {
 		if d < minHeartbeat || d > maxHeartbeat {
@@ -219,11 +200,9 @@ func WithHeartbeat(d time.Duration) Option {
 	})
 }
 
-// WithCreateBucket says whether OpenRegistry creates the bucket when it is
-// missing. With false, a missing bucket is an error matching ErrRegistry.
-// Honoured by OpenRegistry.
-//
-// Default: true.
+// WithCreateBucket says whether the registry creates its bucket when it
+// is missing, at [OpenRegistry] or later; with false a missing bucket is an
+// error matching [ErrRegistry]. Honoured by OpenRegistry. Default: true.
 func WithCreateBucket(create bool) Option {
 	return optionFunc(func(o *options) error {
 		o.createBucket = create
@@ -231,10 +210,8 @@ func WithCreateBucket(create bool) Option {
 	})
 }
 
-// WithReplicas sets how many servers of a cluster store a bucket that
-// OpenRegistry creates. Honoured by OpenRegistry.
-//
-// Default: 1.
+// WithReplicas sets how many servers of a cluster store a bucket the
+// registry creates. Honoured by [OpenRegistry]. Default: 1; n from 1 to 5.
 func WithReplicas(n int) Option {
 	return optionFunc(func(o *options) error {
 		if n < 1 || n > 5 {

@@ -12,8 +12,9 @@ import (
 )
 
 // Presence is an arrival (Departed false) or departure of an agent, as
-// Registry.Watch reports it. Info is the zero AgentInfo for a departure of
-// an agent the Registry never saw arrive.
+// [Registry.Watch] reports it; a plain value. Info is the zero
+// [connect.AgentInfo] for a departure of an agent the Registry never saw
+// arrive.
 type Presence struct {
 	ID       uuid.UUID
 	Info     connect.AgentInfo
@@ -21,10 +22,12 @@ type Presence struct {
 }
 
 // Watch reports arrivals and departures on the returned channel, starting
-// with an arrival for every agent present now, until ctx is done or the
-// Registry closes; then the channel is closed. Events are queued for a slow
-// reader, never dropped, so keep reading until the channel closes or ctx is
-// done.
+// with an arrival for every agent present now (sorted by ID), until ctx is
+// done or the Registry closes; then the channel is closed (at once after
+// Close). Events are queued for a slow reader, never dropped, so keep
+// reading until the channel closes or ctx is done: the queue is unbounded.
+// Each Watch owns a goroutine, ended with its channel. Safe for concurrent
+// use.
 func (r *Registry) Watch(ctx context.Context) <-chan Presence {
 	q := &presenceQueue{ch: make(chan Presence), wake: make(chan struct{}, 1)}
 	r.mu.Lock()

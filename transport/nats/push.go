@@ -13,12 +13,13 @@ import (
 
 // Publish offers md, with the optional payload data, on subject: for
 // example a decode worker offering a writable KV slot to whoever
-// subscribes. The message is checked against the server's max payload
-// first (a *PayloadTooLargeError, nothing sent), then published and
-// flushed: a nil error means the server has it, not that a subscriber got
-// it; an error after the size check may still leave it buffered for
-// sending once a reconnecting connection is back (NATS core delivers at most once; offers nobody takes should be closed
-// by their owner after a while). A ctx without a deadline gets WithTimeout's
+// subscribes ([Subscribe]). The message is checked against the server's
+// max payload first (a [*PayloadTooLargeError], nothing sent), then
+// published and flushed: a nil error means the server has it, not that a
+// subscriber got it; an error after the size check may still leave it
+// buffered for sending once a reconnecting connection is back. NATS core
+// delivers at most once: offers nobody takes should be closed by their
+// owner after a while. A ctx without a deadline gets [WithTimeout]'s
 // (default 10 s) for the flush. data and the headers are not retained.
 // Options honoured: WithHeader, WithTimeout. Safe for concurrent use.
 func Publish(ctx context.Context, nc *nats.Conn, subject string, md connect.Metadata, data []byte, opts ...Option) error {
@@ -57,7 +58,7 @@ func Publish(ctx context.Context, nc *nats.Conn, subject string, md connect.Meta
 	return nil
 }
 
-// Offer is a token received by a Subscription. The receiver owns it.
+// Offer is a token received by a [Subscription]. The receiver owns it.
 type Offer struct {
 	Subject  string           // the subject it was published to
 	Metadata connect.Metadata // the token
@@ -65,8 +66,9 @@ type Offer struct {
 	Header   nats.Header      // the publisher's headers (goxfer's own removed); may be nil
 }
 
-// Subscription receives tokens published with Publish; see Subscribe. Next
-// may be called from one goroutine at a time; Close from any.
+// Subscription receives tokens published with [Publish]; see [Subscribe].
+// [Subscription.Next] may be called from one goroutine at a time,
+// [Subscription.Close] from any. The connection stays the caller's.
 type Subscription struct {
 	subject string
 	sub     *nats.Subscription
@@ -76,10 +78,11 @@ type Subscription struct {
 }
 
 // Subscribe starts receiving tokens published on subject, which may hold
-// wildcards. With WithQueue, each offer goes to one subscriber of the
+// wildcards. With [WithQueue], each offer goes to one subscriber of the
 // group; by default every subscriber gets every offer. Messages wait in the
-// subscription's pending buffer (nats.go's limits) until Next takes them.
-// Subscribe uses nc, which stays the caller's. Options honoured: WithQueue.
+// subscription's pending buffer (nats.go's limits) until
+// [Subscription.Next] takes them. Subscribe uses nc, which stays the
+// caller's. Options honoured: WithQueue.
 func Subscribe(nc *nats.Conn, subject string, opts ...Option) (*Subscription, error) {
 	o, err := newOptions(opts)
 	if err != nil {
@@ -100,12 +103,14 @@ func Subscribe(nc *nats.Conn, subject string, opts ...Option) (*Subscription, er
 	return &Subscription{subject: subject, sub: sub}, nil
 }
 
-// Next returns the next offer, waiting for one until ctx is done. A
-// message that is no token message returns an error matching
-// connect.ErrInvalidMetadata that names the subject; a subscription that
-// fell behind and had messages dropped returns an error saying so once. In
-// both cases the Subscription stays usable: the next call gets the next
-// message. After Close, Next returns an error matching ErrClosed.
+// Next returns the next offer, which the caller owns, waiting for one until
+// ctx is done. A message that is no token message returns an error
+// matching [connect.ErrInvalidMetadata] that names the subject; a
+// subscription that fell behind and had messages dropped returns an error
+// matching [nats.ErrSlowConsumer] once. In both cases the Subscription
+// stays usable: the next call gets the next message. After Close, Next
+// returns an error matching [ErrClosed]. Not for concurrent use with
+// itself.
 func (s *Subscription) Next(ctx context.Context) (*Offer, error) {
 	m, err := s.sub.NextMsgWithContext(ctx)
 	if err != nil {
@@ -134,7 +139,8 @@ func (s *Subscription) isClosed() bool {
 
 // Close stops the subscription; offers not yet taken are dropped (their
 // publishers keep their memory exposed until they close the operations).
-// A Next in progress returns ErrClosed. Close is idempotent.
+// A Next in progress returns [ErrClosed]. The connection stays open. Close
+// is idempotent and safe for concurrent use.
 func (s *Subscription) Close() error {
 	s.mu.Lock()
 	if s.closed {

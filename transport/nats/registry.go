@@ -18,19 +18,19 @@ import (
 )
 
 // maxDeparted bounds how many departed agents a Registry remembers, to
-// answer Resolve with ErrRemoteLost rather than ErrUnknownAgent.
+// answer Resolve with connect.ErrRemoteLost rather than ErrUnknownAgent.
 const maxDeparted = 4096
 
 // Registry is an agent presence registry kept in a JetStream key-value
-// bucket: Connectors that Join publish their connect.AgentInfo under their
-// agent ID and heartbeat it, and every Registry watches the bucket, so it
-// knows who is present, resolves compact tokens (it is a connect.Resolver)
-// and tells joined Connectors when a peer departs (connect.Connector.
-// PeerDeparted), so that their operations with it fail with
-// connect.ErrRemoteLost within about two heartbeats, long before transport
-// keepalives would notice a frozen peer.
+// bucket: Connectors that join ([Registry.Join]) publish their
+// [connect.AgentInfo] under their agent ID and heartbeat it, and every
+// Registry watches the bucket, so it knows who is present, resolves
+// compact tokens (it is a [connect.Resolver]) and tells joined Connectors
+// when a peer departs ([connect.Connector.PeerDeparted]), so that their
+// operations with it fail with [connect.ErrRemoteLost] within about two
+// heartbeats, long before transport keepalives would notice a frozen peer.
 //
-// An agent departs when its entry is deleted (Member.Leave: at once) or
+// An agent departs when its entry is deleted ([Member.Leave]: at once) or
 // when it has not been heard for two of its heartbeats, timed on this
 // machine's clock (no clock sync needed), and then either one of this
 // process's own heartbeats sent after that comes back through the watch,
@@ -38,14 +38,15 @@ const maxDeparted = 4096
 // (or none): about a round trip more. While the Registry's connection is
 // down it cannot hear anyone, so it declares no departures; once it is
 // back it re-creates its watch and counts silence from then, plus its own
-// reconnect wait (nats.ReconnectWait + jitter) to let peers reconnect too.
-// A Registry never declares its own joined Members departed. It needs
+// reconnect wait ([nats.ReconnectWait] + jitter) to let peers reconnect
+// too. A Registry never declares its own joined Members departed. It needs
 // nothing beyond nats-server 2.9, and permission to read the bucket's keys
-// (as Resolve does).
+// (as [Registry.Resolve] does). docs/nats.md gives the rules in full.
 //
-// A Registry is safe for concurrent use. It owns one watcher goroutine, one
-// goroutine per Member (heartbeats) and one per Watch, all stopped by
-// Close.
+// A Registry is safe for concurrent use. It owns one watcher goroutine,
+// one goroutine per joined [Member] (its heartbeats), one per
+// [Registry.Watch] and at most one store check at a time, all stopped by
+// [Registry.Close]; the connection stays the caller's.
 type Registry struct {
 	nc     *nats.Conn
 	js     jetstream.JetStream
@@ -105,13 +106,16 @@ type departure struct {
 	rev, seq uint64 // rev 0: no put to ignore
 }
 
-// OpenRegistry binds the registry's bucket (WithBucket, default
+// OpenRegistry binds the registry's bucket ([WithBucket], default
 // "goxfer_agents") over nc, which stays the caller's, and starts watching
-// it. A missing bucket is created (History 1, TTL 3 heartbeats,
-// WithReplicas) unless WithCreateBucket(false); when it is missing and
-// cannot be created (not allowed, or JetStream unavailable) the error
-// matches ErrRegistry and names the bucket and the cause. Options honoured:
-// WithBucket, WithHeartbeat, WithCreateBucket, WithReplicas, WithLogger.
+// it; it returns once the Registry knows every agent present. ctx bounds
+// only the opening: the Registry watches until [Registry.Close]. A missing
+// bucket is created (History 1, TTL 3 heartbeats, [WithReplicas]) unless
+// [WithCreateBucket](false); when it is missing and cannot be created (not
+// allowed, or JetStream unavailable) the error matches [ErrRegistry] and
+// names the bucket and the cause. A JetStream that does not answer is
+// asked up to three times, within ctx. Options honoured: WithBucket,
+// WithHeartbeat, WithCreateBucket, WithReplicas, WithLogger.
 func OpenRegistry(ctx context.Context, nc *nats.Conn, opts ...Option) (*Registry, error) {
 	o, err := newOptions(opts)
 	if err != nil {
@@ -185,14 +189,17 @@ func OpenRegistry(ctx context.Context, nc *nats.Conn, opts ...Option) (*Registry
 	return r, nil
 }
 
-// Bucket returns the name of the registry's bucket.
+// Bucket returns the name of the registry's bucket. Safe for concurrent
+// use.
 func (r *Registry) Bucket() string { return r.bucket }
 
-// Resolve returns the AgentInfo agent id published, from the local table
-// or else from the bucket. An agent that has departed returns an error
-// matching connect.ErrRemoteLost; one never registered, ErrUnknownAgent.
-// It implements connect.Resolver (pass the Registry to
-// connect.WithResolver to use compact tokens). Safe for concurrent use.
+// Resolve returns the [connect.AgentInfo] agent id published, from the
+// local table or else from the bucket (a round trip, bounded by ctx). An
+// agent that has departed returns an error matching
+// [connect.ErrRemoteLost]; one never registered, [ErrUnknownAgent]; after
+// Close, [ErrClosed]. It implements [connect.Resolver] (pass the Registry
+// to [connect.WithResolver] to use compact tokens). Safe for concurrent
+// use.
 func (r *Registry) Resolve(ctx context.Context, id uuid.UUID) (connect.AgentInfo, error) {
 	r.mu.Lock()
 	if r.closed {
@@ -230,7 +237,7 @@ func (r *Registry) Resolve(ctx context.Context, id uuid.UUID) (connect.AgentInfo
 }
 
 // Agents returns the IDs of the agents present now, sorted, in a fresh
-// slice.
+// slice that the caller owns. Safe for concurrent use.
 func (r *Registry) Agents() []uuid.UUID {
 	r.mu.Lock()
 	ids := make([]uuid.UUID, 0, len(r.live))
@@ -245,18 +252,18 @@ func (r *Registry) Agents() []uuid.UUID {
 // Err says whether presence works now: nil while the Registry hears its
 // bucket, every Member's last heartbeat succeeded and no silent agent has
 // waited eight of its heartbeats for a verdict, and otherwise an error
-// matching ErrRegistry that says what fails: the Registry cannot watch its
-// bucket (the connection is down, the bucket is gone or was created anew,
-// the watch missed puts the store holds, or its Members' heartbeats do not
-// come back through it: it then hears no arrivals and declares nobody
-// departed), or a Member's heartbeat failed (peers may soon declare that
-// agent departed), or a silent agent can be judged neither by an echo nor
-// by the store (a lag: its departure waits). It is not nil for a moment
-// around every reconnection;
-// a failure that stays (the bucket vanished and WithCreateBucket(false)
-// forbids re-creating it, permissions, JetStream down) is also logged at
-// Error level (a heartbeat failing on a live connection, at Warn level).
-// After Close it matches ErrClosed. Safe for concurrent use.
+// matching [ErrRegistry] that says what fails: the Registry cannot watch
+// its bucket (the connection is down, the bucket is gone or was created
+// anew, the watch missed puts the store holds, or its Members' heartbeats
+// do not come back through it: it then hears no arrivals and declares
+// nobody departed), or a Member's heartbeat failed (peers may soon declare
+// that agent departed), or a silent agent can be judged neither by an echo
+// nor by the store (a lag: its departure waits). It is not nil for a
+// moment around every reconnection; a failure that stays (the bucket
+// vanished and [WithCreateBucket](false) forbids re-creating it,
+// permissions, JetStream down) is also logged at Error level (a heartbeat
+// failing on a live connection, at Warn level). After Close it matches
+// [ErrClosed]. Safe for concurrent use.
 func (r *Registry) Err() error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -278,11 +285,12 @@ func (r *Registry) Err() error {
 	return errors.Join(errs...)
 }
 
-// Close leaves every Member still joined (each with a short timeout, all
-// at once), stops the watcher and every Watch (their channels close) and
-// waits for all the Registry's goroutines. The connection stays open: it is
-// the caller's. Close is idempotent; every call returns the first call's
-// result.
+// Close leaves every Member still joined ([Member.Close]: a 2 s timeout
+// each, all at once), cuts short a [Registry.Join] waiting for its first
+// put, stops the watcher and every Watch (their channels close) and waits
+// for all the Registry's goroutines. The connection stays open: it is the
+// caller's. Close is idempotent and safe for concurrent use; every call
+// returns the first call's result.
 func (r *Registry) Close() error {
 	r.closeOnce.Do(func() {
 		r.mu.Lock()

@@ -13,36 +13,39 @@ import (
 	"github.com/goxfer/goxfer/connect"
 )
 
-// Handler answers one request to a Service: typically it exposes memory
-// (Connector.CreateReadable or CreateWritable) and returns the operation's
-// token in the Reply. ctx is cancelled when the Service closes and expires
-// at the requester's deadline (sent as an absolute time: the clocks of the
-// two machines should roughly agree). An error becomes a *HandlerError at the
+// Handler answers one request to a [Service]: typically it exposes memory
+// ([connect.Connector.CreateReadable] or [connect.Connector.CreateWritable])
+// and returns the operation's token in the [Reply]. ctx is cancelled when
+// the handler returns or the Service closes, and expires at the
+// requester's deadline (sent as an absolute time: the clocks of the two
+// machines should roughly agree). An error becomes a [*HandlerError] at the
 // requester: return a *HandlerError yourself to choose its Code. A Handler
 // runs on a goroutine of its own and must be safe for concurrent use; with
-// WithRetry at the requester it may see the same request twice, so it
-// should be idempotent.
+// [WithRetry] at the requester it may see the same request twice, so it
+// should be idempotent. The Service reads the Reply it returns, and does
+// not keep it.
 type Handler func(ctx context.Context, req *ServiceRequest) (*Reply, error)
 
-// ServiceRequest is a request as a Handler sees it. The Handler owns it
+// ServiceRequest is a request as a [Handler] sees it. The Handler owns it
 // and may keep Data and Header. (It cannot be named Request, which is the
-// function that sends one.)
+// function that sends one: [Request].)
 type ServiceRequest struct {
 	Subject string      // the subject the request was sent to
 	Data    []byte      // the requester's payload; the handler may keep it
 	Header  nats.Header // the requester's headers (goxfer's own removed); may be nil
 }
 
-// Reply is a Handler's answer, and what Request returns to the requester,
-// who then owns it. Metadata is required on success.
+// Reply is a [Handler]'s answer, and what [Request] returns to the
+// requester, who then owns it. Metadata is required on success.
 type Reply struct {
 	Metadata connect.Metadata // required on success
 	Data     []byte           // optional application payload
 	Header   nats.Header      // optional application headers ("Goxfer-" ones are dropped)
 }
 
-// Service answers requests on a subject with a Handler; see Serve. It is
-// safe for concurrent use.
+// Service answers requests on a subject with a [Handler]; see [Serve]. It
+// is safe for concurrent use. It owns one goroutine per running handler,
+// all waited for by [Service.Close]; the connection stays the caller's.
 type Service struct {
 	subject string
 	nc      *nats.Conn
@@ -59,16 +62,16 @@ type Service struct {
 	closeErr  error
 }
 
-// Serve answers requests on subject with h until Close. It subscribes in
-// a queue group (WithQueue, default "goxfer"), so a pool of workers serving
-// the same subject shares its requests, each request going to one worker.
-// Each request runs h on a goroutine of its own, at most WithConcurrency
-// (default 64) at once; further requests wait in the subscription's
-// pending buffer. A Handler error is sent back as Goxfer-Error headers and
-// reaches the requester as a *HandlerError; a panic in h is logged
-// (WithLogger) and answered with "handler panicked", and the Service
-// continues. A reply too large for the server's max payload is answered
-// with an error naming both sizes.
+// Serve answers requests on subject with h until [Service.Close]. It
+// subscribes in a queue group ([WithQueue], default "goxfer"), so a pool of
+// workers serving the same subject shares its requests, each request going
+// to one worker. Each request runs h on a goroutine of its own, at most
+// [WithConcurrency] (default 64) at once; further requests wait in the
+// subscription's pending buffer. A Handler error is sent back as
+// Goxfer-Error headers and reaches the requester as a [*HandlerError]; a
+// panic in h is logged ([WithLogger]) and answered with "handler
+// panicked", and the Service continues. A reply too large for the server's
+// max payload is answered with an error naming both sizes.
 //
 // Serve uses nc, which stays the caller's: it never dials, and closing nc
 // stops the Service (Close must still be called to wait for handlers).
@@ -102,13 +105,14 @@ func Serve(nc *nats.Conn, subject string, h Handler, opts ...Option) (*Service, 
 	return s, nil
 }
 
-// Subject returns the subject the Service answers.
+// Subject returns the subject the Service answers. Safe for concurrent use.
 func (s *Service) Subject() string { return s.subject }
 
 // Close stops taking requests (the subscription is drained: requests
 // already delivered are answered "unavailable", so that requesters with
-// WithRetry go to another worker), cancels the ctx of running handlers and
-// waits for them to return. It is idempotent; every call returns the first
+// [WithRetry] go to another worker), cancels the ctx of running handlers
+// and waits for them to return. The connection stays open. Close is
+// idempotent and safe for concurrent use; every call returns the first
 // call's result.
 func (s *Service) Close() error {
 	s.closeOnce.Do(func() {
@@ -223,22 +227,26 @@ func (s *Service) respondError(m *nats.Msg, code, msg string) {
 	}
 }
 
-// Request sends data to a worker serving subject and returns its Reply:
-// the token it answered with and its payload, which the caller owns.
-// data is not retained. A ctx without a deadline gets WithTimeout's
-// (default 10 s). Errors:
+// Request sends data to a worker serving subject (see [Serve]) and returns
+// its [Reply]: the token it answered with and its payload, which the caller
+// owns. data is not retained. A ctx without a deadline gets
+// [WithTimeout]'s (default 10 s). Errors:
 //
-//   - nobody serves subject: matches ErrNoResponders and nats.ErrNoResponders,
-//     and names the subject;
-//   - the Handler failed: a *HandlerError (matches ErrHandler);
+//   - nobody serves subject: matches [ErrNoResponders] and
+//     [nats.ErrNoResponders], and names the subject;
+//   - the Handler failed: a [*HandlerError] (matches [ErrHandler]);
 //   - ctx done: wraps ctx.Err(), naming the subject and the time waited;
-//   - data and headers too large: a *PayloadTooLargeError, nothing sent;
+//   - data and headers too large: a [*PayloadTooLargeError], nothing sent;
 //   - the reply is no goxfer token message: matches
-//     connect.ErrInvalidMetadata, naming the subject.
+//     [connect.ErrInvalidMetadata], naming the subject.
 //
-// Request does not retry unless given WithRetry; see there for which
-// failures are retried. Options honoured: WithHeader, WithTimeout,
-// WithRetry, WithAttemptTimeout. Safe for concurrent use.
+// Request sends once unless given [WithRetry]. Then it retries, with
+// backoff from 20 ms to 1 s, only when the request cannot have been handled
+// or its outcome was lost: no responders, the connection disconnected or
+// reconnecting, an attempt with no reply within [WithAttemptTimeout], or a
+// worker answering "unavailable" because it was shutting down. Options
+// honoured: WithHeader, WithTimeout, WithRetry, WithAttemptTimeout. Safe
+// for concurrent use.
 func Request(ctx context.Context, nc *nats.Conn, subject string, data []byte, opts ...Option) (*Reply, error) {
 	o, err := newOptions(opts)
 	if err != nil {
