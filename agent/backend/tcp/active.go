@@ -130,7 +130,7 @@ func (st *xstate) finished() {
 // watch arranges for st to be abandoned if it is cancelled before it
 // finishes: cancelling must not wait for a peer's answer, since a hostile
 // peer may never give one. No goroutine waits meanwhile; a cancelled
-// transfer gets one (agent.Xfer.AfterCancel). Call it while st holds its
+// transfer gets one ([agent.Work.AfterCancel]). Call it while st holds its
 // count in b.wg, before any frame is sent.
 func (st *xstate) watch() {
 	st.b.wg.Add(1) // the abandoning goroutine's, given back by finished if it never runs
@@ -179,7 +179,10 @@ func (s *stream) fenceFor(st *xstate) {
 	}
 }
 
-// Post implements agent.Backend.
+// Post implements [agent.Backend]: it dials the peer in the background if
+// it is not connected, and never waits for it (a small transfer is written
+// on the caller's goroutine only as far as the socket takes it at once).
+// The backend reads or writes w's local memory until it calls w.Finish.
 func (b *Backend) Post(x *agent.Work) error {
 	p, err := b.peerFor(x.Peer)
 	if err != nil {
@@ -308,7 +311,7 @@ func (b *Backend) peerFor(info agent.Info) (*peer, error) {
 	if err != nil {
 		return nil, fmt.Errorf("tcp: peer %s: %w: %v", info.ID, agent.ErrInvalid, err)
 	}
-	b.wg.Add(1) // the transfer's, released by xstate.finish or by the caller on error
+	b.wg.Add(1) // the transfer's, released by xstate.finished or by the caller on error
 	// Connections are keyed by identity and address together: a token that
 	// claims a known agent's identity at another address gets connections
 	// of its own and never redirects anyone else's transfers.
@@ -393,7 +396,7 @@ func (p *peer) reserve(ip netip.Addr) error {
 	if err := p.failure(); err != nil {
 		return err
 	}
-	return fmt.Errorf("tcp: dial peer %s at %s: this agent holds %d connections to that address, none idle: %w",
+	return fmt.Errorf("tcp: dial peer %s at %q: this agent holds %d connections to that address, none idle: %w",
 		p.id, p.addr, b.cfg.maxOut, ErrOutgoingLimit)
 }
 
@@ -506,7 +509,7 @@ func (p *peer) connect(ctx context.Context) error {
 		c, err := b.dial(ctx, p.addr)
 		if err != nil {
 			closeStreams(all)
-			return fmt.Errorf("tcp: dial peer %s at %s: %w: %w", p.id, p.addr, agent.ErrRemoteLost, err)
+			return p.lost("dial", err)
 		}
 		if !literal {
 			if err := p.reserve(remoteIP(c)); err != nil {
@@ -569,24 +572,24 @@ func (p *peer) handshake(ctx context.Context, c net.Conn, idx uint8) (*stream, h
 	// and the connection with it.
 	defer context.AfterFunc(ctx, func() { _ = c.SetDeadline(time.Unix(1, 0)) })()
 	if _, err := c.Write(hs[:]); err != nil {
-		return nil, handshake{}, fmt.Errorf("tcp: handshake with peer %s at %s: %w: %w", p.id, p.addr, agent.ErrRemoteLost, err)
+		return nil, handshake{}, p.lost("handshake with", err)
 	}
 	w := newWconn(c)
 	w.tx.Store(hsSize)
 	pc := &patientConn{c: c, rx: &w.rx, timeout: b.cfg.timeout}
 	br := bufio.NewReaderSize(pc, readBuf)
 	if _, err := io.ReadFull(br, hs[:]); err != nil {
-		return nil, handshake{}, fmt.Errorf("tcp: handshake with peer %s at %s: %w: %w", p.id, p.addr, agent.ErrRemoteLost, err)
+		return nil, handshake{}, p.lost("handshake with", err)
 	}
 	in, err := getHandshake(hs[:])
 	if err != nil {
-		return nil, in, fmt.Errorf("tcp: handshake with peer %s at %s: %w: %w", p.id, p.addr, agent.ErrRemoteLost, err)
+		return nil, in, p.lost("handshake with", err)
 	}
 	if in.status == stLimit {
-		return nil, in, fmt.Errorf("tcp: peer %s at %s refused a connection: this agent holds as many as it allows (tcp.WithMaxConnsPerPeer): %w", p.id, p.addr, agent.ErrRemoteLost)
+		return nil, in, fmt.Errorf("tcp: peer %s at %q refused a connection: this agent holds as many as it allows (tcp.WithMaxConnsPerPeer): %w", p.id, p.addr, agent.ErrRemoteLost)
 	}
 	if in.status != stOK || in.self != p.id {
-		return nil, in, fmt.Errorf("tcp: %s is now agent %s, not peer %s: %w", p.addr, in.self, p.id, agent.ErrRemoteLost)
+		return nil, in, fmt.Errorf("tcp: %q is now agent %s, not peer %s: %w", p.addr, in.self, p.id, agent.ErrRemoteLost)
 	}
 	_ = c.SetDeadline(time.Time{})
 	inflight := b.cfg.inflight
@@ -597,6 +600,12 @@ func (p *peer) handshake(ctx context.Context, c net.Conn, idx uint8) (*stream, h
 		pending: make(chan frame, inflight),
 		head:    make([]byte, hdrSize+b.cfg.maxPieces*pieceSize),
 	}, in, nil
+}
+
+// lost returns the error of a dial or handshake (what) with p that failed
+// with err: the peer is lost.
+func (p *peer) lost(what string, err error) error {
+	return fmt.Errorf("tcp: %s peer %s at %q: %w: %w", what, p.id, p.addr, agent.ErrRemoteLost, err)
 }
 
 // fail marks the peer failed once: transfers waiting for it give up, its
@@ -699,7 +708,11 @@ func (p *peer) notify(ctx context.Context, key agent.Key, msg []byte) error {
 	return nil
 }
 
-// Notify implements agent.Backend.
+// Notify implements [agent.Backend]: it sends msg, at most 64 KiB, on the
+// peer's control connection, dialling the peer if it is not connected. It
+// returns once the socket took msg, which it does not keep; waiting for the
+// dial or for the connection's writer ends when ctx is done, with an error
+// wrapping context.Cause(ctx).
 func (b *Backend) Notify(ctx context.Context, info agent.Info, key agent.Key, msg []byte) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("tcp: notify peer %s: %w", info.ID, context.Cause(ctx))
@@ -1057,7 +1070,7 @@ func (s *stream) land(h *header, f *frame, sink bool) (released bool, err error)
 				return false, err
 			}
 		}
-		return false, fmt.Errorf("tcp: peer %s refused %s: %w (%s)", s.p.id, f.st.x.Op, agent.ErrAccessDenied, msg)
+		return false, fmt.Errorf("tcp: peer %s refused %s: %w (%q)", s.p.id, f.st.x.Op, agent.ErrAccessDenied, msg)
 	}
 	if f.typ == tWrite {
 		if h.length != 0 {
@@ -1093,7 +1106,7 @@ func (s *stream) land(h *header, f *frame, sink bool) (released bool, err error)
 	return released, nil
 }
 
-// PeerDeparted implements agent.Departer: the connections to agent id are
+// PeerDeparted implements [agent.Departer]: the connections to agent id are
 // closed and its transfers' pending frames fail with cause at once, rather than
 // when the keepalive timeout notices a silent connection. The next transfer
 // to it dials afresh. Connections it opened to this agent are left to

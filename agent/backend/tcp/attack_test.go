@@ -56,26 +56,23 @@ func nonReader(t *testing.T, nw network) agent.Info {
 }
 
 // Cancelling a transfer never waits for the peer, the docs say, "whatever
-// the peer does". But a transfer whose driving goroutine waits for a
+// the peer does": also not a transfer whose driving goroutine waits for a
 // stream's write lock, held by ANOTHER transfer's frame that a peer takes
-// slowly (or not at all), finishes only when that frame's write ends:
-// send takes s.w.wmu with a plain Lock while holding a part of the
-// transfer, and abandon does not release that part. The agent's Close,
-// which cancels every transfer and waits for them, waits as long.
+// slowly (or not at all). send waits for the lock with wlock.lockOr, which
+// gives up when the transfer is cancelled; once it waited with a plain
+// lock while holding a part of the transfer, which abandon did not
+// release. Nor does the agent's Close, which cancels every transfer and
+// waits for them.
 func TestAttackCancelWaitsBehindAnotherTransfersWrite(t *testing.T) {
 	bubble(t, func(t *testing.T, nw *memNet) {
 		watchdog(t, 60*time.Second)
 		peer := nonReader(t, nw)
 		const big = 64 << 20
 		a, _ := newAgent(t, nw, WithStreams(1), WithChunkSize(16<<20), WithKeepalive(time.Second, 30*time.Second))
-		y, err := a.Post(context.Background(), agent.Request{Op: agent.OpWrite, Peer: peer, Key: agent.NewKey(),
-			Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, big)), Remote: agent.Region{Addr: 4096, Len: big}}}})
-		require.NoError(t, err)
+		y := postFake(t, a, agent.OpWrite, peer, make([]byte, big))
 		time.Sleep(300 * time.Millisecond) // y's first frame fills the socket buffers and blocks, holding the write lock
 		const n = 1 << 20                  // above inlineMax: driven from a goroutine
-		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
-			Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, n)), Remote: agent.Region{Addr: 4096, Len: n}}}})
-		require.NoError(t, err)
+		x := postFake(t, a, agent.OpRead, peer, make([]byte, n))
 		time.Sleep(100 * time.Millisecond)
 		x.Cancel(nil)
 		start := time.Now()
@@ -183,13 +180,8 @@ func TestAttackNonReaderStallsKeepalives(t *testing.T) {
 		victim, vb := newAgent(t, nw, WithKeepalive(50*time.Millisecond, timeout))
 		honest, hb := newAgent(t, nw, WithKeepalive(50*time.Millisecond, timeout))
 		src := bytes.Repeat([]byte{exposedB}, 4096)
-		e, err := honest.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
-		require.NoError(t, err)
-		x, err := victim.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: honest.Info(), Key: e.Key(),
-			Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, len(src))), Remote: agent.DRAM(src).Region}}})
-		require.NoError(t, err)
-		<-x.Done()
-		require.NoError(t, x.Err())
+		e := expose(t, honest, agent.AccessRead, src)
+		legitRead(t, victim, honest, e, src)
 		before := hb.Stats()
 
 		_ = stuckReader(t, vb, victim.ID(), 0)
@@ -213,8 +205,7 @@ func TestRevokeBoundedBehindStuckKeepalive(t *testing.T) {
 	const timeout = 500 * time.Millisecond
 	victim, vb := newAgent(t, WithKeepalive(50*time.Millisecond, timeout))
 	src := make([]byte, 4096)
-	e, err := victim.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
-	require.NoError(t, err)
+	e := expose(t, victim, agent.AccessRead, src)
 	c := stuckReader(t, vb, victim.ID(), 0)
 	w := serverSide(t, vb, c.LocalAddr())
 	// Our pings to it every 10 ms fill the socket; once the count of bytes
@@ -227,7 +218,7 @@ func TestRevokeBoundedBehindStuckKeepalive(t *testing.T) {
 			still++
 		}
 	}
-	_, err = c.Write(frameBytes(header{typ: tRead, count: 1, id: 1, key: e.Key()}, [][2]uint64{{agent.DRAM(src).Addr, 4096}}, nil))
+	_, err := c.Write(frameBytes(header{typ: tRead, count: 1, id: 1, key: e.Key()}, [][2]uint64{{agent.DRAM(src).Addr, 4096}}, nil))
 	require.NoError(t, err)
 	time.Sleep(50 * time.Millisecond) // read, its lease taken, waiting for the writer
 	start := time.Now()
@@ -249,9 +240,7 @@ func TestInlinePostNeverWaitsForThePeer(t *testing.T) {
 	var slowest time.Duration
 	for range 64 { // 4 MiB: more than the socket buffers hold
 		start := time.Now()
-		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpWrite, Peer: peer, Key: agent.NewKey(),
-			Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, inlineMax)), Remote: agent.Region{Addr: 4096, Len: inlineMax}}}})
-		require.NoError(t, err)
+		x := postFake(t, a, agent.OpWrite, peer, make([]byte, inlineMax))
 		slowest = max(slowest, time.Since(start))
 		xs = append(xs, x)
 	}
@@ -289,8 +278,7 @@ func TestAttackCancelRacesNeverLandLate(t *testing.T) {
 	for i := range src {
 		src[i] = pat(i)
 	}
-	re, err := passive.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
-	require.NoError(t, err)
+	re := expose(t, passive, agent.AccessRead, src)
 	// W: guard | slot 0 (verification only) | slots 1..7 (cancelled WRITEs) | guard
 	const slot = 512 << 10
 	wall := bytes.Repeat([]byte{0xEE}, page+8*slot+page)
@@ -300,8 +288,7 @@ func TestAttackCancelRacesNeverLandLate(t *testing.T) {
 	}
 	// Exposed memory is read here only after Revoke, which orders it after
 	// the server's writes (the race detector sees no order through sockets).
-	we, err := passive.Expose(agent.AccessWrite, []agent.Local{agent.DRAM(w[slot:])})
-	require.NoError(t, err)
+	we := expose(t, passive, agent.AccessWrite, w[slot:])
 	wbase := agent.DRAM(w).Addr
 
 	rnd := func(n int) int { return int(uint64(time.Now().UnixNano()*2654435761) % uint64(n)) }
@@ -404,8 +391,7 @@ func TestAttackCancelRacesNeverLandLate(t *testing.T) {
 			for j := range v {
 				v[j] = pat(j + int(seed))
 			}
-			ve, err := passive.Expose(agent.AccessWrite, []agent.Local{agent.DRAM(w[:slot])})
-			require.NoError(t, err)
+			ve := expose(t, passive, agent.AccessWrite, w[:slot])
 			y, err := active.Post(context.Background(), agent.Request{Op: agent.OpWrite, Peer: passive.Info(), Key: ve.Key(),
 				Segments: []agent.Segment{{Local: agent.DRAM(v), Remote: agent.Region{Addr: wbase, Len: uint64(m)}}}})
 			require.NoError(t, err)
@@ -469,9 +455,7 @@ func TestAttackCancelDuringRefusalTextFailsOthers(t *testing.T) {
 		})
 		a, _ := newAgent(t, nw, WithStreams(1), WithKeepalive(time.Second, 30*time.Second))
 		post := func() *agent.Xfer {
-			x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
-				Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 4096)), Remote: agent.Region{Addr: 4096, Len: 4096}}}})
-			require.NoError(t, err)
+			x := postFake(t, a, agent.OpRead, peer, make([]byte, 4096))
 			return x
 		}
 		x := post()
@@ -499,8 +483,7 @@ func TestAttackIdleReapRacesTransfers(t *testing.T) {
 		for i := range src {
 			src[i] = pat(i)
 		}
-		e, err := passive.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
-		require.NoError(t, err)
+		e := expose(t, passive, agent.AccessRead, src)
 		before := ab.Stats()
 		const rounds = 150
 		for i := range rounds {
@@ -557,11 +540,7 @@ func TestOutgoingLimitSizing(t *testing.T) {
 			for range peers {
 				p, _ := newAgent(t, nw)
 				m := make([]byte, 4<<20)
-				e, err := p.Expose(agent.AccessRead, []agent.Local{agent.DRAM(m)})
-				require.NoError(t, err)
-				x, err := active.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: p.Info(), Key: e.Key(),
-					Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, len(m))), Remote: agent.DRAM(m).Region}}})
-				require.NoError(t, err)
+				x, _ := postRead(t, active, p, expose(t, p, agent.AccessRead, m), m)
 				xs = append(xs, x)
 			}
 			for i, x := range xs {
@@ -668,9 +647,7 @@ func TestBusyPingsFedByOurKeepalives(t *testing.T) {
 		var restarts atomic.Int64
 		peer := fakePassiveAnswering(t, nw, handshake{self: uuid.New(), timeout: 30 * time.Millisecond}, truthfulBusyPinger(&restarts))
 		a, _ := newAgent(t, nw, WithKeepalive(time.Second, timeout))
-		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
-			Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 4096)), Remote: agent.Region{Addr: 4096, Len: 4096}}}})
-		require.NoError(t, err)
+		x := postFake(t, a, agent.OpRead, peer, make([]byte, 4096))
 		select {
 		case <-x.Done():
 			t.Logf("lost as documented: %v", x.Err())
@@ -718,9 +695,7 @@ func TestBusyPingsFedByPingFlood(t *testing.T) {
 		var restarts atomic.Int64
 		peer := fakePassive(t, nw, uuid.New(), truthfulBusyPinger(&restarts))
 		a, b := newAgent(t, nw, WithStreams(1), WithKeepalive(50*time.Millisecond, timeout))
-		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
-			Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 4096)), Remote: agent.Region{Addr: 4096, Len: 4096}}}})
-		require.NoError(t, err)
+		x := postFake(t, a, agent.OpRead, peer, make([]byte, 4096))
 		deadline := time.After(10 * timeout)
 		for {
 			floodPings(b, 2*minProgress/hdrSize)
@@ -789,14 +764,10 @@ func TestBusyPingsCannotClaimAnsweredBytes(t *testing.T) {
 		})
 		a, _ := newAgent(t, nw, WithStreams(1), WithKeepalive(50*time.Millisecond, timeout))
 		const big = 4 << 20 // 64 timeouts' worth of 64 KiB claims
-		w, err := a.Post(context.Background(), agent.Request{Op: agent.OpWrite, Peer: peer, Key: agent.NewKey(),
-			Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, big)), Remote: agent.Region{Addr: 4096, Len: big}}}})
-		require.NoError(t, err)
+		w := postFake(t, a, agent.OpWrite, peer, make([]byte, big))
 		doneWithin(t, w, 10*time.Second, "the WRITE")
 		require.NoError(t, w.Err())
-		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
-			Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 4096)), Remote: agent.Region{Addr: 4096, Len: 4096}}}})
-		require.NoError(t, err)
+		x := postFake(t, a, agent.OpRead, peer, make([]byte, 4096))
 		took := doneWithin(t, x, 10*timeout, "a READ held by claims of answered bytes")
 		require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
 		t.Logf("lost after %v (timeout %v)", took, timeout)

@@ -13,8 +13,13 @@
 // each keepalive timeout, so revoking an exposure waits for at most one
 // timeout. Cancelling a transfer never waits for the peer. Idle connections
 // exchange keepalives; a connection silent for longer than the keepalive
-// timeout, or broken, fails its transfers with agent.ErrRemoteLost and tells
-// the agent the peer is lost.
+// timeout, or broken, fails its transfers with [agent.ErrRemoteLost] and
+// tells the agent the peer is lost.
+//
+// The backend logs on its host's logger ([agent.Host].Logger): connections
+// it drops on a peer's account at level Debug, accept failures at Warn.
+// docs/tcp.md has the design, the limits and their defaults, and the wire
+// format.
 package tcp
 
 import (
@@ -38,8 +43,9 @@ import (
 // Name is the backend's name in metadata and reports.
 const Name = "tcp"
 
-// Backend is the TCP backend. Create one per agent with New and hand it to
-// the agent, which starts and closes it. Safe for concurrent use.
+// Backend is the TCP backend. Create one per agent with [New] and hand it to
+// the agent ([agent.WithBackends]), which starts and closes it. Safe for
+// concurrent use.
 type Backend struct {
 	cfg    config
 	optErr error
@@ -74,8 +80,9 @@ type Backend struct {
 	nudge chan struct{} // wakes the keepalive loop early
 }
 
-// New returns a TCP backend for one agent. Invalid options are reported by
-// Start, that is by the agent's constructor.
+// New returns a TCP backend for one agent, configured by opts (defaults:
+// docs/tcp.md). Invalid options are reported by [Backend.Start], that is by
+// the agent's constructor.
 func New(opts ...Option) *Backend {
 	b := &Backend{cfg: defaults(), peers: map[peerKey]*peer{}, inbound: map[sessionKey]*inbound{},
 		out: map[netip.Addr]int{}, nudge: make(chan struct{}, 1)}
@@ -99,14 +106,15 @@ func New(opts ...Option) *Backend {
 	return b
 }
 
-// Name implements agent.Backend.
+// Name implements [agent.Backend]: it returns [Name].
 func (b *Backend) Name() string { return Name }
 
-// Supports implements agent.Backend: host memory only; device memory needs a
-// GPU-capable backend or staging.
+// Supports implements [agent.Backend]: host memory ([agent.KindDRAM])
+// only; device memory needs a GPU-capable backend or staging.
 func (b *Backend) Supports(k agent.MemKind) bool { return k == agent.KindDRAM }
 
-// Addr returns the address the backend listens on, or nil before Start.
+// Addr returns the address the backend listens on, or nil before Start. Call
+// it once Start has returned.
 func (b *Backend) Addr() net.Addr {
 	if b.ln == nil {
 		return nil
@@ -114,11 +122,13 @@ func (b *Backend) Addr() net.Addr {
 	return b.ln.Addr()
 }
 
-// Advertised returns the address published to peers, once started.
+// Advertised returns the address published to peers ([WithAdvertiseAddr]),
+// or "" before Start. Call it once Start has returned.
 func (b *Backend) Advertised() string { return b.self.addr }
 
-// Start implements agent.Backend: it listens and starts the accept loop and
-// the keepalive loop.
+// Start implements [agent.Backend]: it listens and starts the accept loop and
+// the keepalive loop, which end with h.Context() or Close. The backend logs
+// on h.Logger().
 func (b *Backend) Start(h agent.Host) ([]byte, error) {
 	if b.optErr != nil {
 		return nil, b.optErr
@@ -129,7 +139,7 @@ func (b *Backend) Start(h agent.Host) ([]byte, error) {
 	}
 	ln, err := listen(b.cfg.listen)
 	if err != nil {
-		return nil, fmt.Errorf("tcp: listen on %s: %w", b.cfg.listen, err)
+		return nil, fmt.Errorf("tcp: listen on %q: %w", b.cfg.listen, err)
 	}
 	b.host, b.log, b.id, b.ln = h, h.Logger(), h.ID(), ln
 	b.ctx, b.cancel = context.WithCancelCause(h.Context())
@@ -175,20 +185,21 @@ func (b *Backend) dial(ctx context.Context, addr string) (net.Conn, error) {
 	return d.DialContext(ctx, "tcp", addr)
 }
 
-// Reachable implements agent.Backend. A peer that publishes a loopback
-// address but runs on another host (or in another network namespace) is
-// unreachable, and the error says which option the peer must set.
+// Reachable implements [agent.Backend] without I/O. A peer that publishes a
+// loopback address but runs on another host (or in another network
+// namespace) is unreachable, and the error says which option the peer must
+// set.
 func (b *Backend) Reachable(_ context.Context, info agent.Info) error {
 	raw, ok := info.Conn(Name)
 	if !ok {
-		return errors.New("peer has no tcp backend")
+		return errors.New("tcp: the peer has no tcp backend")
 	}
 	ci, err := parseConnInfo(raw)
 	if err != nil {
 		return err
 	}
 	if isLoopback(ci.addr) && ci.host != b.self.host {
-		return fmt.Errorf("peer %s advertises the loopback address %s but runs on another host or network namespace; "+
+		return fmt.Errorf("tcp: peer %s advertises the loopback address %q but runs on another host or network namespace; "+
 			"start the peer with tcp.WithListenAddr and tcp.WithAdvertiseAddr set to an address this host can reach", info.ID, ci.addr)
 	}
 	return nil
@@ -354,8 +365,10 @@ func (b *Backend) finishPing(w *wconn, rest []byte) {
 	w.lastWrite.Store(time.Now().UnixNano())
 }
 
-// Close implements agent.Backend: it stops listening, says goodbye on and
-// closes every connection, and waits for the backend's goroutines.
+// Close implements [agent.Backend]: it stops listening, says goodbye on and
+// closes every connection, fails what waits on a peer with
+// [agent.ErrClosed], and waits for the backend's goroutines. It never waits
+// for a peer. Later calls return nil.
 func (b *Backend) Close() error {
 	b.mu.Lock()
 	if b.closed {

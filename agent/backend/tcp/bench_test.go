@@ -75,35 +75,45 @@ func benchChild() {
 // serveRaw answers requests of 9 bytes (direction, length): 'r' sends length
 // bytes, 'w' reads length bytes and answers one byte.
 func serveRaw(ln net.Listener, buf []byte) {
-	for {
-		c, err := ln.Accept()
-		if err != nil {
-			return
-		}
-		go func() {
-			defer c.Close()
-			sink := make([]byte, len(buf))
-			var req [9]byte
-			for {
-				if _, err := io.ReadFull(c, req[:]); err != nil {
-					return
-				}
-				n := binary.LittleEndian.Uint64(req[1:])
-				var err error
-				if req[0] == 'r' {
-					_, err = c.Write(buf[:n])
-				} else if _, err = io.ReadFull(c, sink[:n]); err == nil {
-					_, err = c.Write(req[:1])
-				}
-				if err != nil {
-					return
-				}
+	serveEach(ln, func(c net.Conn) {
+		sink := make([]byte, len(buf))
+		var req [9]byte
+		for {
+			if _, err := io.ReadFull(c, req[:]); err != nil {
+				return
 			}
-		}()
-	}
+			n := binary.LittleEndian.Uint64(req[1:])
+			var err error
+			if req[0] == 'r' {
+				_, err = c.Write(buf[:n])
+			} else if _, err = io.ReadFull(c, sink[:n]); err == nil {
+				_, err = c.Write(req[:1])
+			}
+			if err != nil {
+				return
+			}
+		}
+	})
 }
 
+// servePing echoes 4 KiB messages.
 func servePing(ln net.Listener) {
+	serveEach(ln, func(c net.Conn) {
+		buf := make([]byte, 4096)
+		for {
+			if _, err := io.ReadFull(c, buf); err != nil {
+				return
+			}
+			if _, err := c.Write(buf); err != nil {
+				return
+			}
+		}
+	})
+}
+
+// serveEach hands each connection ln accepts to serve, on a goroutine of
+// its own that closes it, until ln is closed.
+func serveEach(ln net.Listener, serve func(c net.Conn)) {
 	for {
 		c, err := ln.Accept()
 		if err != nil {
@@ -111,15 +121,7 @@ func servePing(ln net.Listener) {
 		}
 		go func() {
 			defer c.Close()
-			buf := make([]byte, 4096)
-			for {
-				if _, err := io.ReadFull(c, buf); err != nil {
-					return
-				}
-				if _, err := c.Write(buf); err != nil {
-					return
-				}
-			}
+			serve(c)
 		}()
 	}
 }

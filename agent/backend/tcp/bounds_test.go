@@ -66,9 +66,7 @@ func TestBusyPingsCannotHoldTransfers(t *testing.T) {
 	post := func(t *testing.T, nw *memNet, n int, opts ...Option) (*agent.Agent, *agent.Xfer) {
 		peer := fakePassive(t, nw, uuid.New(), busyPinger)
 		a, _ := newAgent(t, append(opts, nw)...)
-		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
-			Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, n)), Remote: agent.Region{Addr: 4096, Len: uint64(n)}}}})
-		require.NoError(t, err)
+		x := postFake(t, a, agent.OpRead, peer, make([]byte, n))
 		return a, x
 	}
 	for _, n := range []int{4 << 10, 1 << 20} { // inline, and driven from a goroutine
@@ -130,9 +128,7 @@ func TestCancelFencesLandingRead(t *testing.T) {
 		})
 		a, _ := newAgent(t, nw, WithStreams(1), WithChunkSize(size), WithKeepalive(time.Second, 30*time.Second))
 		dst := make([]byte, size)
-		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
-			Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: size}}}})
-		require.NoError(t, err)
+		x := postFake(t, a, agent.OpRead, peer, dst)
 		time.Sleep(300 * time.Millisecond) // some of the answer has landed
 		x.Cancel(nil)
 		took := doneWithin(t, x, time.Second, "Cancel during a trickled answer")
@@ -170,9 +166,7 @@ func TestCancelFencesWritingWrite(t *testing.T) {
 		})
 		a, _ := newAgent(t, nw, WithStreams(1), WithChunkSize(size), WithKeepalive(time.Second, 30*time.Second))
 		src := bytes.Repeat([]byte{0x5A}, size)
-		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpWrite, Peer: peer, Key: agent.NewKey(),
-			Segments: []agent.Segment{{Local: agent.DRAM(src), Remote: agent.Region{Addr: 4096, Len: size}}}})
-		require.NoError(t, err)
+		x := postFake(t, a, agent.OpWrite, peer, src)
 		time.Sleep(300 * time.Millisecond)
 		x.Cancel(nil)
 		took := doneWithin(t, x, time.Second, "Cancel during a slowly taken WRITE")
@@ -229,8 +223,7 @@ func TestRevokeBoundedAgainstTrickledFrames(t *testing.T) {
 		bubble(t, func(t *testing.T, nw *memNet) {
 			a, b := newAgent(t, nw, WithKeepalive(50*time.Millisecond, timeout))
 			mem := make([]byte, size)
-			e, err := a.Expose(agent.AccessWrite, []agent.Local{agent.DRAM(mem)})
-			require.NoError(t, err)
+			e := expose(t, a, agent.AccessWrite, mem)
 			p, _ := dialHostile(t, b, a.ID())
 			f := frameBytes(header{typ: tWrite, count: 1, id: 1, length: size, key: e.Key()}, [][2]uint64{{agent.DRAM(mem).Addr, size}},
 				bytes.Repeat([]byte{0xEE}, size))
@@ -246,8 +239,7 @@ func TestRevokeBoundedAgainstTrickledFrames(t *testing.T) {
 		bubble(t, func(t *testing.T, nw *memNet) {
 			a, b := newAgent(t, nw, WithKeepalive(50*time.Millisecond, timeout))
 			mem := bytes.Repeat([]byte{exposedB}, size)
-			e, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(mem)})
-			require.NoError(t, err)
+			e := expose(t, a, agent.AccessRead, mem)
 			p, _ := dialHostile(t, b, a.ID())
 			setReadBuffer(t, p.c, 4096)
 			p.frame(header{typ: tRead, count: 1, id: 1, key: e.Key()}, [][2]uint64{{agent.DRAM(mem).Addr, size}}, nil)
@@ -358,23 +350,19 @@ func TestStrangerClaimingAPeerIDOverTCP(t *testing.T) {
 		pinger(t, c, 100*time.Millisecond) // stays alive for as long as it likes
 		return c
 	}
-	read := func(t *testing.T, active, passive *agent.Agent, e *agent.Exposure, src []byte) {
-		t.Helper()
-		x, err := active.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: passive.Info(), Key: e.Key(),
-			Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, len(src))), Remote: agent.DRAM(src).Region}}})
-		require.NoError(t, err)
-		<-x.Done()
-		require.NoError(t, x.Err())
+	// agents starts the passive agent pa, exposing src under e, and the
+	// active agent aa, whose identity the stranger claims.
+	agents := func(t *testing.T, nw *memNet) (pa *agent.Agent, pb *Backend, aa *agent.Agent, e *agent.Exposure, src []byte) {
+		pa, pb = newAgent(t, nw)
+		aa, _ = newAgent(t, nw)
+		src = make([]byte, 64)
+		return pa, pb, aa, expose(t, pa, agent.AccessRead, src), src
 	}
 	t.Run("hang-up after the peer's operation", func(t *testing.T) {
 		bubble(t, func(t *testing.T, nw *memNet) {
-			pa, pb := newAgent(t, nw)
-			aa, _ := newAgent(t, nw)
-			src := make([]byte, 64)
-			e, err := pa.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
-			require.NoError(t, err)
+			pa, pb, aa, e, src := agents(t, nw)
 			held := stranger(t, pb, aa.ID(), pa.ID()) // connected before the peer
-			read(t, aa, pa, e, src)
+			legitRead(t, aa, pa, e, src)
 			require.NoError(t, held.Close())
 			c := stranger(t, pb, aa.ID(), pa.ID())
 			require.NoError(t, c.Close())
@@ -387,13 +375,9 @@ func TestStrangerClaimingAPeerIDOverTCP(t *testing.T) {
 	})
 	t.Run("the peer's real loss while a stranger holds on", func(t *testing.T) {
 		bubble(t, func(t *testing.T, nw *memNet) {
-			pa, pb := newAgent(t, nw)
-			aa, _ := newAgent(t, nw)
-			src := make([]byte, 64)
-			e, err := pa.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
-			require.NoError(t, err)
+			pa, pb, aa, e, src := agents(t, nw)
 			_ = stranger(t, pb, aa.ID(), pa.ID()) // connected before the peer, and stays
-			read(t, aa, pa, e, src)
+			legitRead(t, aa, pa, e, src)
 			require.NoError(t, aa.Close())
 			select {
 			case ev := <-e.Events():

@@ -182,14 +182,30 @@ func waitStats(t testing.TB, b *Backend, before, want Stats) {
 	assert.Equal(t, want, serve.Delta(b.Stats(), before))
 }
 
-// legitRead has active READ all of exp's region r from passive and checks
-// the bytes: the agent still serves honest peers.
-func legitRead(t testing.TB, active, passive *agent.Agent, exp *agent.Exposure, r []byte) {
+// expose exposes mem on a for acc.
+func expose(t testing.TB, a *agent.Agent, acc agent.Access, mem []byte) *agent.Exposure {
+	t.Helper()
+	e, err := a.Expose(acc, []agent.Local{agent.DRAM(mem)})
+	require.NoError(t, err)
+	return e
+}
+
+// postRead starts a READ by active of all of r, which passive exposes under
+// exp, into fresh memory, which it returns.
+func postRead(t testing.TB, active, passive *agent.Agent, exp *agent.Exposure, r []byte) (*agent.Xfer, []byte) {
 	t.Helper()
 	dst := make([]byte, len(r))
 	x, err := active.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: passive.Info(), Key: exp.Key(),
 		Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.DRAM(r).Region}}})
 	require.NoError(t, err)
+	return x, dst
+}
+
+// legitRead has active READ all of exp's region r from passive and checks
+// the bytes: the agent still serves honest peers.
+func legitRead(t testing.TB, active, passive *agent.Agent, exp *agent.Exposure, r []byte) {
+	t.Helper()
+	x, dst := postRead(t, active, passive, exp, r)
 	select {
 	case <-x.Done():
 	case <-time.After(20 * time.Second):
@@ -197,6 +213,16 @@ func legitRead(t testing.TB, active, passive *agent.Agent, exp *agent.Exposure, 
 	}
 	require.NoError(t, x.Err(), "a legitimate transfer failed")
 	require.Equal(t, r, dst)
+}
+
+// postFake starts an op between local and the len(local) bytes at address
+// 4096 of peer, under a made-up key: what a fake peer is sent.
+func postFake(t testing.TB, a *agent.Agent, op agent.Op, peer agent.Info, local []byte) *agent.Xfer {
+	t.Helper()
+	x, err := a.Post(context.Background(), agent.Request{Op: op, Peer: peer, Key: agent.NewKey(),
+		Segments: []agent.Segment{{Local: agent.DRAM(local), Remote: agent.Region{Addr: 4096, Len: uint64(len(local))}}}})
+	require.NoError(t, err)
+	return x
 }
 
 // target is an agent under attack: it exposes a guarded allocation, and

@@ -57,15 +57,9 @@ func (p *rawPeer) answer() (status uint8, who uuid.UUID, err error) {
 	return h.status, h.self, err
 }
 
+// frame sends one frame (frameBytes).
 func (p *rawPeer) frame(h header, table [][2]uint64, payload []byte) {
-	b := make([]byte, hdrSize, hdrSize+len(table)*pieceSize+len(payload))
-	h.put(b)
-	for _, pc := range table {
-		b = binary.LittleEndian.AppendUint64(b, pc[0])
-		b = binary.LittleEndian.AppendUint64(b, pc[1])
-	}
-	b = append(b, payload...)
-	_, err := p.c.Write(b)
+	_, err := p.c.Write(frameBytes(h, table, payload))
 	require.NoError(p.t, err)
 }
 
@@ -124,10 +118,8 @@ func TestHandshakeWithStaleIdentity(t *testing.T) {
 // bytes in the same allocation stay secret and unchanged), and an honest
 // peer is still served afterwards.
 func TestHostileFrames(t *testing.T) {
-	a, b := newAgent(t)
-	honest, _ := newAgent(t)
-	g := newGuarded(t)
-	ex := g.expose(t, a)
+	tg := newTarget(t, loopback)
+	a, b, g, ex := tg.a, tg.b, tg.g, tg.ex
 	wBefore := bytes.Clone(g.w)
 	base := g.base()
 	addr := func(b []byte) uint64 { return agent.DRAM(b).Addr }
@@ -218,8 +210,7 @@ func TestHostileFrames(t *testing.T) {
 			}
 			waitStats(t, b, before, tc.want)
 			assert.False(t, g.leaked(rec.received()), "guard bytes reached the hostile peer")
-			g.intact(t, wBefore)
-			legitRead(t, honest, a, ex.r, g.r)
+			tg.stillServes(t, wBefore)
 		})
 	}
 }
@@ -227,10 +218,8 @@ func TestHostileFrames(t *testing.T) {
 // Handshakes that are malformed, name another agent or none, or stop
 // halfway are refused, dropped and counted.
 func TestHostileHandshakes(t *testing.T) {
-	a, b := newAgent(t)
-	honest, _ := newAgent(t)
-	g := newGuarded(t)
-	ex := g.expose(t, a)
+	tg := newTarget(t, loopback)
+	a, b := tg.a, tg.b
 	valid := func(self, expect uuid.UUID) []byte {
 		var hs [hsSize]byte
 		(&handshake{self: self, expect: expect, timeout: time.Second}).put(hs[:])
@@ -267,8 +256,7 @@ func TestHostileHandshakes(t *testing.T) {
 			}
 			waitStats(t, b, before, Stats{Disconnected: 1, HandshakeFailures: 1})
 			assert.Greater(t, a.Stats().Refused, refused)
-			g.intact(t, nil)
-			legitRead(t, honest, a, ex.r, g.r)
+			tg.stillServes(t, nil)
 		})
 	}
 }
@@ -316,9 +304,7 @@ func TestSilentPassivePeer(t *testing.T) {
 	a, _ := newAgent(t, WithKeepalive(50*time.Millisecond, 300*time.Millisecond))
 	dst := make([]byte, 1<<20)
 	start := time.Now()
-	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
-		Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: 1 << 20}}}})
-	require.NoError(t, err)
+	x := postFake(t, a, agent.OpRead, peer, dst)
 	select {
 	case <-x.Done():
 	case <-time.After(10 * time.Second):
@@ -334,10 +320,9 @@ func TestSilentActivePeer(t *testing.T) {
 	bubble(t, func(t *testing.T, nw *memNet) {
 		a, b := newAgent(t, nw, WithKeepalive(50*time.Millisecond, 300*time.Millisecond))
 		src := make([]byte, 64)
-		exp, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
-		require.NoError(t, err)
+		exp := expose(t, a, agent.AccessRead, src)
 		p := dialRaw(t, b, a.ID())
-		_, _, err = p.answer()
+		_, _, err := p.answer()
 		require.NoError(t, err)
 		p.frame(header{typ: tRead, count: 1, id: 1, key: exp.Key()}, [][2]uint64{{agent.DRAM(src).Addr, 64}}, nil)
 		h, _, err := p.next()
@@ -507,8 +492,7 @@ func checkServerOutput(t *testing.T, out []byte) {
 func TestForgedIdentityDoesNotRedirect(t *testing.T) {
 	victim, _ := newAgent(t)
 	src := bytes.Repeat([]byte{7}, 4096)
-	exp, err := victim.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
-	require.NoError(t, err)
+	exp := expose(t, victim, agent.AccessRead, src)
 
 	// The impostor answers handshakes as the victim and records every key
 	// it is sent.

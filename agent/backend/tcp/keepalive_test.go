@@ -2,11 +2,8 @@ package tcp
 
 import (
 	"bytes"
-	"context"
 	"testing"
 	"time"
-
-	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
 )
@@ -25,24 +22,15 @@ func TestMismatchedKeepalives(t *testing.T) {
 					passive, active = quick, slow
 				}
 				src := bytes.Repeat([]byte{3}, 4096)
-				exp, err := passive.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
-				require.NoError(t, err)
+				exp := expose(t, passive, agent.AccessRead, src)
 				defer exp.Revoke()
-				dst := make([]byte, 4096)
-				read := func() {
-					x, err := active.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: passive.Info(), Key: exp.Key(),
-						Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.DRAM(src).Region}}})
-					require.NoError(t, err)
-					<-x.Done()
-					require.NoError(t, x.Err())
-				}
-				read()
+				legitRead(t, active, passive, exp, src)
 				select { // idle for many of the quick side's timeouts
 				case ev := <-exp.Events():
 					t.Fatalf("healthy idle peer reported: %+v", ev)
 				case <-time.After(10 * time.Second):
 				}
-				read()
+				legitRead(t, active, passive, exp, src)
 			})
 		})
 	}

@@ -89,12 +89,11 @@ func TestSlowLoris(t *testing.T) {
 	}
 	slowReader := func(t *testing.T, tg *target) time.Duration {
 		big := bytes.Repeat([]byte{exposedB}, 16<<20)
-		bigExp, err := tg.a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(big)})
-		require.NoError(t, err)
+		bigExp := expose(t, tg.a, agent.AccessRead, big)
 		defer bigExp.Revoke()
 		p, _ := dialHostile(t, tg.b, tg.a.ID())
 		setReadBuffer(t, p.c, 4096)
-		_, err = p.c.Write(frameBytes(header{typ: tRead, count: 1, id: 1, key: bigExp.Key()}, [][2]uint64{{agent.DRAM(big).Addr, 16 << 20}}, nil))
+		_, err := p.c.Write(frameBytes(header{typ: tRead, count: 1, id: 1, key: bigExp.Key()}, [][2]uint64{{agent.DRAM(big).Addr, 16 << 20}}, nil))
 		require.NoError(t, err)
 		start := time.Now()
 		// Read a trickle of the answer, far too slowly for 16 MiB,
@@ -156,11 +155,10 @@ func TestSlowLoris(t *testing.T) {
 		}},
 		{"WRITE payload", func(t *testing.T, tg *target) time.Duration {
 			g := tg.g
-			w, err := tg.a.Expose(agent.AccessWrite, []agent.Local{agent.DRAM(g.w)})
-			require.NoError(t, err)
+			w := expose(t, tg.a, agent.AccessWrite, g.w)
 			p, _ := dialHostile(t, tg.b, tg.a.ID())
 			f := frameBytes(header{typ: tWrite, count: 1, id: 1, length: page, key: w.Key()}, [][2]uint64{{agent.DRAM(g.w).Addr, page}}, make([]byte, page))
-			_, err = p.c.Write(f[:hdrSize+pieceSize+1])
+			_, err := p.c.Write(f[:hdrSize+pieceSize+1])
 			require.NoError(t, err)
 			// The lease it holds meanwhile is released by the cut: Revoke
 			// returns within the same bound.
@@ -195,10 +193,8 @@ func TestSlowLoris(t *testing.T) {
 func TestHandshakeFlood(t *testing.T) {
 	const limit = 16
 	// Handshakes may take 30 s: none of the flood ends by itself.
-	a, b := newAgent(t, WithMaxHandshakes(limit), WithKeepalive(time.Second, 30*time.Second))
-	honest, _ := newAgent(t)
-	g := newGuarded(t)
-	ex := g.expose(t, a)
+	tg := newTarget(t, loopback, WithMaxHandshakes(limit), WithKeepalive(time.Second, 30*time.Second))
+	b := tg.b
 	before := b.Stats()
 
 	var mu sync.Mutex
@@ -237,7 +233,7 @@ func TestHandshakeFlood(t *testing.T) {
 		}
 	})
 	for range 3 {
-		legitRead(t, honest, a, ex.r, g.r)
+		tg.stillServes(t, nil)
 	}
 	close(stop)
 	wg.Wait()
@@ -252,7 +248,7 @@ func TestHandshakeFlood(t *testing.T) {
 	var ne net.Error
 	require.Error(t, err)
 	require.False(t, errors.As(err, &ne) && ne.Timeout(), "the oldest handshake was kept")
-	g.intact(t, nil)
+	tg.g.intact(t, nil)
 }
 
 // dialFrom dials b from a second loopback address, or skips the test.
@@ -278,16 +274,7 @@ func dialFrom(t *testing.T, b *Backend) func() net.Conn {
 // status, or an error if the connection was closed first.
 func handshakeOn(t *testing.T, c net.Conn, self, expect uuid.UUID) (uint8, error) {
 	t.Helper()
-	var hs [hsSize]byte
-	(&handshake{self: self, expect: expect, timeout: time.Minute}).put(hs[:])
-	if _, err := c.Write(hs[:]); err != nil {
-		return 0, err
-	}
-	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
-	if _, err := io.ReadFull(c, hs[:]); err != nil {
-		return 0, err
-	}
-	in, err := getHandshake(hs[:])
+	in, err := greet(c, handshake{self: self, expect: expect, timeout: time.Minute})
 	return in.status, err
 }
 
@@ -297,10 +284,8 @@ func handshakeOn(t *testing.T, c net.Conn, self, expect uuid.UUID) (uint8, error
 // share. Honest peers get through throughout.
 func TestConnectionFloods(t *testing.T) {
 	const perIP, perPeer = 24, 8
-	a, b := newAgent(t, WithMaxConnsPerIP(perIP), WithMaxConnsPerPeer(perPeer), WithStreams(2))
-	honest, _ := newAgent(t)
-	g := newGuarded(t)
-	ex := g.expose(t, a)
+	tg := newTarget(t, loopback, WithMaxConnsPerIP(perIP), WithMaxConnsPerPeer(perPeer), WithStreams(2))
+	a, b := tg.a, tg.b
 	dial := dialFrom(t, b)
 
 	t.Run("identities from one address", func(t *testing.T) {
@@ -322,7 +307,7 @@ func TestConnectionFloods(t *testing.T) {
 		assert.Equal(t, perIP, ok)
 		assert.Equal(t, 16, refused)
 		waitStats(t, b, before, Stats{Disconnected: 16, LimitRejected: 16})
-		legitRead(t, honest, a, ex.r, g.r)
+		tg.stillServes(t, nil)
 	})
 	require.Eventually(t, func() bool { return b.byIP.Len() == 1 }, 10*time.Second, time.Millisecond,
 		"the closed connections are uncounted")
@@ -334,17 +319,17 @@ func TestConnectionFloods(t *testing.T) {
 		for range perPeer + 2 {
 			c := dial()
 			defer c.Close()
-			status, err := handshakeOn(t, c, honest.ID(), a.ID())
+			status, err := handshakeOn(t, c, tg.honest.ID(), a.ID())
 			require.NoError(t, err)
 			statuses = append(statuses, status)
 		}
 		assert.Equal(t, append(bytes.Repeat([]byte{stOK}, perPeer), stLimit, stLimit), statuses)
 		waitStats(t, b, before, Stats{Disconnected: 2, LimitRejected: 2})
 		// The honest agent, from its own address, is unaffected.
-		legitRead(t, honest, a, ex.r, g.r)
-		legitRead(t, honest, a, ex.r, g.r)
+		tg.stillServes(t, nil)
+		tg.stillServes(t, nil)
 	})
-	g.intact(t, nil)
+	tg.g.intact(t, nil)
 }
 
 // An honest agent over the passive side's per-peer limit hears why.
@@ -352,8 +337,7 @@ func TestOverPeerLimitSaysWhy(t *testing.T) {
 	a, _ := newAgent(t, WithStreams(1), WithMaxConnsPerPeer(2))
 	active, _ := newAgent(t, WithStreams(4))
 	src := make([]byte, 64)
-	exp, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
-	require.NoError(t, err)
+	exp := expose(t, a, agent.AccessRead, src)
 	x, err := active.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: a.Info(), Key: exp.Key(),
 		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 64)), Remote: agent.DRAM(src).Region}}})
 	require.NoError(t, err)

@@ -344,13 +344,7 @@ func (c *memConn) Read(b []byte) (int, error) {
 			p.mu.Unlock()
 			return 0, io.EOF
 		}
-		wake := p.wake
-		p.mu.Unlock()
-		select {
-		case <-wake:
-		case <-dl:
-		case <-c.done:
-		}
+		c.await(p, dl)
 	}
 }
 
@@ -396,13 +390,19 @@ func (c *memConn) Write(b []byte) (int, error) {
 			p.mu.Unlock()
 			continue
 		}
-		wake := p.wake
-		p.mu.Unlock()
-		select {
-		case <-wake:
-		case <-dl:
-		case <-c.done:
-		}
+		c.await(p, dl)
+	}
+}
+
+// await unlocks p, which the caller locked, and waits until p changes, the
+// deadline dl passes, or c is closed.
+func (c *memConn) await(p *memPipe, dl <-chan struct{}) {
+	wake := p.wake
+	p.mu.Unlock()
+	select {
+	case <-wake:
+	case <-dl:
+	case <-c.done:
 	}
 }
 

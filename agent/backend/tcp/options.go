@@ -11,12 +11,13 @@ import (
 )
 
 // ErrOutgoingLimit fails a transfer that needs a connection to an IP
-// address to which this agent already holds WithMaxOutgoingPerIP
+// address to which this agent already holds [WithMaxOutgoingPerIP]
 // connections, none of them idle. It says nothing about the peer, which
-// may well be alive: it does not match agent.ErrRemoteLost.
+// may well be alive: it does not match [agent.ErrRemoteLost].
 var ErrOutgoingLimit = errors.New("tcp: outgoing connections per address at the limit (tcp.WithMaxOutgoingPerIP)")
 
-// Option configures a Backend.
+// Option configures a [Backend]; pass options to [New]. An invalid one
+// makes Start fail with an error wrapping [agent.ErrInvalidOption].
 type Option interface{ apply(*config) error }
 
 type optionFunc func(*config) error
@@ -98,11 +99,10 @@ func WithListenAddr(addr string) Option {
 	})
 }
 
-// WithAdvertiseAddr sets the host:port published to remote agents. Default:
-// the bound listen address; when listening on an unspecified address (":0",
-// "0.0.0.0"), the host's first non-loopback IPv4 address and the bound port.
-// Set it when peers must reach this agent through a NAT, a proxy or a
-// different interface.
+// WithAdvertiseAddr sets the host:port published to remote agents, for a
+// NAT, a proxy or another interface. Default: the bound listen address, or
+// for an unspecified one (":0", "0.0.0.0") the host's first non-loopback
+// IPv4 address and the bound port.
 func WithAdvertiseAddr(addr string) Option {
 	return optionFunc(func(c *config) error {
 		if _, _, err := net.SplitHostPort(addr); err != nil {
@@ -113,9 +113,9 @@ func WithAdvertiseAddr(addr string) Option {
 	})
 }
 
-// WithStreams sets how many data connections carry transfers to each peer;
-// large transfers are split into chunks pipelined over all of them. A
-// separate control connection carries notifications. Default: 4.
+// WithStreams sets how many data connections carry transfers to each peer,
+// besides one control connection for notifications; large transfers are
+// pipelined over all of them. Default: 4.
 func WithStreams(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 1 || n > 64 {
@@ -126,11 +126,10 @@ func WithStreams(n int) Option {
 	})
 }
 
-// WithKeepalive sets how often an idle connection sends a keepalive and how
+// WithKeepalive sets how often an idle connection sends a keepalive, and how
 // long a peer may stay silent, or leave a request unanswered, before it is
-// declared lost (ErrRemoteLost). Keepalives on an idle connection can be up
-// to 1.5 intervals apart, so timeout must be at least twice interval.
-// Default: 1 s and 4 s.
+// declared lost ([agent.ErrRemoteLost]); timeout must be at least twice
+// interval (docs/tcp.md says why). Default: 1 s and 4 s.
 func WithKeepalive(interval, timeout time.Duration) Option {
 	return optionFunc(func(c *config) error {
 		if interval <= 0 || timeout < 2*interval {
@@ -141,8 +140,8 @@ func WithKeepalive(interval, timeout time.Duration) Option {
 	})
 }
 
-// WithChunkSize sets the most bytes one frame carries; larger descriptors are
-// split, smaller ones batched into one frame up to this size. Default: 2 MiB.
+// WithChunkSize sets the most bytes one frame carries: larger descriptors
+// are split, smaller ones batched into one frame. Default: 2 MiB.
 func WithChunkSize(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 4<<10 || n > 16<<20 {
@@ -165,13 +164,11 @@ func WithInflight(n int) Option {
 	})
 }
 
-// WithMaxFrameSize sets the most payload bytes one READ or WRITE request may
-// carry: the sum of its pieces' lengths. A request over it closes the
-// connection and is counted in Stats.LimitRejected. The limit is announced
-// in the handshake, and a peer running this version cuts its frames to fit;
-// it must be at least this agent's own chunk size (WithChunkSize), which New
-// checks. Default: 16 MiB, the largest chunk size, so that it never refuses
-// a peer of any configuration.
+// WithMaxFrameSize sets the most payload bytes one incoming READ or WRITE
+// request may carry; a request over it closes the connection
+// ([Stats].LimitRejected). It is announced to peers, which cut their frames
+// to fit, and must be at least [WithChunkSize]. Default: 16 MiB, the largest
+// chunk size (docs/tcp.md, "Limits and hostile peers").
 func WithMaxFrameSize(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 4<<10 || n > 256<<20 {
@@ -182,12 +179,11 @@ func WithMaxFrameSize(n int) Option {
 	})
 }
 
-// WithMaxPieces sets the most pieces (address, length) one READ or WRITE
-// request may name, and so the size of the table the exposing agent reads
-// for it (16 bytes a piece). A request over it closes the connection and is
-// counted in Stats.LimitRejected. This agent's own requests use at most as
-// many, and at most what each peer announces in its handshake. Default:
-// 1024, the pieces a vectored system call takes at once (IOV_MAX).
+// WithMaxPieces sets the most pieces (address, length) one incoming READ or
+// WRITE request may name; a request over it closes the connection
+// ([Stats].LimitRejected). It is announced to peers, and bounds this agent's
+// own requests too. Default: 1024, what one vectored system call takes
+// (IOV_MAX).
 func WithMaxPieces(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 16 || n > 65535 {
@@ -199,17 +195,10 @@ func WithMaxPieces(n int) Option {
 }
 
 // WithMaxConnsPerPeer sets how many connections one remote agent may hold to
-// this one at once. Each connection has at most one request being served, so
-// this also bounds the requests, leases and serving goroutines a peer can
-// occupy. An agent's identity is only claimed in the handshake, so the limit
-// counts connections per identity and remote address together: a stranger
-// elsewhere who claims a peer's identity cannot use up that peer's share. A
-// connection over the limit is closed at once and counted in
-// Stats.LimitRejected; the dialler sees agent.ErrRemoteLost. Default: 256,
-// four times what the busiest legitimate peer holds (64 streams and a
-// control connection), which leaves room for a peer reconnecting while its
-// old connections are still being torn down and for a peer that reaches
-// this agent under two advertised addresses.
+// this one at once, counted per claimed identity and remote address
+// together; one over it is refused ([Stats].LimitRejected, and
+// [agent.ErrRemoteLost] for the dialler). Default: 256, four times what the
+// busiest honest peer holds (docs/tcp.md says why).
 func WithMaxConnsPerPeer(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 2 || n > 1<<20 {
@@ -221,12 +210,9 @@ func WithMaxConnsPerPeer(n int) Option {
 }
 
 // WithMaxConnsPerIP sets how many connections may come from one remote IP
-// address at once, in the handshake or past it. It bounds what one host can
-// hold however many identities it claims. A connection over the limit is
-// closed as soon as it is accepted, before a byte is read, and counted in
-// Stats.LimitRejected. Default: 4096: sixteen agents on one host (or behind
-// one NAT address) each with 64 streams and reconnecting, or hundreds with
-// the default 4 streams.
+// address at once, whatever identities they claim; one over it is closed as
+// soon as it is accepted ([Stats].LimitRejected). Default: 4096 (docs/tcp.md
+// says why).
 func WithMaxConnsPerIP(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 2 || n > 1<<20 {
@@ -238,15 +224,9 @@ func WithMaxConnsPerIP(n int) Option {
 }
 
 // WithMaxHandshakes sets how many accepted connections may be in the
-// handshake at once, from all addresses together. A handshake must complete
-// within the keepalive timeout; when a new connection finds the limit
-// reached, the oldest unfinished handshake is closed to make room and
-// counted in Stats.LimitRejected. A flood of connections that never
-// handshake (slow-loris) thus holds a bounded number of goroutines and
-// sockets, and cannot lock legitimate peers out: their handshakes complete
-// in one round trip, long before a flood pushes them out. Default: 256; a
-// legitimate agent dials its connections one after another, so this is 256
-// agents connecting in the same round trip.
+// handshake at once, from all addresses together; when full, the oldest
+// unfinished handshake is closed to make room ([Stats].LimitRejected), so a
+// slow-loris flood cannot lock honest peers out. Default: 256.
 func WithMaxHandshakes(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 1 || n > 1<<20 {
@@ -258,16 +238,10 @@ func WithMaxHandshakes(n int) Option {
 }
 
 // WithMaxOutgoingPerIP sets how many connections this agent keeps to one
-// remote IP address, over all the agents there: tokens name any identity at
-// any address, so a token issuer must not make this agent hoard
-// connections. When a transfer needs a new connection over the limit, the
-// agents at that address idle the longest are closed to make room; if none
-// is idle, the transfer fails with ErrOutgoingLimit, not
-// agent.ErrRemoteLost: the peer may well be alive. Each agent this agent
-// transfers with at once holds WithStreams+1 connections, so size it to
-// (streams+1) × the agents at one address busy at once, with room for
-// reconnects. Default: 1024, about two hundred busy agents at one address
-// at the default 4 streams, or fifteen at 64.
+// remote IP address, over all the agents there. Over it, the peers there
+// idle the longest are closed to make room, or the transfer fails with
+// [ErrOutgoingLimit]. Size it to ([WithStreams]+1) × the agents at one address
+// busy at once (docs/tcp.md). Default: 1024.
 func WithMaxOutgoingPerIP(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 2 || n > 1<<20 {

@@ -222,7 +222,7 @@ func (s *server) handshake() error {
 		// other connections could all close, and report it lost, before
 		// this one, which may carry its last notification, is counted.
 		status = stLimit
-		err = fmt.Errorf("%w: peer %s already holds %d connections from %s", errLimit, peer, b.cfg.maxConnsPerPeer, s.w.ip)
+		err = fmt.Errorf("%w: peer %s already holds %d connections from %q", errLimit, peer, b.cfg.maxConnsPerPeer, s.w.ip)
 	default:
 		s.peer = peer
 	}

@@ -175,9 +175,7 @@ func TestStalledPeerIsBounded(t *testing.T) {
 		})
 		a, _ := newAgent(t, nw, WithKeepalive(100*time.Millisecond, 500*time.Millisecond))
 		dst := make([]byte, 1<<20)
-		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
-			Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: 1 << 20}}}})
-		require.NoError(t, err)
+		x := postFake(t, a, agent.OpRead, peer, dst)
 		time.Sleep(100 * time.Millisecond)
 		start := time.Now()
 		x.Cancel(nil)
@@ -205,17 +203,12 @@ func TestStrangerCannotReportPeerLost(t *testing.T) {
 		pa, pb := newAgent(t, nw)
 		aa, _ := newAgent(t, nw)
 		src := make([]byte, 64)
-		exp, err := pa.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
-		require.NoError(t, err)
-		x, err := aa.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: pa.Info(), Key: exp.Key(),
-			Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 64)), Remote: agent.DRAM(src).Region}}})
-		require.NoError(t, err)
-		<-x.Done()
-		require.NoError(t, x.Err())
+		exp := expose(t, pa, agent.AccessRead, src)
+		legitRead(t, aa, pa, exp, src)
 		require.Equal(t, aa.ID(), exp.Peer())
 
 		c := dialBackend(t, pb)
-		_, err = greet(c, handshake{self: aa.ID(), expect: pa.ID()})
+		_, err := greet(c, handshake{self: aa.ID(), expect: pa.ID()})
 		require.NoError(t, err)
 		require.NoError(t, c.Close())
 		select {
@@ -236,9 +229,7 @@ func TestDepartedPeerFailsAtOnce(t *testing.T) {
 		})
 		a, _ := newAgent(t, nw, WithKeepalive(5*time.Second, 20*time.Second))
 		dst := make([]byte, 1<<20)
-		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(),
-			Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: 1 << 20}}}})
-		require.NoError(t, err)
+		x := postFake(t, a, agent.OpRead, peer, dst)
 		time.Sleep(100 * time.Millisecond)
 		start := time.Now()
 		a.PeerDeparted(peer.ID, errors.New("registry: heartbeats stopped"))

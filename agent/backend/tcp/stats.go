@@ -6,7 +6,7 @@ import (
 	"github.com/goxfer/goxfer/agent"
 )
 
-// Stats are the backend's counters since it started (agent.BackendStats),
+// Stats are the backend's counters since it started ([agent.BackendStats]),
 // for the tcp protocol:
 //
 //   - HandshakeFailures: accepted connections whose handshake was malformed
@@ -17,10 +17,10 @@ import (
 //     answer to no request or with the wrong id; frames from active peers
 //     and answers from passive ones.
 //   - LimitRejected: connections closed for going over a limit:
-//     connections per address (WithMaxConnsPerIP) or per peer
-//     (WithMaxConnsPerPeer), handshakes in progress (WithMaxHandshakes, the
-//     oldest closed), a request's bytes (WithMaxFrameSize) or pieces
-//     (WithMaxPieces), or a notification's size (64 KiB).
+//     connections per address ([WithMaxConnsPerIP]) or per peer
+//     ([WithMaxConnsPerPeer]), handshakes in progress ([WithMaxHandshakes],
+//     the oldest closed), a request's bytes ([WithMaxFrameSize]) or pieces
+//     ([WithMaxPieces]), or a notification's size (64 KiB).
 //   - Timeouts: connections cut because a peer was silent or too slow: a
 //     handshake not complete within the keepalive timeout, a frame or an
 //     answer moving less than 64 KiB in a timeout, a keepalive it took no
@@ -30,7 +30,7 @@ import (
 //     unknown, revoked or forged key, the wrong access kind, a piece outside
 //     the exposed regions or across two of them.
 //
-// The agent's own count of refusals (agent.Stats.Refused) sees most of
+// The agent's own count of refusals ([agent.Stats].Refused) sees most of
 // these too; Stats says which kind each was.
 type Stats = agent.BackendStats
 
