@@ -87,10 +87,16 @@ func (r *Registry) bucketCreated(ctx context.Context) (time.Time, error) {
 	if err != nil {
 		return time.Time{}, err
 	}
+	return streamCreated(st), nil
+}
+
+// streamCreated returns when the stream of the bucket whose status is st
+// was created; zero if st does not say.
+func streamCreated(st jetstream.KeyValueStatus) time.Time {
 	if s, ok := st.(interface{ StreamInfo() *jetstream.StreamInfo }); ok && s.StreamInfo() != nil {
-		return s.StreamInfo().Created, nil
+		return s.StreamInfo().Created
 	}
-	return time.Time{}, nil
+	return time.Time{}
 }
 
 // recreateBucket creates the bucket again after it vanished (the server

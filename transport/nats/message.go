@@ -135,14 +135,20 @@ func appHeader(h nats.Header) nats.Header {
 func mergeHeader(hs ...nats.Header) nats.Header {
 	out := nats.Header{}
 	for _, h := range hs {
-		for k, vs := range h {
-			if isOwnHeader(k) {
-				continue
-			}
-			for _, v := range vs {
-				out.Add(k, v)
-			}
-		}
+		addAppHeader(out, h)
 	}
 	return out
+}
+
+// addAppHeader adds to dst the application's headers of h, goxfer's own
+// dropped.
+func addAppHeader(dst, h nats.Header) {
+	for k, vs := range h {
+		if isOwnHeader(k) {
+			continue
+		}
+		for _, v := range vs {
+			dst.Add(k, v)
+		}
+	}
 }

@@ -1,6 +1,7 @@
 package nats
 
 import (
+	"context"
 	"fmt"
 	"log/slog"
 	"time"
@@ -48,6 +49,49 @@ type options struct {
 	replicas       int
 }
 
+// connOptions applies opts for fn, a function that needs a connection: nc
+// must not be nil.
+func connOptions(fn string, nc *nats.Conn, opts []Option) (options, error) {
+	o, err := newOptions(opts)
+	if err == nil && nc == nil {
+		err = fmt.Errorf("%w: %s needs a connection", ErrInvalidOption, fn)
+	}
+	return o, err
+}
+
+// atLeastOne is an Option, named name in errors, that sets an integer n
+// of at least 1 (want says so in the error).
+func atLeastOne(name string, n int, want string, set func(*options)) Option {
+	return optionFunc(func(o *options) error {
+		if n < 1 {
+			return fmt.Errorf("%w: %s(%d): %s", ErrInvalidOption, name, n, want)
+		}
+		set(o)
+		return nil
+	})
+}
+
+// positive is an Option, named name in errors, that sets a positive
+// duration d.
+func positive(name string, d time.Duration, set func(*options)) Option {
+	return optionFunc(func(o *options) error {
+		if d <= 0 {
+			return fmt.Errorf("%w: %s(%v): want a positive duration", ErrInvalidOption, name, d)
+		}
+		set(o)
+		return nil
+	})
+}
+
+// bound returns ctx bounded by WithTimeout's timeout if it has no deadline
+// of its own; the caller must call cancel.
+func (o options) bound(ctx context.Context) (_ context.Context, cancel context.CancelFunc) {
+	if _, ok := ctx.Deadline(); ok {
+		return ctx, func() {}
+	}
+	return context.WithTimeout(ctx, o.timeout)
+}
+
 func newOptions(opts []Option) (options, error) {
 	o := options{
 		concurrency:    defaultConcurrency,
@@ -89,13 +133,7 @@ func WithQueue(group string) Option {
 // once; further requests wait in the subscription's pending buffer.
 // Honoured by Serve. Default: 64; n at least 1.
 func WithConcurrency(n int) Option {
-	return optionFunc(func(o *options) error {
-		if n < 1 {
-			return fmt.Errorf("%w: WithConcurrency(%d): want at least 1", ErrInvalidOption, n)
-		}
-		o.concurrency = n
-		return nil
-	})
+	return atLeastOne("WithConcurrency", n, "want at least 1", func(o *options) { o.concurrency = n })
 }
 
 // WithHeader adds the application headers h to what [Request] or
@@ -107,14 +145,7 @@ func WithHeader(h nats.Header) Option {
 		if o.header == nil {
 			o.header = nats.Header{}
 		}
-		for k, vs := range h {
-			if isOwnHeader(k) {
-				continue
-			}
-			for _, v := range vs {
-				o.header.Add(k, v)
-			}
-		}
+		addAppHeader(o.header, h)
 		return nil
 	})
 }
@@ -123,13 +154,7 @@ func WithHeader(h nats.Header) Option {
 // [Publish] when its ctx has no deadline; a ctx deadline always wins.
 // Default: 10 s; d positive.
 func WithTimeout(d time.Duration) Option {
-	return optionFunc(func(o *options) error {
-		if d <= 0 {
-			return fmt.Errorf("%w: WithTimeout(%v): want a positive duration", ErrInvalidOption, d)
-		}
-		o.timeout = d
-		return nil
-	})
+	return positive("WithTimeout", d, func(o *options) { o.timeout = d })
 }
 
 // WithRetry makes [Request] try up to attempts times in all, retrying only
@@ -137,26 +162,14 @@ func WithTimeout(d time.Duration) Option {
 // was lost; a Handler may then see a request twice. Default: 1 (no
 // retry); attempts at least 1.
 func WithRetry(attempts int) Option {
-	return optionFunc(func(o *options) error {
-		if attempts < 1 {
-			return fmt.Errorf("%w: WithRetry(%d): want at least 1 attempt", ErrInvalidOption, attempts)
-		}
-		o.retry = attempts
-		return nil
-	})
+	return atLeastOne("WithRetry", attempts, "want at least 1 attempt", func(o *options) { o.retry = attempts })
 }
 
 // WithAttemptTimeout bounds each attempt of a [Request] made with
 // [WithRetry] above 1; without retries, ctx bounds the one attempt.
 // Default: 2 s; d positive.
 func WithAttemptTimeout(d time.Duration) Option {
-	return optionFunc(func(o *options) error {
-		if d <= 0 {
-			return fmt.Errorf("%w: WithAttemptTimeout(%v): want a positive duration", ErrInvalidOption, d)
-		}
-		o.attemptTimeout = d
-		return nil
-	})
+	return positive("WithAttemptTimeout", d, func(o *options) { o.attemptTimeout = d })
 }
 
 // WithLogger sets where a [Service] or a [Registry] logs. Honoured by

@@ -1,9 +1,7 @@
 package nats
 
 import (
-	"bytes"
 	"context"
-	"slices"
 	"sync"
 
 	"github.com/google/uuid"
@@ -36,12 +34,7 @@ func (r *Registry) Watch(ctx context.Context) <-chan Presence {
 		close(q.ch)
 		return q.ch
 	}
-	ids := make([]uuid.UUID, 0, len(r.live))
-	for id := range r.live {
-		ids = append(ids, id)
-	}
-	slices.SortFunc(ids, func(a, b uuid.UUID) int { return bytes.Compare(a[:], b[:]) })
-	for _, id := range ids {
+	for _, id := range r.liveIDsLocked() {
 		q.push(Presence{ID: id, Info: r.live[id].info})
 	}
 	r.watches[q] = struct{}{}

@@ -23,12 +23,9 @@ import (
 // (default 10 s) for the flush. data and the headers are not retained.
 // Options honoured: WithHeader, WithTimeout. Safe for concurrent use.
 func Publish(ctx context.Context, nc *nats.Conn, subject string, md connect.Metadata, data []byte, opts ...Option) error {
-	o, err := newOptions(opts)
+	o, err := connOptions("Publish", nc, opts)
 	if err != nil {
 		return err
-	}
-	if nc == nil {
-		return fmt.Errorf("%w: Publish needs a connection", ErrInvalidOption)
 	}
 	body, err := encodeMessage(md, data)
 	if err != nil {
@@ -47,11 +44,8 @@ func Publish(ctx context.Context, nc *nats.Conn, subject string, md connect.Meta
 	if err := nc.PublishMsg(m); err != nil {
 		return fmt.Errorf("goxfer/nats: publish to subject %q: %w", subject, err)
 	}
-	if _, ok := ctx.Deadline(); !ok {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, o.timeout)
-		defer cancel()
-	}
+	ctx, cancel := o.bound(ctx)
+	defer cancel()
 	if err := nc.FlushWithContext(ctx); err != nil {
 		return fmt.Errorf("goxfer/nats: publish to subject %q: server did not confirm: %w", subject, err)
 	}
@@ -84,12 +78,9 @@ type Subscription struct {
 // [Subscription.Next] takes them. Subscribe uses nc, which stays the
 // caller's. Options honoured: WithQueue.
 func Subscribe(nc *nats.Conn, subject string, opts ...Option) (*Subscription, error) {
-	o, err := newOptions(opts)
+	o, err := connOptions("Subscribe", nc, opts)
 	if err != nil {
 		return nil, err
-	}
-	if nc == nil {
-		return nil, fmt.Errorf("%w: Subscribe needs a connection", ErrInvalidOption)
 	}
 	var sub *nats.Subscription
 	if o.queue != nil {

@@ -117,12 +117,9 @@ type departure struct {
 // asked up to three times, within ctx. Options honoured: WithBucket,
 // WithHeartbeat, WithCreateBucket, WithReplicas, WithLogger.
 func OpenRegistry(ctx context.Context, nc *nats.Conn, opts ...Option) (*Registry, error) {
-	o, err := newOptions(opts)
+	o, err := connOptions("OpenRegistry", nc, opts)
 	if err != nil {
 		return nil, err
-	}
-	if nc == nil {
-		return nil, fmt.Errorf("%w: OpenRegistry needs a connection", ErrInvalidOption)
 	}
 	js, err := jetstream.New(nc)
 	if err != nil {
@@ -135,10 +132,7 @@ func OpenRegistry(ctx context.Context, nc *nats.Conn, opts ...Option) (*Registry
 	var ttl time.Duration
 	var created time.Time
 	if st, err := kv.Status(ctx); err == nil {
-		ttl = st.TTL()
-		if s, ok := st.(interface{ StreamInfo() *jetstream.StreamInfo }); ok && s.StreamInfo() != nil {
-			created = s.StreamInfo().Created
-		}
+		ttl, created = st.TTL(), streamCreated(st)
 	}
 	r := &Registry{
 		nc: nc, js: js, kv: kv, o: o, bucket: o.bucket, hb: o.heartbeat, ttl: ttl, log: o.logger,
@@ -153,13 +147,16 @@ func OpenRegistry(ctx context.Context, nc *nats.Conn, opts ...Option) (*Registry
 	}
 	r.ctx, r.cancel = context.WithCancel(context.Background())
 	status := nc.StatusChanged(nats.CONNECTED, nats.DISCONNECTED, nats.RECONNECTING, nats.CLOSED)
+	fail := func(what string, err error) (*Registry, error) {
+		nc.RemoveStatusListener(status)
+		r.cancel()
+		return nil, fmt.Errorf("%w: %s bucket %q: %w", ErrRegistry, what, o.bucket, err)
+	}
 	// The watch outlives ctx, which bounds only the opening: it lives
 	// until Close.
 	w, err := kv.WatchAll(r.ctx)
 	if err != nil {
-		nc.RemoveStatusListener(status)
-		r.cancel()
-		return nil, fmt.Errorf("%w: watch bucket %q: %w", ErrRegistry, o.bucket, err)
+		return fail("watch", err)
 	}
 	// Return with the table complete: the present agents, and the recent
 	// departures still in the bucket as delete markers.
@@ -179,9 +176,7 @@ func OpenRegistry(ctx context.Context, nc *nats.Conn, opts ...Option) (*Registry
 		}
 		if err != nil {
 			_ = w.Stop()
-			nc.RemoveStatusListener(status)
-			r.cancel()
-			return nil, fmt.Errorf("%w: read bucket %q: %w", ErrRegistry, o.bucket, err)
+			return fail("read", err)
 		}
 	}
 	r.wg.Add(1)
@@ -240,11 +235,17 @@ func (r *Registry) Resolve(ctx context.Context, id uuid.UUID) (connect.AgentInfo
 // slice that the caller owns. Safe for concurrent use.
 func (r *Registry) Agents() []uuid.UUID {
 	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.liveIDsLocked()
+}
+
+// liveIDsLocked returns the IDs of the live agents, sorted, in a fresh
+// slice; r.mu is held.
+func (r *Registry) liveIDsLocked() []uuid.UUID {
 	ids := make([]uuid.UUID, 0, len(r.live))
 	for id := range r.live {
 		ids = append(ids, id)
 	}
-	r.mu.Unlock()
 	slices.SortFunc(ids, func(a, b uuid.UUID) int { return bytes.Compare(a[:], b[:]) })
 	return ids
 }

@@ -77,12 +77,12 @@ type Service struct {
 // stops the Service (Close must still be called to wait for handlers).
 // Options honoured: WithQueue, WithConcurrency, WithLogger.
 func Serve(nc *nats.Conn, subject string, h Handler, opts ...Option) (*Service, error) {
-	o, err := newOptions(opts)
+	o, err := connOptions("Serve", nc, opts)
 	if err != nil {
 		return nil, err
 	}
-	if nc == nil || h == nil {
-		return nil, fmt.Errorf("%w: Serve needs a connection and a handler", ErrInvalidOption)
+	if h == nil {
+		return nil, fmt.Errorf("%w: Serve needs a handler", ErrInvalidOption)
 	}
 	queue := defaultQueue
 	if o.queue != nil {
@@ -248,18 +248,12 @@ func (s *Service) respondError(m *nats.Msg, code, msg string) {
 // honoured: WithHeader, WithTimeout, WithRetry, WithAttemptTimeout. Safe
 // for concurrent use.
 func Request(ctx context.Context, nc *nats.Conn, subject string, data []byte, opts ...Option) (*Reply, error) {
-	o, err := newOptions(opts)
+	o, err := connOptions("Request", nc, opts)
 	if err != nil {
 		return nil, err
 	}
-	if nc == nil {
-		return nil, fmt.Errorf("%w: Request needs a connection", ErrInvalidOption)
-	}
-	if _, ok := ctx.Deadline(); !ok {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, o.timeout)
-		defer cancel()
-	}
+	ctx, cancel := o.bound(ctx)
+	defer cancel()
 	hdr := mergeHeader(o.header)
 	start := time.Now()
 	backoff := 20 * time.Millisecond

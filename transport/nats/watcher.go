@@ -262,27 +262,32 @@ func (r *Registry) drain(w jetstream.KeyWatcher) {
 // it watches was created (zero if unknown), and whether the bucket was
 // found gone.
 func (r *Registry) openWatch() (w jetstream.KeyWatcher, created time.Time, gone bool, err error) {
+	createdNow := func() (time.Time, error) {
+		ctx, cancel := context.WithTimeout(r.ctx, createWithin)
+		defer cancel()
+		return r.bucketCreated(ctx)
+	}
+	// recreate re-creates the bucket found gone, if the registry may, and
+	// asks when anew.
+	recreate := func() error {
+		gone = true
+		if err := r.recreateBucket(); err != nil {
+			return err
+		}
+		created, _ = createdNow()
+		return nil
+	}
 	// Asked before the watch starts: a bucket created anew in between has
 	// a later time than this one, and a later check tells.
-	ctx, cancel := context.WithTimeout(r.ctx, createWithin)
-	created, err = r.bucketCreated(ctx)
-	cancel()
+	created, err = createdNow()
 	if bucketGoneErr(err) {
-		gone = true
-		if err = r.recreateBucket(); err != nil {
+		if err = recreate(); err != nil {
 			return nil, time.Time{}, gone, err
 		}
-		ctx, cancel := context.WithTimeout(r.ctx, createWithin)
-		created, _ = r.bucketCreated(ctx)
-		cancel()
 	}
 	w, err = r.kv.WatchAll(r.ctx)
 	if err != nil && r.ctx.Err() == nil && !gone && r.bucketGone() {
-		gone = true
-		if err = r.recreateBucket(); err == nil {
-			ctx, cancel := context.WithTimeout(r.ctx, createWithin)
-			created, _ = r.bucketCreated(ctx)
-			cancel()
+		if err = recreate(); err == nil {
 			w, err = r.kv.WatchAll(r.ctx)
 		}
 	}
