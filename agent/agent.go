@@ -12,7 +12,7 @@ import (
 	"github.com/google/uuid"
 )
 
-// Option configures an Agent.
+// Option configures an [Agent], given to [New].
 type Option interface{ apply(*options) error }
 
 type optionFunc func(*options) error
@@ -47,7 +47,8 @@ func WithBackends(bs ...Backend) Option {
 	})
 }
 
-// WithLogger sets where the agent and its backends log. Default: slog.Default().
+// WithLogger sets where the agent and its backends log ([Host.Logger]).
+// Default: [slog.Default]().
 func WithLogger(l *slog.Logger) Option {
 	return optionFunc(func(o *options) error {
 		o.logger = l
@@ -64,13 +65,14 @@ type Stats struct {
 	// finished. A steady climb means operations are not being closed.
 	Registered, Exposed, InFlight int
 	// Backends holds, per backend name, the counters of backends that keep
-	// them (see Counting), for example how many connections the tcp
+	// them (see [Counting]), for example how many connections the tcp
 	// backend dropped and why. Nil when no backend counts.
 	Backends map[string]BackendStats
 }
 
 // Agent registers memory, exposes it, and posts transfers to remote agents
-// over its backends. It is safe for concurrent use. Close stops it.
+// over its backends (see the package doc). It is safe for concurrent use.
+// Close stops it.
 type Agent struct {
 	id       uuid.UUID
 	backends []Backend
@@ -99,8 +101,11 @@ type Agent struct {
 	fallbacks sync.Map // "peer/backend" already logged
 }
 
-// New starts an agent with the given backends. On error nothing is left
-// running and the backends have been closed.
+// New starts an agent with the given backends ([WithBackends]), calling
+// each one's [Backend.Start] in order. It fails for an invalid option, no
+// backend or one given twice by name ([ErrInvalid]), or a backend whose
+// Start fails (naming it). On error nothing is left running and the
+// backends have been closed.
 func New(opts ...Option) (*Agent, error) {
 	o := options{id: uuid.New(), logger: slog.Default()}
 	for _, opt := range opts {
@@ -163,11 +168,12 @@ func (a *Agent) stopBackends() []error {
 // ID returns the agent's identity.
 func (a *Agent) ID() uuid.UUID { return a.id }
 
-// Logger returns the agent's logger (WithLogger), with the agent's
+// Logger returns the agent's logger ([WithLogger]), with the agent's
 // identity attached.
 func (a *Agent) Logger() *slog.Logger { return a.log }
 
-// Info returns the agent's public metadata. The result is a fresh copy.
+// Info returns the agent's public metadata, for peers to put in their
+// [Request.Peer]. The result is a fresh copy.
 func (a *Agent) Info() Info {
 	return Info{ID: a.id, Conns: slices.Clone(a.conns)}
 }
@@ -181,7 +187,8 @@ func (a *Agent) Backends() []string {
 	return names
 }
 
-// Stats returns the agent's counters.
+// Stats returns the agent's counters. Safe for concurrent use, also after
+// Close.
 func (a *Agent) Stats() Stats {
 	st := Stats{Refused: a.refused.Load(), DroppedNotifications: a.dropped.Load()}
 	a.regMu.Lock()
@@ -264,10 +271,13 @@ func (a *Agent) noteFallback(peer uuid.UUID, chosen string, why []error) {
 // Post validates r, picks a backend and starts the transfer without waiting
 // for it. ctx bounds only the start: choosing a backend may connect to the
 // peer (cma probes whether it may read the peer's memory); once Post
-// returns, cancel the transfer with [Xfer.Cancel]. The segments' local
-// memory must stay alive and untouched until the returned transfer is Done;
-// r.Segments must not be changed until then either. Safe for concurrent
-// use.
+// returns, cancel the transfer with [Xfer.Cancel]. The backend is the
+// first, in preference order, that reaches r.Peer and supports the memory
+// kinds involved, or the one r.Backend names; none is [ErrNoBackend],
+// with each backend's reason. The segments' local memory must stay alive
+// and untouched until the returned transfer is Done; r.Segments must not
+// be changed until then either. A closed agent answers [ErrClosed],
+// malformed requests [ErrInvalid]. Safe for concurrent use.
 func (a *Agent) Post(ctx context.Context, r Request) (*Xfer, error) {
 	if a.isClosed() {
 		return nil, ErrClosed
@@ -342,9 +352,11 @@ func (a *Agent) untrack(t *transfer) bool {
 	return ok
 }
 
-// Notify sends a standalone notification to peer under key, best effort.
-// It may block while the backend connects to the peer: ctx bounds that,
-// and the error then wraps context.Cause(ctx). Safe for concurrent use.
+// Notify sends a standalone notification to peer under key, best effort,
+// over the first backend that reaches peer. It may block while a backend
+// checks it can reach the peer or connects to it: ctx bounds that, and the
+// error then wraps context.Cause(ctx). msg stays the caller's. Safe for
+// concurrent use.
 func (a *Agent) Notify(ctx context.Context, peer Info, key Key, msg []byte) error {
 	if a.isClosed() {
 		return ErrClosed
@@ -359,7 +371,7 @@ func (a *Agent) Notify(ctx context.Context, peer Info, key Key, msg []byte) erro
 	return b.Notify(ctx, peer, key, msg)
 }
 
-// deliver is the agent's notification dispatcher (Host.Deliver): a lookup
+// deliver is the agent's notification dispatcher ([Host.Deliver]): a lookup
 // by key and a non-blocking send to the exposure's small queue, on the
 // caller's goroutine, with no hand-off. Notifications for no known key, or
 // that find the queue full, are counted dropped.
@@ -420,11 +432,13 @@ func (a *Agent) peerLost(peer uuid.UUID, cause error) {
 
 // PeerDeparted declares peer gone on word from outside the backends, such
 // as a presence registry that stopped hearing its heartbeats: every transfer
-// in flight with peer is aborted with cause, and every exposure bound to
-// peer hears EventPeerLost, as when a backend loses the peer. A nil cause
-// means ErrRemoteLost; a cause that does not match ErrRemoteLost is joined
-// to it. Transfers posted afterwards are not refused: if the peer is in fact
-// alive they proceed. Safe for concurrent use.
+// in flight with peer is aborted with cause, backends that keep state per
+// peer drop it ([Departer]), and every exposure bound to peer hears
+// [EventPeerLost], as when a backend loses the peer. A nil cause means
+// [ErrRemoteLost]; a cause that does not match ErrRemoteLost is joined to
+// it. Transfers posted afterwards are not refused: if the peer is in fact
+// alive they proceed. It does not wait for the aborted transfers to end.
+// Safe for concurrent use.
 func (a *Agent) PeerDeparted(peer uuid.UUID, cause error) {
 	if peer == uuid.Nil || a.isClosed() {
 		return
@@ -462,10 +476,13 @@ func (a *Agent) send(e *Exposure, ev Event) {
 	}
 }
 
-// Close cancels transfers in flight and waits for them, then stops the
-// backends. Exposures still open are revoked. It is idempotent and safe
-// to call concurrently with any other method; the first call's error is
-// returned by all.
+// Close stops the agent. From its start, Post, Notify, Expose and Register
+// fail with [ErrClosed]. It cancels the transfers in flight (cause
+// ErrClosed) and waits until their backends have finished them, revokes
+// the exposures still open, then, one backend after the other, cancels the
+// backend's [Host.Context] and calls its [Backend.Close]; their errors are
+// joined. It is idempotent and safe to call concurrently with any other
+// method; the first call's error is returned by all.
 func (a *Agent) Close() error {
 	a.closeMu.Lock()
 	defer a.closeMu.Unlock()

@@ -8,80 +8,103 @@ import (
 
 // Backend moves bytes between agents: the contract every transport
 // implements (in-process copy, TCP, cross-memory attach, UCX). The agent
-// calls it; users of the agent never do.
+// calls it; users of the agent never do. This is the implementer's guide;
+// the package doc is the user's.
 //
 // # Implementing a backend
 //
 // Required: the methods below. Implementations must be safe for concurrent
-// use. A Backend serves one agent: Start is called once, before any other
+// use. A Backend serves one agent. Start is called once, before any other
 // method, and Close once, last; between the two every other method may be
-// called from any goroutine.
+// called from any goroutine. Close is also called when the agent fails to
+// start (an invalid option, a backend given twice, this or another
+// backend's Start failing): then Start may have failed, or never have been
+// called, and Close must cope.
 //
-// The backend sees the agent only through the Host given to Start: the
-// local agent's identity and logger, a lifetime context, and the four calls
-// through which remote accesses reach local memory (Host.Open for a lease,
-// Host.Deliver for a notification, Host.LinkLost for a broken channel,
-// Host.Refused for a malformed request). The backend sees a transfer only
-// through its *Work: what to move, where, and the calls that end it
-// (Work.Finish, or Parts for a transfer moved in parts).
+// The backend sees the agent only through the [Host] given to Start: the
+// local agent's identity, its logger (where the backend logs dropped
+// connections and back-offs), a lifetime context, and the four calls
+// through which remote accesses reach local memory ([Host.Open] for a
+// lease, [Host.Deliver] for a notification, [Host.LinkLost] for a broken
+// channel, [Host.Refused] for a malformed request). The backend sees a
+// transfer only through its [*Work]: what to move, where, and the calls
+// that end it ([Work.Finish], or [Parts] for a transfer moved in parts).
+// A span of a transfer (a frame, a lease, a chunk) is cut with [Span] and
+// walked piece by piece with [Work.Pieces].
+//
+// Closing, in order: [Agent.Close] cancels every transfer in flight and
+// waits until the backends have finished each one; it revokes every
+// exposure (waiting for the leases backends hold); then, one backend after
+// the other in preference order, it cancels the backend's [Host.Context]
+// with cause [ErrClosed] and calls its Close. From the start of
+// Agent.Close, Host.Deliver returns false and Host.Open refuses with
+// [ErrRemoteLost].
 //
 // Optional interfaces, each checked with a type assertion when the agent
 // needs it; a backend that lacks one is not asked and loses nothing else:
 //
 //   - [Registrar]: memory must be prepared (pinned, registered with a NIC)
-//     before use. Without it, Agent.Register records the region only.
+//     before use. Without it, [Agent.Register] records the region only.
 //   - [KeyedReacher]: whether the peer is reachable depends on the key the
 //     transfer presents (cma under Yama ptrace_scope 1). Without it, the
 //     agent calls Reachable and the key is not shown to the backend.
 //   - [Departer]: the backend keeps state per peer (connections) that
-//     Agent.PeerDeparted should drop at once. Without it, the transfers
+//     [Agent.PeerDeparted] should drop at once. Without it, the transfers
 //     are aborted by the agent and the backend notices the peer's loss by
 //     its own means (timeouts, a closed socket).
 //   - [Counting]: the backend counts what its peers did wrong. Without it,
-//     Agent.Stats has no entry for the backend.
+//     [Agent.Stats] has no entry for the backend.
 //
 // Options a backend takes are validated when they are applied; an invalid
 // one yields an error wrapping [ErrInvalidOption], prefixed with the
-// backend's name.
+// backend's name ("tcp: ...").
 type Backend interface {
 	// Name is the backend's short, stable name ("mem", "tcp"); it names the
-	// backend in connection metadata, errors and operation reports.
+	// backend in connection metadata, errors and operation reports. The
+	// connect package's tokens carry it: 1 to 32 bytes of [a-z0-9._-].
 	Name() string
 	// Start binds the backend to its agent and returns the connection
 	// information remote agents need to reach it (for example a listen
-	// address). It may start goroutines, which Close stops; h.Context is
-	// cancelled when the agent begins to close the backend. The backend
-	// keeps h for its lifetime.
+	// address; connect's tokens carry at most 4096 bytes). It may start
+	// goroutines, which Close stops; h.Context is cancelled just before
+	// Close. The backend keeps h for its lifetime.
 	Start(h Host) (connInfo []byte, err error)
 	// Supports reports whether the backend can move memory of kind k. It
 	// must not block.
 	Supports(k MemKind) bool
 	// Reachable reports whether the backend can reach the remote agent
 	// described by info: a nil error means yes; otherwise the error says
-	// why not, and the agent tries the next backend. A backend may do I/O
-	// to know (cma connects and makes a trial read): it must then return
-	// once ctx is done, with an error wrapping context.Cause(ctx), and
-	// should cache its verdict.
+	// why not, and the agent tries the next backend. The agent asks before
+	// every transfer and notification. A backend may do I/O to know (cma
+	// connects and makes a trial read): it must then return once ctx is
+	// done, with an error wrapping context.Cause(ctx), and should cache its
+	// verdict. info comes from a peer: quote its text (%q) in errors.
 	Reachable(ctx context.Context, info Info) error
 	// Post starts w and returns without waiting for it. The backend must
-	// call w.Finish exactly once (directly or through Parts), after which
-	// it no longer touches w's local memory. If w.Notify is non-nil the
-	// backend delivers it to the remote agent under w.Key after every byte
-	// of w is in place and before calling w.Finish(nil). An error from Post
-	// means w was not started and Finish must not be called.
+	// call w.Finish exactly once (directly or through Parts), possibly
+	// before Post returns, after which it no longer touches w's local
+	// memory. It finishes a cancelled transfer ([Work.Cancelled],
+	// [Work.AfterCancel]) promptly, with [Work.CancelErr]. If w.Notify is
+	// non-nil the backend delivers it (reading it only: callers share it)
+	// to the remote agent under w.Key after every byte of w is in place and
+	// before calling w.Finish(nil). An error from Post means w was not
+	// started and Finish must not be called.
 	Post(w *Work) error
 	// Notify sends msg to the remote agent under key, best effort, without
-	// waiting for the remote to process it. It may block while connecting
-	// to the peer, and returns once ctx is done, with an error wrapping
-	// context.Cause(ctx).
+	// waiting for the remote to process it. msg stays the caller's: the
+	// backend neither changes it nor keeps it once Notify returns (one that
+	// queues it copies it). Where it may block (connecting to the peer,
+	// waiting for a writer or for queue room) it returns once ctx is done,
+	// with an error wrapping context.Cause(ctx).
 	Notify(ctx context.Context, peer Info, key Key, msg []byte) error
-	// Close stops the backend and its goroutines. The agent has finished
-	// every transfer it posted before calling Close.
+	// Close stops the backend and waits for its goroutines. When the
+	// agent calls it, every transfer posted has finished, every exposure is
+	// revoked and the Host's Context is cancelled (see above).
 	Close() error
 }
 
-// Counting is an optional Backend interface for backends that count what
-// their peers did wrong, by kind. Agent.Stats collects the counters under
+// Counting is an optional [Backend] interface for backends that count what
+// their peers did wrong, by kind. [Agent.Stats] collects the counters under
 // the backend's name.
 type Counting interface {
 	// Stats returns the backend's counters since it started. It is safe
@@ -118,22 +141,23 @@ type BackendStats struct {
 	Denied uint64
 }
 
-// KeyedReacher is an optional Backend interface for backends whose reach
+// KeyedReacher is an optional [Backend] interface for backends whose reach
 // of a peer can depend on holding one of the peer's keys: cma, whose peer,
 // on a host where Yama restricts ptrace (ptrace_scope 1), lets a process
 // read its memory only after that process presented a key of one of its
 // exposures. When the agent chooses a backend for a transfer it calls
 // ReachableWithKey, instead of Reachable, with the request's key and the
-// access the transfer needs of the remote exposure (AccessRead for OpRead).
-// It has Reachable's contract otherwise; a backend passes the key only to
-// the agent its info names.
+// access the transfer needs of the remote exposure ([AccessRead] for
+// [OpRead]); for notifications, which name no exposure, it calls
+// Reachable. It has Reachable's contract otherwise; a backend passes the
+// key only to the agent its info names.
 type KeyedReacher interface {
 	ReachableWithKey(ctx context.Context, info Info, key Key, acc Access) error
 }
 
-// Departer is an optional Backend interface for backends that keep state
-// per remote agent, such as connections. Agent.PeerDeparted calls it after
-// aborting the peer's transfers: the backend drops what it holds for peer
+// Departer is an optional [Backend] interface for backends that keep state
+// per remote agent, such as connections. [Agent.PeerDeparted] calls it
+// after aborting the peer's transfers: the backend drops what it holds for peer
 // at once, failing whatever still waits on it with cause, instead of
 // waiting for its own timeouts to notice a peer that may have gone silent
 // rather than closed its connections. Transfers posted later reconnect.
@@ -141,14 +165,16 @@ type Departer interface {
 	PeerDeparted(peer uuid.UUID, cause error)
 }
 
-// Info is an agent's public metadata: its identity and, per backend, the
-// information a remote agent needs to connect. It travels inside tokens.
+// Info is an agent's public metadata ([Agent.Info]): its identity and, per
+// backend, the information a remote agent needs to connect. It travels
+// inside tokens; one received from a peer is untrusted input.
 type Info struct {
 	ID    uuid.UUID
 	Conns []ConnInfo
 }
 
-// ConnInfo is one backend's connection information.
+// ConnInfo is one backend's connection information, as its
+// [Backend.Start] returned it.
 type ConnInfo struct {
 	Backend string
 	Data    []byte

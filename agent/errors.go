@@ -3,9 +3,10 @@ package agent
 import "errors"
 
 // Sentinel errors shared by the agent, its backends and the connect package,
-// which re-exports them. Match them with errors.Is.
+// which re-exports them. Match them with [errors.Is].
 var (
-	// ErrClosed reports use of a closed agent, exposure or backend.
+	// ErrClosed reports use of a closed agent or backend; joined to
+	// ErrCancelled, it ends the transfers Agent.Close cancels.
 	ErrClosed = errors.New("goxfer: closed")
 	// ErrCancelled reports a transfer cancelled before it completed.
 	ErrCancelled = errors.New("goxfer: operation cancelled")
@@ -19,8 +20,9 @@ var (
 	// ErrNoBackend reports that no backend both agents share can move the
 	// memory kinds involved.
 	ErrNoBackend = errors.New("goxfer: no usable backend")
-	// ErrInvalid reports malformed arguments: mismatched segment lengths,
-	// unregistered memory, an unknown peer.
+	// ErrInvalid reports malformed arguments: an empty region, DRAM whose
+	// bytes do not match its region, mismatched segment lengths, a request
+	// with no segments or naming no peer, an unknown op or access.
 	ErrInvalid = errors.New("goxfer: invalid argument")
 	// ErrInvalidOption reports an option value a backend cannot use. Every
 	// backend's option errors wrap it, prefixed with the backend's name

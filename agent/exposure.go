@@ -40,7 +40,7 @@ const (
 	EventPeerLost
 )
 
-// Event is delivered on Exposure.Events.
+// Event is delivered on [Exposure.Events].
 type Event struct {
 	Kind EventKind
 	From uuid.UUID // the sending or lost peer
@@ -76,7 +76,10 @@ const eventBuffer = 8
 
 // Expose makes regions accessible to any remote agent that presents the
 // returned exposure's key, for access acc. The regions stay owned by the
-// caller, who keeps them registered and alive until Revoke returns.
+// caller, who keeps them alive (and registered, for backends that want it:
+// see [Agent.Register]) until [Exposure.Revoke] returns. Invalid regions
+// fail with [ErrInvalid], a closed agent with [ErrClosed]. Safe for
+// concurrent use.
 func (a *Agent) Expose(acc Access, regions []Local) (*Exposure, error) {
 	if acc != AccessRead && acc != AccessWrite {
 		return nil, fmt.Errorf("%w: access %v", ErrInvalid, acc)
@@ -118,7 +121,9 @@ func (e *Exposure) Peer() uuid.UUID {
 
 // Revoke ends access: no new lease is granted, and Revoke returns once every
 // outstanding lease has been released, so no remote agent can touch the
-// memory afterwards. It is idempotent.
+// memory afterwards. How long that takes is bounded by the backends, which
+// hold a lease for one frame, copy or chunk. Notifications sent to the key
+// afterwards are dropped; Events stays readable. It is idempotent.
 func (e *Exposure) Revoke() {
 	e.a.expMu.Lock()
 	if e.a.exps[e.key] == e {
@@ -170,7 +175,7 @@ func (e *Exposure) unbind(l Link) bool {
 // channel's handshake named; it is a claim, not a proof, since agent IDs
 // are public. Backends make one Link per channel with [NewLink], pass it to
 // [Host.Open] and [Host.Deliver] for everything that arrives on the channel,
-// and report the channel's end with Host.LinkLost. An exposure hears of a
+// and report the channel's end with [Host.LinkLost]. An exposure hears of a
 // lost peer only through the links that presented its key, so a stranger
 // claiming a peer's ID cannot fail that peer's operations by hanging up.
 // The zero Link binds nothing. Links are comparable values.
@@ -198,8 +203,9 @@ type Lease struct {
 func (l *Lease) Access() Access { return l.e.access }
 
 // Slice returns the exposed bytes at [addr, addr+n), or an error wrapping
-// ErrAccessDenied if they do not lie within one exposed region. The refusal
-// is counted. For VRAM regions it returns a nil slice and no error.
+// [ErrAccessDenied] if they do not lie within one exposed region. The
+// refusal is counted. For VRAM regions it returns a nil slice and no error.
+// The bytes may be touched only until [Lease.Release].
 func (l *Lease) Slice(addr, n uint64) ([]byte, error) {
 	r, ok := l.e.set.find(addr, n)
 	if !ok {
@@ -234,7 +240,7 @@ func (l *Lease) Release() {
 	e.mu.Unlock()
 }
 
-// open is Host.Open.
+// open is [Host.Open].
 func (a *Agent) open(l Link, key Key, acc Access) (Lease, error) {
 	a.expMu.RLock()
 	e := a.exps[key]

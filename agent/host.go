@@ -9,36 +9,38 @@ import (
 
 // Host is the agent as one of its backends sees it, and the only way a
 // backend reaches back into the agent: the agent gives each backend its own
-// Host in Backend.Start. Users of the agent never hold one. It is an
+// Host in [Backend.Start]. Users of the agent never hold one. It is an
 // interface so that a backend's tests can stand in for the agent (a host
 // that never answers, say); backends never implement it. Its methods are
 // safe for concurrent use.
 type Host interface {
 	// ID is the local agent's identity.
 	ID() uuid.UUID
-	// Logger is where the backend logs: the agent's logger (WithLogger),
+	// Logger is where the backend logs: the agent's logger ([WithLogger]),
 	// with the agent and the backend's name attached.
 	Logger() *slog.Logger
 	// Context is the backend's lifetime: it is cancelled, with cause
-	// ErrClosed, when the agent begins to close the backend, just before
-	// Backend.Close. Goroutines and blocking calls that should end with the
-	// backend watch it (context.AfterFunc, or a select) instead of a stop
-	// channel of their own.
+	// [ErrClosed], just before [Backend.Close], when the agent closes the
+	// backend (Agent.Close, or a New that fails). Goroutines and blocking
+	// calls that should end with the backend watch it ([context.AfterFunc],
+	// or a select) instead of a stop channel of their own.
 	Context() context.Context
 	// Open grants the peer on link l a lease on the exposure named by key
 	// for access acc. Every byte the backend touches on a remote agent's
-	// behalf must be reached through Lease.Slice while the lease is held,
+	// behalf must be reached through [Lease.Slice] while the lease is held,
 	// and the lease released promptly: revocation waits for outstanding
-	// leases. Refused accesses return an error wrapping ErrAccessDenied and
-	// are counted; an agent that is closing answers ErrRemoteLost instead.
+	// leases. Refused accesses return an error wrapping [ErrAccessDenied]
+	// and are counted; an agent that is closing answers [ErrRemoteLost]
+	// instead, uncounted.
 	Open(l Link, key Key, acc Access) (Lease, error)
 	// Deliver hands a notification that arrived on link l to the exposure
-	// owning key. It never blocks, and returns false once the agent is
-	// closed. msg becomes the receiver's: the backend must not reuse it.
+	// owning key. It never blocks, and returns false once the agent has
+	// begun closing. msg becomes the receiver's: the backend must not reuse
+	// it.
 	Deliver(l Link, key Key, msg []byte) bool
 	// LinkLost reports that link l broke or ended: the exposures whose key
 	// was presented on l hear that their peer is lost (cause, or
-	// ErrRemoteLost if nil). Report every link that ends for a reason other
+	// [ErrRemoteLost] if nil). Report every link that ends for a reason other
 	// than this agent's own choice (a reaped idle connection is no loss);
 	// links that never presented a key are ignored, so reporting them is
 	// harmless.

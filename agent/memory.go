@@ -18,7 +18,7 @@ type MemKind uint8
 const (
 	// KindDRAM is host memory, reachable by the CPU.
 	KindDRAM MemKind = iota
-	// KindVRAM is GPU device memory; Region.Device names the GPU.
+	// KindVRAM is GPU device memory; [Region].Device names the GPU.
 	KindVRAM
 )
 
@@ -102,7 +102,7 @@ func NewKey() Key {
 // first four bytes in hex. The full key is never printed.
 func (k Key) String() string { return hex.EncodeToString(k[:4]) + "…" }
 
-// Registrar is an optional Backend interface for backends that must prepare
+// Registrar is an optional [Backend] interface for backends that must prepare
 // memory before it is used (pinning, RDMA registration). The agent calls
 // RegisterMem when a region is first registered and DeregisterMem with the
 // returned handle when its last reference is released.
@@ -139,9 +139,13 @@ type Registration struct {
 }
 
 // Register registers every region of ls with every backend that needs
-// registration and returns one Registration holding a reference to each:
-// one call and one lock for a KV hand-off's thousands of blocks. On error no
-// reference is left taken. Safe for concurrent use.
+// registration ([Registrar]) and returns one [Registration] holding a
+// reference to each: one call and one lock for a KV hand-off's thousands of
+// blocks. Registration is not required: transfers and exposures do not
+// check it, and backends prepare unregistered memory per transfer, which
+// costs time. The memory must stay alive and in place until the last
+// reference is released. On error no reference is left taken. Safe for
+// concurrent use.
 func (a *Agent) Register(ls ...Local) (*Registration, error) {
 	for i, l := range ls {
 		if err := l.check(); err != nil {

@@ -13,7 +13,7 @@ import (
 //     if every part went through;
 //   - the notification, if any, goes out only once every part is done and
 //     successful, and its failure fails the transfer;
-//   - Work.Finish is called exactly once, after the last part.
+//   - [Work.Finish] is called exactly once, after the last part.
 //
 // A backend embeds or allocates one per transfer and calls Init before
 // sharing it. The zero value is not usable. Methods are safe for concurrent
@@ -64,7 +64,7 @@ func (p *Parts) Failed() bool {
 
 // Done ends one part, with err if it failed. The last Done finishes the
 // transfer on the calling goroutine: it sends the notification, if any,
-// and calls Work.Finish.
+// and calls [Work.Finish].
 func (p *Parts) Done(err error) {
 	if err != nil {
 		p.Fail(err)

@@ -46,7 +46,7 @@ type Segment struct {
 	Remote Region
 }
 
-// Request describes a transfer to post.
+// Request describes a transfer to post with [Agent.Post].
 type Request struct {
 	Op Op
 	// Peer is the remote agent, as its metadata describes it. Each request
@@ -56,25 +56,29 @@ type Request struct {
 	Key      Key       // the remote exposure's key
 	Segments []Segment // any number; each Local.Len == Remote.Len
 	// Notify, when non-nil, is delivered to the remote agent under Key once
-	// every byte is in place, before the transfer reports success.
+	// every byte is in place, before the transfer reports success. Backends
+	// only read it, so one message may serve many requests.
 	Notify []byte
 	// Backend forces a backend by name; empty lets the agent choose.
 	Backend string
 	// OnDone, when set, is called once with the transfer's outcome when it
-	// finishes, on the goroutine that finishes it, before Done is closed. It
-	// must not block; it is how layers above learn of completion without a
-	// goroutine per transfer.
+	// finishes, on the goroutine that finishes it (a backend's, or the
+	// caller's: a small transfer may finish before Post returns), before
+	// Done is closed. It must not block; it is how layers above learn of
+	// completion without a goroutine per transfer.
 	OnDone func(x *Xfer, err error)
 }
 
-// Xfer is the caller's handle on a transfer posted with Agent.Post: wait
+// Xfer is the caller's handle on a transfer posted with [Agent.Post]: wait
 // for it, read its outcome, cancel it. Its methods are safe for concurrent
 // use.
 type Xfer struct{ t *transfer }
 
 // Work is a transfer as the backend that moves it sees it: what to move and
 // where, and the calls that end it. The fields are set by the agent before
-// Backend.Post and must not be changed. Methods are safe for concurrent use.
+// [Backend.Post] and must not be changed; the memory the segments name is
+// the backend's to touch only until it calls Finish. Methods are safe for
+// concurrent use.
 type Work struct {
 	Op       Op
 	Peer     Info
@@ -136,10 +140,12 @@ func (x *Xfer) Err() error {
 	}
 }
 
-// Cancel asks the backend to abort the transfer; cause, if non-nil, is
-// joined to ErrCancelled in the transfer's error. Wait on Done to learn when
-// the backend has let go of the local memory. Cancelling a finished transfer
-// does nothing.
+// Cancel asks the backend to abort the transfer, without waiting; cause, if
+// non-nil, is joined to [ErrCancelled] in the transfer's error. Wait on
+// Done to learn when the backend has let go of the local memory. A transfer
+// that completes before the backend notices may still succeed. Only the
+// first Cancel (or abort by the agent) counts; cancelling a finished
+// transfer does nothing.
 func (x *Xfer) Cancel(cause error) {
 	t := x.t
 	t.cancelOnce.Do(func() {
@@ -172,7 +178,7 @@ type afterCancel struct {
 func (w *Work) Bytes() uint64 { return w.t.bytes }
 
 // AfterCancel arranges for f to run in its own goroutine once the transfer
-// is cancelled (at once if it already is), as context.AfterFunc does: a
+// is cancelled (at once if it already is), as [context.AfterFunc] does: a
 // backend learns of cancellation without a goroutine per transfer waiting
 // for it. stop unregisters f and reports whether it did so before f was
 // started; after a false, f has started or will.
@@ -220,14 +226,14 @@ func (t *transfer) runAfter() {
 	}
 }
 
-// Cancelled is closed when the transfer has been cancelled (Xfer.Cancel,
-// Agent.Close, Agent.PeerDeparted). Backends select on it between chunks,
-// or use AfterCancel.
+// Cancelled is closed when the transfer has been cancelled ([Xfer.Cancel],
+// [Agent.Close], [Agent.PeerDeparted]). Backends select on it between
+// chunks, or use [Work.AfterCancel].
 func (w *Work) Cancelled() <-chan struct{} { return w.t.cancel }
 
 // CancelErr returns the error a backend should finish a cancelled transfer
-// with: ErrCancelled joined with the cause given to Xfer.Cancel, or the
-// error of an agent that aborted the transfer (Agent.PeerDeparted).
+// with: [ErrCancelled] joined with the cause given to [Xfer.Cancel], or the
+// error of an agent that aborted the transfer ([Agent.PeerDeparted]).
 func (w *Work) CancelErr() error {
 	if p := w.t.cause.Load(); p != nil {
 		return *p
@@ -235,12 +241,13 @@ func (w *Work) CancelErr() error {
 	return ErrCancelled
 }
 
-// Done is closed once Finish has been called.
+// Done is closed once [Work.Finish] has been called.
 func (w *Work) Done() <-chan struct{} { return w.t.done }
 
 // Finish records the transfer's outcome and releases its waiters: the
 // backend has let go of the local memory. Backends call it exactly once
-// (Parts does for transfers moved in parts); later calls are ignored.
+// ([Parts] does for transfers moved in parts); later calls are ignored. It
+// runs Request.OnDone on the calling goroutine.
 func (w *Work) Finish(err error) {
 	t := w.t
 	t.doneOnce.Do(func() {
@@ -272,7 +279,8 @@ type Cursor struct {
 }
 
 // Span returns where the span starting at c ends, its bytes and its
-// pieces: at most maxBytes bytes and maxPieces pieces.
+// pieces: at most maxBytes bytes and maxPieces pieces. Walk the span with
+// [Pieces] (or [Work.Pieces]) from c for n bytes.
 func Span(segs []Segment, c Cursor, maxBytes uint64, maxPieces int) (end Cursor, n uint64, pieces int) {
 	for c.Seg < len(segs) && n < maxBytes && pieces < maxPieces {
 		l := segs[c.Seg].Local.Len
@@ -311,7 +319,7 @@ func (p Piece) LocalAddr() uint64 { return p.Seg.Local.Addr + p.Off }
 func (p Piece) RemoteAddr() uint64 { return p.Seg.Remote.Addr + p.Off }
 
 // Pieces yields, in order, the pieces of the n bytes of segs that start at
-// c, as Span cut them: every backend walks a span this way to build its
+// c, as [Span] cut them: every backend walks a span this way to build its
 // frames, I/O vectors or requests. n must not run past the last segment.
 // Breaking out of the loop early is allowed.
 func Pieces(segs []Segment, c Cursor, n uint64) iter.Seq[Piece] {
