@@ -9,6 +9,7 @@ import (
 	"crypto/rand"
 	"errors"
 	"fmt"
+	"math"
 	"sync"
 
 	"github.com/google/uuid"
@@ -20,7 +21,7 @@ import (
 const Name = "mem"
 
 // chunk bounds how long one copy holds a lease, so revocation and
-// cancellation wait at most one chunk.
+// cancellation wait at most one chunk (a span, in agent's terms).
 const chunk = 4 << 20
 
 // inline transfers of at most this many bytes run in the caller's goroutine.
@@ -40,7 +41,8 @@ var (
 	registry = map[uuid.UUID]*Backend{}
 )
 
-// Backend is the in-process backend. Create one per agent with New.
+// Backend is the in-process backend. Create one per agent with [New]; the
+// agent calls its methods, which are safe for concurrent use.
 type Backend struct {
 	host agent.Host
 	id   uuid.UUID
@@ -55,13 +57,14 @@ type Backend struct {
 // New returns an in-process backend for one agent.
 func New() *Backend { return &Backend{peers: map[uuid.UUID]*Backend{}} }
 
-// Name implements agent.Backend.
+// Name implements [agent.Backend].
 func (b *Backend) Name() string { return Name }
 
-// Supports implements agent.Backend: host memory only.
+// Supports implements [agent.Backend]: host memory only.
 func (b *Backend) Supports(k agent.MemKind) bool { return k == agent.KindDRAM }
 
-// Start implements agent.Backend.
+// Start implements [agent.Backend]. It fails if another agent of this
+// process has the same ID.
 func (b *Backend) Start(h agent.Host) ([]byte, error) {
 	b.host, b.id = h, h.ID()
 	b.link = agent.NewLink(b.id)
@@ -74,7 +77,8 @@ func (b *Backend) Start(h agent.Host) ([]byte, error) {
 	return process(), nil
 }
 
-// Reachable implements agent.Backend: the peer must live in this process.
+// Reachable implements [agent.Backend]: the peer must live in this process.
+// It never blocks.
 func (b *Backend) Reachable(_ context.Context, info agent.Info) error {
 	ci, ok := info.Conn(Name)
 	if !ok {
@@ -95,9 +99,12 @@ func lookup(id uuid.UUID) *Backend {
 	return registry[id]
 }
 
-// Post implements agent.Backend. Small transfers complete before Post
-// returns; larger ones run on a goroutine the backend owns.
-func (b *Backend) Post(x *agent.Work) error {
+// Post implements [agent.Backend]. Transfers of at most 64 KiB complete
+// before Post returns; larger ones run on a goroutine the backend owns,
+// which Close waits for. The copy goes chunk by chunk, under a lease of
+// the peer's exposure per chunk of at most 4 MiB, so that revocation and
+// cancellation wait for at most one chunk.
+func (b *Backend) Post(w *agent.Work) error {
 	b.mu.Lock()
 	if b.closed {
 		b.mu.Unlock()
@@ -105,64 +112,68 @@ func (b *Backend) Post(x *agent.Work) error {
 	}
 	b.wg.Add(1)
 	b.mu.Unlock()
-	if x.Bytes() <= inline {
-		b.run(x)
+	if w.Bytes() <= inline {
+		b.run(w)
 		return nil
 	}
-	go b.run(x)
+	go b.run(w)
 	return nil
 }
 
-func (b *Backend) run(x *agent.Work) {
+func (b *Backend) run(w *agent.Work) {
 	defer b.wg.Done()
-	x.Finish(b.copy(x))
+	w.Finish(b.copy(w))
 }
 
-func (b *Backend) copy(x *agent.Work) error {
-	remote := lookup(x.Peer.ID)
+func (b *Backend) copy(w *agent.Work) error {
+	remote := lookup(w.Peer.ID)
 	if remote == nil {
-		return fmt.Errorf("mem: peer %s: %w", x.Peer.ID, agent.ErrRemoteLost)
+		return fmt.Errorf("mem: peer %s: %w", w.Peer.ID, agent.ErrRemoteLost)
 	}
 	b.met(remote)
-	var lease agent.Lease
-	defer func() { lease.Release() }()
-	held := chunk // bytes copied under the current lease; a full chunk opens one
-	for i, s := range x.Segments {
-		for off := uint64(0); off < s.Local.Len; {
-			if held >= chunk {
-				lease.Release()
-				select {
-				case <-x.Cancelled():
-					return x.CancelErr()
-				default:
-				}
-				l, err := remote.host.Open(b.link, x.Key, x.Op.Access())
-				if err != nil {
-					return fmt.Errorf("mem: segment %d: %w", i, err)
-				}
-				lease, held = l, 0
-			}
-			n := min(s.Local.Len-off, uint64(chunk-held))
-			rem, err := lease.Slice(s.Remote.Addr+off, n)
-			if err == nil && rem == nil {
-				err = fmt.Errorf("%w: device memory cannot be copied by the mem backend", agent.ErrAccessDenied)
-			}
-			if err != nil {
-				return fmt.Errorf("mem: segment %d: %w", i, err)
-			}
-			loc := s.Local.Mem[off : off+n]
-			if x.Op == agent.OpRead {
-				copy(loc, rem)
-			} else {
-				copy(rem, loc)
-			}
-			off += n
-			held += int(n)
+	for c := (agent.Cursor{}); c.Seg < len(w.Segments); {
+		select {
+		case <-w.Cancelled():
+			return w.CancelErr()
+		default:
 		}
+		end, n, _ := agent.Span(w.Segments, c, chunk, math.MaxInt)
+		if err := b.copySpan(remote, w, c, n); err != nil {
+			return err
+		}
+		c = end
 	}
-	lease.Release()
-	if x.Notify != nil {
-		return b.notify(remote, x.Key, x.Notify)
+	if w.Notify != nil {
+		return b.notify(remote, w.Key, w.Notify)
+	}
+	return nil
+}
+
+// copySpan copies the n bytes of w that start at c under one lease of the
+// peer's exposure.
+func (b *Backend) copySpan(remote *Backend, w *agent.Work, c agent.Cursor, n uint64) error {
+	lease, err := remote.host.Open(b.link, w.Key, w.Op.Access())
+	if err != nil {
+		return fmt.Errorf("mem: segment %d: %w", c.Seg, err)
+	}
+	defer lease.Release()
+	seg := c.Seg // the index of p.Seg
+	for p := range w.Pieces(c, n) {
+		rem, err := lease.Slice(p.RemoteAddr(), p.Len)
+		if err == nil && rem == nil {
+			err = fmt.Errorf("%w: device memory cannot be copied by the mem backend", agent.ErrAccessDenied)
+		}
+		if err != nil {
+			return fmt.Errorf("mem: segment %d: %w", seg, err)
+		}
+		if w.Op == agent.OpRead {
+			copy(p.Local(), rem)
+		} else {
+			copy(rem, p.Local())
+		}
+		if p.Off+p.Len == p.Seg.Local.Len {
+			seg++
+		}
 	}
 	return nil
 }
@@ -175,7 +186,11 @@ func (b *Backend) met(remote *Backend) {
 	b.mu.Unlock()
 }
 
-// Notify implements agent.Backend.
+// Notify implements [agent.Backend]: it hands a copy of msg to the peer
+// agent's dispatcher, which queues it without blocking, so Notify never
+// blocks and does not consult ctx ([agent.Agent.Notify] checked it before
+// choosing the backend). A peer no longer in this process, or closing, is
+// [agent.ErrRemoteLost]. Safe for concurrent use.
 func (b *Backend) Notify(_ context.Context, peer agent.Info, key agent.Key, msg []byte) error {
 	remote := lookup(peer.ID)
 	if remote == nil {
@@ -192,7 +207,7 @@ func (b *Backend) notify(remote *Backend, key agent.Key, msg []byte) error {
 	return nil
 }
 
-// Close implements agent.Backend: it waits for its transfers, leaves the
+// Close implements [agent.Backend]: it waits for its transfers, leaves the
 // process registry and tells the agents it exchanged with that this one is
 // gone. Its notifications were delivered synchronously, so the news never
 // overtakes them.
