@@ -1,7 +1,6 @@
 package backendtest
 
 import (
-	"context"
 	"fmt"
 	"math"
 	"testing"
@@ -69,11 +68,7 @@ func testAbuse(t *testing.T, cfg Config) {
 			}}}
 			c.tamper(&r, e, region)
 			before := p.Stats().Refused
-			x, err := a.Post(context.Background(), r)
-			if err == nil {
-				err = waitXfer(t, x)
-			}
-			require.ErrorIs(t, err, agent.ErrAccessDenied)
+			require.ErrorIs(t, postWait(t, a, r), agent.ErrAccessDenied)
 			require.NoError(t, pb.Check(pSeed), "passive memory after a refused %v", c.op)
 			require.NoError(t, ab.Check(aSeed), "active memory after a refused %v", c.op)
 			assert.Greater(t, p.Stats().Refused, before, "the passive agent counts the refusal")

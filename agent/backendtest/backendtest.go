@@ -1,4 +1,5 @@
-// Package backendtest is the conformance suite every goxfer backend passes.
+// Package backendtest is the conformance suite every goxfer backend passes:
+// it checks the contract of [agent.Backend] through real agents.
 //
 // A backend package wires it with two functions in a _test.go file:
 //
@@ -10,21 +11,22 @@
 //		backendtest.Run(t, backendtest.Config{New: factory, CrossProcess: true})
 //	}
 //
-// Run drives real agents built on the factory's backends: in this process,
-// and in child processes that re-execute the test binary (Main, or Child
-// for a TestMain of its own, turns the binary into such a child when the
-// environment says so). Every transferred
-// byte is checked against a deterministic pattern, and the guard bytes
-// around every descriptor must stay untouched.
+// [Run] drives real agents built on the factory's backends: in this
+// process, and in child processes that re-execute the test binary ([Main],
+// or [Child] for a TestMain of its own, turns the binary into such a child
+// when the environment says so). Every transferred byte is checked against
+// a deterministic pattern, and the guard bytes around every descriptor must
+// stay untouched.
 //
 // The suite covers READ and WRITE of single descriptors from 1 B to 64 MiB
 // and of 4096 small ones, bound and standalone notifications, concurrent
 // transfers to one exposure, transfers across processes in both directions,
 // refused accesses (forged key, out-of-range address, wrong access kind,
 // revoked exposure), lost peers (a killed or closed agent on either side),
-// cancellation, revocation during a WRITE, Agent.Close with transfers in
-// flight, and registration reference counting. Timeouts in the suite only
-// guard against hangs; the one bound it asserts is Config.LostWithin.
+// cancellation, revocation during a WRITE, [agent.Agent.Close] with
+// transfers in flight, and registration reference counting. Timeouts in the
+// suite only guard against hangs; the one bound it asserts is
+// Config.LostWithin.
 package backendtest
 
 import (
@@ -50,12 +52,12 @@ type Config struct {
 	// CrossProcess says the backends move bytes between processes. When
 	// false (an in-process backend such as mem), the cross-process cases
 	// instead check that a transfer to an agent in a child process fails
-	// with agent.ErrNoBackend, and lost peers are simulated by closing an
+	// with [agent.ErrNoBackend], and lost peers are simulated by closing an
 	// agent in this process. Default: false.
 	CrossProcess bool
 	// LostWithin bounds how long a lost peer (a killed process or a closed
-	// agent) may take to surface as agent.ErrRemoteLost on the active side
-	// or agent.EventPeerLost on the passive side. Default: 5 s.
+	// agent) may take to surface as [agent.ErrRemoteLost] on the active side
+	// or [agent.EventPeerLost] on the passive side. Default: 5 s.
 	LostWithin time.Duration
 }
 
@@ -70,9 +72,9 @@ const childEnv = "GOXFER_BACKENDTEST_CHILD"
 // test binary can be re-executed as a child.
 var childReady bool
 
-// Main is the TestMain of a backend package that runs the suite: Child,
+// Main is the TestMain of a backend package that runs the suite: [Child],
 // then the tests, then a check that no goroutine leaked
-// (goleak.VerifyTestMain with opts).
+// ([goleak.VerifyTestMain] with opts).
 func Main(m *testing.M, f Factory, opts ...goleak.Option) {
 	Child(f)
 	goleak.VerifyTestMain(m, opts...)
@@ -81,7 +83,7 @@ func Main(m *testing.M, f Factory, opts ...goleak.Option) {
 // Child makes the test binary a suite child process when it was started as
 // one: it runs an agent on f's backends, serves the parent's commands and
 // exits. Otherwise it returns at once. Call it at the start of TestMain when
-// Main does not fit, for example when TestMain has children of its own.
+// [Main] does not fit, for example when TestMain has children of its own.
 func Child(f Factory) {
 	if os.Getenv(childEnv) != "" {
 		os.Exit(runChild(f, os.Stdin, os.Stdout))
@@ -89,7 +91,7 @@ func Child(f Factory) {
 	childReady = true
 }
 
-// Run runs the conformance suite as subtests of t.
+// Run runs the conformance suite as subtests of t. cfg.New is required.
 func Run(t *testing.T, cfg Config) {
 	if cfg.New == nil {
 		t.Fatal("backendtest: Config.New is nil")

@@ -112,11 +112,7 @@ func parentAbuse(t *testing.T, a *agent.Agent, c *child, op agent.Op) {
 			}}}
 			ab.tamper(&req, nil, region)
 			before := c.must(request{Cmd: "stats"}).Stats.Refused
-			x, err := a.Post(context.Background(), req)
-			if err == nil {
-				err = waitXfer(t, x)
-			}
-			require.ErrorIs(t, err, agent.ErrAccessDenied)
+			require.ErrorIs(t, postWait(t, a, req), agent.ErrAccessDenied)
 			c.must(request{Cmd: "verify", ID: r.ID, Seed: pSeed})
 			require.NoError(t, lb.Check(aSeed), "parent memory after a refused %v", op)
 			assert.Greater(t, c.must(request{Cmd: "stats"}).Stats.Refused, before, "the child counts the refusal")
@@ -127,10 +123,7 @@ func parentAbuse(t *testing.T, a *agent.Agent, c *child, op agent.Op) {
 		r := c.must(request{Cmd: "expose", Access: op.Access(), Sizes: []int{abuseRegionLen}, Seed: pSeed})
 		c.must(request{Cmd: "revoke", ID: r.ID})
 		lb, aSeed := side(t, a, []int{abuseRegionLen})
-		x, err := a.Post(context.Background(), agent.Request{Op: op, Peer: c.info, Key: agent.Key(r.Key), Segments: segments(lb, r.Regions, 0)})
-		if err == nil {
-			err = waitXfer(t, x)
-		}
+		err := postWait(t, a, agent.Request{Op: op, Peer: c.info, Key: agent.Key(r.Key), Segments: segments(lb, r.Regions, 0)})
 		require.ErrorIs(t, err, agent.ErrAccessDenied)
 		c.must(request{Cmd: "verify", ID: r.ID, Seed: pSeed})
 		require.NoError(t, lb.Check(aSeed))

@@ -85,15 +85,45 @@ func largeTransfer(t *testing.T, a, p *agent.Agent, op agent.Op, size int) infli
 	return f
 }
 
+// underway starts a large transfer of op between two fresh agents and
+// waits until it has accessed the passive side's exposure. It returns
+// false if the transfer finished first: nothing is left to interrupt.
+func underway(t *testing.T, cfg Config, op agent.Op) (a, p *agent.Agent, f inflight, ok bool) {
+	t.Helper()
+	a, p = newPair(t, cfg)
+	f = largeTransfer(t, a, p, op, largeInProcess)
+	return a, p, f, waitAccessed(t, f.e, f.x)
+}
+
+// requireLost checks the error of a transfer whose peer was lost lost ago.
+func requireLost(t *testing.T, cfg Config, x *agent.Xfer, err error, lost time.Duration, how string) {
+	t.Helper()
+	t.Logf("%v over %s failed %v after the passive %s: %v", x.Op(), x.Backend(), lost, how, err)
+	require.ErrorIs(t, err, agent.ErrRemoteLost)
+	assert.LessOrEqual(t, lost, cfg.LostWithin, "time to report the lost peer")
+}
+
+// requirePeerLost waits for the event by which exposure e hears that its
+// peer from was lost, since start.
+func requirePeerLost(t *testing.T, cfg Config, e *agent.Exposure, from uuid.UUID, start time.Time, how string) {
+	t.Helper()
+	ev := waitEvent(t, e, hangGuard)
+	lost := time.Since(start)
+	t.Logf("passive exposure heard %v after the active %s: %v", lost, how, ev.Err)
+	require.Equal(t, agent.EventPeerLost, ev.Kind, "event %+v", ev)
+	assert.Equal(t, from, ev.From)
+	assert.ErrorIs(t, ev.Err, agent.ErrRemoteLost)
+	assert.LessOrEqual(t, lost, cfg.LostWithin, "time to report the lost peer")
+}
+
 // passiveClosed closes the passive agent in the middle of a transfer: the
 // active side must see ErrRemoteLost within cfg.LostWithin.
 func passiveClosed(t *testing.T, cfg Config, op agent.Op) bool {
-	a, p := newPair(t, cfg)
-	f := largeTransfer(t, a, p, op, largeInProcess)
-	x, e := f.x, f.e
-	if !waitAccessed(t, e, x) {
+	_, p, f, ok := underway(t, cfg, op)
+	if !ok {
 		return false
 	}
+	x := f.x
 	start := time.Now()
 	closed := make(chan error, 1)
 	go func() { closed <- p.Close() }()
@@ -108,45 +138,34 @@ func passiveClosed(t *testing.T, cfg Config, op agent.Op) bool {
 	if err == nil {
 		return false
 	}
-	t.Logf("%v over %s failed %v after the passive agent began closing: %v", op, x.Backend(), lost, err)
-	require.ErrorIs(t, err, agent.ErrRemoteLost)
-	assert.LessOrEqual(t, lost, cfg.LostWithin, "time to report the lost peer")
+	requireLost(t, cfg, x, err, lost, "agent began closing")
 	return true
 }
 
 // activeClosed closes the active agent in the middle of a transfer: the
 // passive exposure must hear of the lost peer within cfg.LostWithin.
 func activeClosed(t *testing.T, cfg Config, op agent.Op) bool {
-	a, p := newPair(t, cfg)
-	f := largeTransfer(t, a, p, op, largeInProcess)
-	x, e := f.x, f.e
-	if !waitAccessed(t, e, x) {
+	a, _, f, ok := underway(t, cfg, op)
+	if !ok {
 		return false
 	}
 	start := time.Now()
 	require.NoError(t, a.Close())
-	require.True(t, isDone(x), "Close returned before its transfer finished")
-	if err := x.Err(); err != nil {
+	require.True(t, isDone(f.x), "Close returned before its transfer finished")
+	if err := f.x.Err(); err != nil {
 		require.ErrorIs(t, err, agent.ErrClosed)
 	}
-	ev := waitEvent(t, e, hangGuard)
-	lost := time.Since(start)
-	t.Logf("passive exposure heard %v after the active agent began closing: %v", lost, ev.Err)
-	require.Equal(t, agent.EventPeerLost, ev.Kind, "event %+v", ev)
-	assert.Equal(t, a.ID(), ev.From)
-	assert.ErrorIs(t, ev.Err, agent.ErrRemoteLost)
-	assert.LessOrEqual(t, lost, cfg.LostWithin, "time to report the lost peer")
+	requirePeerLost(t, cfg, f.e, a.ID(), start, "agent began closing")
 	return true
 }
 
 // cancelInFlight cancels a transfer in the middle.
 func cancelInFlight(t *testing.T, cfg Config, op agent.Op) bool {
-	a, p := newPair(t, cfg)
-	f := largeTransfer(t, a, p, op, largeInProcess)
-	x, e := f.x, f.e
-	if !waitAccessed(t, e, x) {
+	a, p, f, ok := underway(t, cfg, op)
+	if !ok {
 		return false
 	}
+	x := f.x
 	start := time.Now()
 	x.Cancel(context.Canceled)
 	err := waitXfer(t, x)
@@ -304,9 +323,7 @@ func passiveKilled(t *testing.T, cfg Config, op agent.Op) bool {
 	if err == nil {
 		return false
 	}
-	t.Logf("%v over %s failed %v after the passive process was killed: %v", op, x.Backend(), lost, err)
-	require.ErrorIs(t, err, agent.ErrRemoteLost)
-	assert.LessOrEqual(t, lost, cfg.LostWithin, "time to report the lost peer")
+	requireLost(t, cfg, x, err, lost, "process was killed")
 	return true
 }
 
@@ -327,13 +344,7 @@ func activeKilled(t *testing.T, cfg Config, op agent.Op) {
 	require.Equal(t, c.info.ID, e.Peer())
 	start := time.Now()
 	c.Kill()
-	ev := waitEvent(t, e, hangGuard)
-	lost := time.Since(start)
-	t.Logf("passive exposure heard %v after the active process was killed: %v", lost, ev.Err)
-	require.Equal(t, agent.EventPeerLost, ev.Kind, "event %+v", ev)
-	assert.Equal(t, c.info.ID, ev.From)
-	assert.ErrorIs(t, ev.Err, agent.ErrRemoteLost)
-	assert.LessOrEqual(t, lost, cfg.LostWithin, "time to report the lost peer")
+	requirePeerLost(t, cfg, e, c.info.ID, start, "process was killed")
 }
 
 func ptr[T any](v T) *T { return &v }

@@ -1,6 +1,7 @@
 package backendtest
 
 import (
+	"context"
 	"testing"
 	"time"
 
@@ -93,28 +94,32 @@ func noEvent(t *testing.T, e *agent.Exposure) {
 
 // waitAccessed waits until a peer has accessed e (the backend opened a
 // lease on it), which shows a transfer against e is under way. It returns
-// false if x finished first. Exposure.Peer is the only race-free view of a
-// transfer's progress on the passive side, hence the polling.
+// false if x finished first. [agent.Exposure.Peer] is the only race-free
+// view of a transfer's progress on the passive side, hence the polling.
 func waitAccessed(t *testing.T, e *agent.Exposure, x *agent.Xfer) bool {
 	t.Helper()
 	deadline := time.Now().Add(hangGuard)
 	for e.Peer() == uuid.Nil {
-		select {
-		case <-x.Done():
+		if isDone(x) {
 			return false
-		default:
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("transfer did not access the exposure within %v", hangGuard)
 		}
 		time.Sleep(100 * time.Microsecond)
 	}
-	select {
-	case <-x.Done():
-		return false
-	default:
-		return true
+	return !isDone(x)
+}
+
+// postWait posts r from a and waits for the transfer: the error of Post
+// or of the transfer.
+func postWait(t *testing.T, a *agent.Agent, r agent.Request) error {
+	t.Helper()
+	x, err := a.Post(context.Background(), r)
+	if err != nil {
+		return err
 	}
+	return waitXfer(t, x)
 }
 
 // isDone reports whether x has finished.
