@@ -9,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
@@ -31,8 +30,7 @@ func TestAttackTurnStormDecidesOnce(t *testing.T) {
 	passive, peer := pair(t, "mem")
 	buf := make([]byte, 64)
 	for i := range lifetimeRounds(1500) {
-		op, err := passive.CreateReadable(ctx, NewDescriptor(buf))
-		require.NoError(t, err)
+		op := create(t, passive, KindRead, [][]byte{buf})
 		md := op.Metadata()
 
 		const waiters = 12
@@ -83,7 +81,7 @@ func TestAttackTurnStormDecidesOnce(t *testing.T) {
 		closers := 1 + rand.IntN(2)
 		var cwg sync.WaitGroup
 		notify := func() {
-			require.NoError(t, peer.a.Notify(context.Background(), md.peer, md.key, doneNotice))
+			reportDone(t, peer, md)
 			reported.Store(true)
 		}
 		if i%2 == 0 {
@@ -131,9 +129,7 @@ func TestAttackTurnStormDecidesOnce(t *testing.T) {
 func TestAttackWaitHonoursDeadlineUnderContention(t *testing.T) {
 	ctx := guarded(t)
 	passive, _ := pair(t, "mem")
-	op, err := passive.CreateWritable(ctx, NewDescriptor(make([]byte, 64)))
-	require.NoError(t, err)
-	t.Cleanup(func() { assert.NoError(t, op.Close()) })
+	op := expose(t, passive, KindWrite, [][]byte{make([]byte, 64)})
 
 	const (
 		goroutines = 48
@@ -188,19 +184,15 @@ func TestAttackWaitHonoursDeadlineUnderContention(t *testing.T) {
 
 // Close returns, and every blocked Wait (with a context that never ends)
 // returns ErrClosed, whatever Wait or Status holds the turn when Close
-// comes; the Connector's Close too. Repeated on fresh operations so that
-// Close lands at every point of the hand-over.
+// comes. Repeated on fresh operations so that Close lands at every point of
+// the hand-over. (TestConnectorCloseWithOpsInFlight closes the Connector
+// under blocked Waits.)
 func TestAttackCloseNeverBlockedByWaits(t *testing.T) {
-	ctx := guarded(t)
 	passive, _ := pair(t, "mem")
 	for i := range lifetimeRounds(2000) {
-		op, err := passive.CreateReadable(ctx, NewDescriptor(make([]byte, 8)))
-		require.NoError(t, err)
+		op := create(t, passive, KindRead, [][]byte{make([]byte, 8)})
 		var wg sync.WaitGroup
-		errs := make([]error, 4)
-		for k := range errs {
-			wg.Go(func() { errs[k] = op.Wait(context.Background()) })
-		}
+		errs := goWaits(&wg, context.Background(), op, 4)
 		wg.Go(func() { _ = op.Status() })
 		if i%3 == 0 {
 			time.Sleep(time.Duration(rand.IntN(50)) * time.Microsecond)
@@ -229,16 +221,11 @@ func TestAttackCloseNeverBlockedByWaits(t *testing.T) {
 func TestAttackTCPStrangerKeepsALostPeerAlive(t *testing.T) {
 	ctx := guarded(t)
 	passive := newConnector(t, WithBackends(tcp.New()))
-	peer, err := NewConnector(quiet, WithBackends(tcp.New()))
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = peer.Close() })
+	peer := newConnector(t, WithBackends(tcp.New()))
 
 	pop := expose(t, passive, KindWrite, buffers([]int{64}, 1))
 	md := pop.Metadata()
-	// The peer presents the key: a message of a code this version does not
-	// know binds the exposure and decides nothing.
-	require.NoError(t, peer.a.Notify(context.Background(), md.peer, md.key, []byte{0xee, 'x'}))
-	require.Eventually(t, func() bool { return pop.Status() == StatusInProgress }, hangGuard, time.Millisecond)
+	bindPeer(t, peer, pop) // the peer presents the key
 
 	// The stranger has no key. It connects claiming the peer's ID and sends
 	// a notification to a key of its own invention (dropped).
@@ -251,7 +238,7 @@ func TestAttackTCPStrangerKeepsALostPeerAlive(t *testing.T) {
 	// The keepalive timeout is 4 s by default; give it well over that.
 	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	err = pop.Wait(wctx)
+	err := pop.Wait(wctx)
 	require.ErrorIs(t, err, ErrRemoteLost,
 		"the peer that presented the key left, but a stranger claiming its ID kept its link alive: Wait returned %v", err)
 }

@@ -21,22 +21,9 @@ func BenchmarkRead(b *testing.B) {
 	for _, backend := range transferBackends {
 		for _, l := range layouts {
 			b.Run(fmt.Sprintf("%s/%s", backend, l.name), func(b *testing.B) {
-				passive, err := NewConnector(quiet)
-				if err != nil {
-					b.Fatal(err)
-				}
-				defer passive.Close()
-				activeConn, err := NewConnector(quiet, WithBackend(backend))
-				if err != nil {
-					b.Fatal(err)
-				}
-				defer activeConn.Close()
+				passive, activeConn := pair(b, backend)
 				src, dst := buffers(l.sizes, 1), buffers(l.sizes, 0)
-				pop, err := passive.CreateReadable(b.Context(), descriptors(src)...)
-				if err != nil {
-					b.Fatal(err)
-				}
-				defer pop.Close()
+				pop := expose(b, passive, KindRead, src)
 				md, local := pop.Metadata(), descriptors(dst)
 				total := 0
 				for _, n := range l.sizes {
@@ -65,16 +52,7 @@ func BenchmarkRead(b *testing.B) {
 func BenchmarkLatency4KiB(b *testing.B) {
 	for _, backend := range transferBackends {
 		b.Run(backend, func(b *testing.B) {
-			passive, err := NewConnector(quiet)
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer passive.Close()
-			activeConn, err := NewConnector(quiet, WithBackend(backend))
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer activeConn.Close()
+			passive, activeConn := pair(b, backend)
 			src, dst := buffers([]int{4096}, 1), buffers([]int{4096}, 0)
 			lat := make([]time.Duration, 0, 1<<16)
 			ctx := b.Context()
@@ -109,11 +87,7 @@ func BenchmarkLatency4KiB(b *testing.B) {
 func BenchmarkCreateReadable(b *testing.B) {
 	for _, n := range []int{1, 4096} {
 		b.Run(fmt.Sprintf("descriptors=%d", n), func(b *testing.B) {
-			c, err := NewConnector(quiet)
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer c.Close()
+			c := newConnector(b)
 			descs := descriptors(buffers(uniform(n, 64), 1))
 			b.ReportAllocs()
 			for b.Loop() {
@@ -133,17 +107,7 @@ func BenchmarkCreateReadable(b *testing.B) {
 func BenchmarkToken(b *testing.B) {
 	for _, n := range []int{1, 4096} {
 		b.Run(fmt.Sprintf("descriptors=%d", n), func(b *testing.B) {
-			c, err := NewConnector(quiet)
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer c.Close()
-			op, err := c.CreateReadable(b.Context(), descriptors(buffers(uniform(n, 64), 1))...)
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer op.Close()
-			md := op.Metadata()
+			md := expose(b, newConnector(b), KindRead, buffers(uniform(n, 64), 1)).Metadata()
 			b.ReportAllocs()
 			for b.Loop() {
 				if _, err := ParseMetadata(md.String()); err != nil {

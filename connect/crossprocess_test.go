@@ -475,9 +475,7 @@ func crossProcessTransfer(t *testing.T, backend string, layouts []struct {
 					if kind == KindWrite {
 						local.Fill(seed)
 					}
-					aop, err := begin(ctx, parent, md, local.Bufs())
-					require.NoError(t, err)
-					require.NoError(t, aop.Wait(ctx))
+					aop := moved(t, ctx, parent, md, local.Bufs())
 					assert.Equal(t, StatusComplete, aop.Status())
 					assert.Equal(t, backend, aop.Backend())
 					require.NoError(t, local.Check(seed), "the local memory after the %v", kind)

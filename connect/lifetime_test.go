@@ -1,7 +1,6 @@
 package connect
 
 import (
-	"context"
 	"errors"
 	"runtime"
 	"sync"
@@ -16,22 +15,6 @@ import (
 // each round checks that the outcome was decided once, by the first terminal
 // event, and that every observer agrees on it.
 
-// lifetimeRounds is how many times each race is run.
-func lifetimeRounds(full int) int {
-	if testing.Short() {
-		return full / 10
-	}
-	return full
-}
-
-// reportDone sends the completion notice to the operation md names, as the
-// active side does once every byte is in place. Over mem it is delivered
-// before Notify returns: queued, or handed to a Wait blocked on the queue.
-func reportDone(t *testing.T, from *Connector, md Metadata) {
-	t.Helper()
-	require.NoError(t, from.a.Notify(context.Background(), md.peer, md.key, doneNotice))
-}
-
 // A completion the peer reported before Close must survive a Close racing a
 // Wait: Wait may have taken the notification off the queue without having
 // recorded it yet when Close looks at the queue.
@@ -41,12 +24,10 @@ func TestCloseRacingWaitKeepsCompletion(t *testing.T) {
 	buf := make([]byte, 64)
 	rounds, lost, first := lifetimeRounds(20000), 0, -1
 	for i := range rounds {
-		op, err := passive.CreateReadable(ctx, NewDescriptor(buf))
-		require.NoError(t, err)
+		op := create(t, passive, KindRead, [][]byte{buf})
 
 		var wg sync.WaitGroup
-		var waitErr error
-		wg.Go(func() { waitErr = op.Wait(ctx) })
+		errs := goWaits(&wg, ctx, op, 1)
 		if i%2 == 0 {
 			runtime.Gosched() // Wait is then most often blocked on the queue when the notice comes
 		}
@@ -54,8 +35,8 @@ func TestCloseRacingWaitKeepsCompletion(t *testing.T) {
 		require.NoError(t, op.Close())
 		wg.Wait()
 
-		if waitErr != nil {
-			require.ErrorIs(t, waitErr, ErrClosed, "round %d", i)
+		if errs[0] != nil {
+			require.ErrorIs(t, errs[0], ErrClosed, "round %d", i)
 			if lost++; first < 0 {
 				first = i
 			}
@@ -74,20 +55,17 @@ func TestConnectorCloseRacingWaitKeepsCompletion(t *testing.T) {
 	peer := newConnector(t)
 	buf := make([]byte, 64)
 	for i := range lifetimeRounds(2000) {
-		passive, err := NewConnector(quiet)
-		require.NoError(t, err)
-		op, err := passive.CreateWritable(ctx, NewDescriptor(buf))
-		require.NoError(t, err)
+		passive := startConnector(t)
+		op := create(t, passive, KindWrite, [][]byte{buf})
 
 		var wg sync.WaitGroup
-		var waitErr error
-		wg.Go(func() { waitErr = op.Wait(ctx) })
+		errs := goWaits(&wg, ctx, op, 1)
 		runtime.Gosched()
 		reportDone(t, peer, op.Metadata())
 		require.NoError(t, passive.Close())
 		wg.Wait()
 
-		require.NoError(t, waitErr, "round %d: a completion reported before Connector.Close was lost to it", i)
+		require.NoError(t, errs[0], "round %d: a completion reported before Connector.Close was lost to it", i)
 		require.NoError(t, op.Wait(ctx), "round %d: a later Wait", i)
 		require.Equal(t, StatusComplete, op.Status(), "round %d", i)
 	}
@@ -100,8 +78,7 @@ func TestCloseRacingStatusKeepsCompletion(t *testing.T) {
 	passive, peer := pair(t, "mem")
 	buf := make([]byte, 64)
 	for i := range lifetimeRounds(20000) {
-		op, err := passive.CreateReadable(ctx, NewDescriptor(buf))
-		require.NoError(t, err)
+		op := create(t, passive, KindRead, [][]byte{buf})
 		reportDone(t, peer, op.Metadata())
 
 		var wg sync.WaitGroup
@@ -123,19 +100,17 @@ func TestStatusRacingWaitSeesCompletion(t *testing.T) {
 	passive, peer := pair(t, "mem")
 	buf := make([]byte, 64)
 	for i := range lifetimeRounds(20000) {
-		op, err := passive.CreateReadable(ctx, NewDescriptor(buf))
-		require.NoError(t, err)
+		op := create(t, passive, KindRead, [][]byte{buf})
 
 		var wg sync.WaitGroup
-		var waitErr error
-		wg.Go(func() { waitErr = op.Wait(ctx) })
+		errs := goWaits(&wg, ctx, op, 1)
 		runtime.Gosched()
 		reportDone(t, peer, op.Metadata())
 		st := op.Status()
 		wg.Wait()
 
 		require.Equal(t, StatusComplete, st, "round %d: Status missed a completion reported before it was called", i)
-		require.NoError(t, waitErr, "round %d", i)
+		require.NoError(t, errs[0], "round %d", i)
 		require.NoError(t, op.Close())
 	}
 }
@@ -148,16 +123,11 @@ func TestLossAfterCompletionKeepsCompletion(t *testing.T) {
 	passive := newConnector(t)
 	buf := make([]byte, 64)
 	for i := range lifetimeRounds(5000) {
-		peer, err := NewConnector(quiet)
-		require.NoError(t, err)
-		op, err := passive.CreateReadable(ctx, NewDescriptor(buf))
-		require.NoError(t, err)
+		peer := startConnector(t)
+		op := create(t, passive, KindRead, [][]byte{buf})
 
 		var wg sync.WaitGroup
-		errs := make([]error, 3)
-		for k := range errs {
-			wg.Go(func() { errs[k] = op.Wait(ctx) })
-		}
+		errs := goWaits(&wg, ctx, op, 3)
 		runtime.Gosched()
 		reportDone(t, peer, op.Metadata())
 		passive.PeerDeparted(peer.a.ID()) // after the completion
@@ -180,17 +150,13 @@ func TestRepeatedWaitsReturnFirstOutcome(t *testing.T) {
 	passive, peer := pair(t, "mem")
 	buf := make([]byte, 64)
 	for i := range lifetimeRounds(5000) {
-		op, err := passive.CreateWritable(ctx, NewDescriptor(buf))
-		require.NoError(t, err)
+		op := create(t, passive, KindWrite, [][]byte{buf})
 		md := op.Metadata()
 
 		var wg sync.WaitGroup
-		errs := make([]error, 3)
-		for k := range errs {
-			wg.Go(func() { errs[k] = op.Wait(ctx) })
-		}
+		errs := goWaits(&wg, ctx, op, 3)
 		runtime.Gosched()
-		require.NoError(t, peer.a.Notify(context.Background(), md.peer, md.key, encodeNotice(noticeCancelled, "changed its mind")))
+		notice(t, peer, md, encodeNotice(noticeCancelled, "changed its mind"))
 		reportDone(t, peer, md) // too late: the cancellation came first
 		require.NoError(t, op.Close())
 		wg.Wait()
@@ -216,18 +182,13 @@ func TestActiveOutcomeDecidedOnce(t *testing.T) {
 	const size = 256 << 10
 	src := make([]byte, size)
 	for i := range lifetimeRounds(2000) {
-		activeConn, err := NewConnector(quiet, WithBackend("mem"))
-		require.NoError(t, err)
-		pop, err := passive.CreateReadable(ctx, NewDescriptor(src))
-		require.NoError(t, err)
-		aop, err := activeConn.BeginRead(ctx, pop.Metadata(), NewDescriptor(make([]byte, size)))
+		activeConn := startConnector(t, WithBackend("mem"))
+		pop := create(t, passive, KindRead, [][]byte{src})
+		aop, err := begin(ctx, activeConn, pop.Metadata(), [][]byte{make([]byte, size)})
 		require.NoError(t, err)
 
 		var wg sync.WaitGroup
-		errs := make([]error, 2)
-		for k := range errs {
-			wg.Go(func() { errs[k] = aop.Wait(ctx) })
-		}
+		errs := goWaits(&wg, ctx, aop, 2)
 		wg.Go(aop.Cancel)
 		wg.Go(func() { _ = aop.Status() })
 		require.NoError(t, activeConn.Close())

@@ -18,57 +18,6 @@ import (
 	"github.com/goxfer/goxfer/agent/backend/tcp"
 )
 
-// hangGuard bounds waits that must end promptly, so a bug fails the test
-// instead of hanging it. It asserts nothing about speed.
-const hangGuard = 30 * time.Second
-
-func guarded(t *testing.T) context.Context {
-	ctx, cancel := context.WithTimeout(t.Context(), hangGuard)
-	t.Cleanup(cancel)
-	return ctx
-}
-
-// expose creates a passive operation of kind over bufs.
-func expose(t *testing.T, c *Connector, kind OperationKind, bufs [][]byte) waiter {
-	t.Helper()
-	var (
-		op  waiter
-		err error
-	)
-	if kind == KindRead {
-		op, err = c.CreateReadable(t.Context(), descriptors(bufs)...)
-	} else {
-		op, err = c.CreateWritable(t.Context(), descriptors(bufs)...)
-	}
-	require.NoError(t, err)
-	t.Cleanup(func() { assert.NoError(t, op.Close()) })
-	return op
-}
-
-// active is what both active operation types offer.
-type active interface {
-	Wait(context.Context) error
-	Status() Status
-	Cancel()
-	Backend() string
-}
-
-// begin starts the active operation md calls for.
-func begin(ctx context.Context, c *Connector, md Metadata, bufs [][]byte) (active, error) {
-	if md.Kind() == KindWrite {
-		op, err := c.BeginWrite(ctx, md, descriptors(bufs)...)
-		if err != nil {
-			return nil, err
-		}
-		return op, nil
-	}
-	op, err := c.BeginRead(ctx, md, descriptors(bufs)...)
-	if err != nil {
-		return nil, err
-	}
-	return op, nil
-}
-
 func TestTransfer(t *testing.T) {
 	mixed := make([]int, 4096)
 	for i := range mixed {
@@ -100,9 +49,7 @@ func TestTransfer(t *testing.T) {
 					require.NoError(t, err)
 					require.Equal(t, l.sizes, md.Sizes())
 
-					aop, err := begin(ctx, activeConn, md, local)
-					require.NoError(t, err)
-					require.NoError(t, aop.Wait(ctx))
+					aop := moved(t, ctx, activeConn, md, local)
 					assert.Equal(t, StatusComplete, aop.Status())
 					assert.Equal(t, backend, aop.Backend())
 					requireUnregistered(t, activeConn)
@@ -130,9 +77,7 @@ func TestPassiveWaitsFirst(t *testing.T) {
 			waited := make(chan error, 1)
 			go func() { waited <- pop.Wait(ctx) }()
 
-			aop, err := begin(ctx, activeConn, pop.Metadata(), dst)
-			require.NoError(t, err)
-			require.NoError(t, aop.Wait(ctx))
+			moved(t, ctx, activeConn, pop.Metadata(), dst)
 			require.NoError(t, <-waited)
 			requireSame(t, src, dst)
 		})
@@ -333,9 +278,7 @@ func TestPassiveWaitTimeoutKeepsOperation(t *testing.T) {
 
 			ctx := guarded(t)
 			dst := buffers([]int{70000}, 0)
-			aop, err := begin(ctx, activeConn, pop.Metadata(), dst)
-			require.NoError(t, err)
-			require.NoError(t, aop.Wait(ctx))
+			moved(t, ctx, activeConn, pop.Metadata(), dst)
 			require.NoError(t, pop.Wait(ctx))
 			requireSame(t, src, dst)
 		})
@@ -375,9 +318,7 @@ func TestCloseKeepsReportedCompletion(t *testing.T) {
 	ctx := guarded(t)
 	passive, activeConn := pair(t, "mem")
 	pop := expose(t, passive, KindRead, buffers([]int{64}, 1))
-	aop, err := begin(ctx, activeConn, pop.Metadata(), buffers([]int{64}, 0))
-	require.NoError(t, err)
-	require.NoError(t, aop.Wait(ctx))
+	moved(t, ctx, activeConn, pop.Metadata(), buffers([]int{64}, 0))
 	// Nobody waited on the passive side; the completion is queued.
 	require.NoError(t, pop.Close())
 	assert.Equal(t, StatusComplete, pop.Status())
@@ -400,9 +341,7 @@ func TestSharedBuffer(t *testing.T) {
 	assert.Equal(t, 1, refs)
 
 	dst := buffers([]int{4096}, 0)
-	aop, err := begin(ctx, activeConn, second.Metadata(), dst)
-	require.NoError(t, err)
-	require.NoError(t, aop.Wait(ctx))
+	moved(t, ctx, activeConn, second.Metadata(), dst)
 	requireSame(t, src[:1], dst)
 
 	require.NoError(t, second.Close())
@@ -432,10 +371,8 @@ func TestConcurrentReaders(t *testing.T) {
 
 func TestCloseIdempotent(t *testing.T) {
 	ctx := guarded(t)
-	c, err := NewConnector(quiet)
-	require.NoError(t, err)
-	pop, err := c.CreateReadable(ctx, NewDescriptor(make([]byte, 10)))
-	require.NoError(t, err)
+	c := startConnector(t)
+	pop := create(t, c, KindRead, [][]byte{make([]byte, 10)})
 	require.NoError(t, pop.Close())
 	require.NoError(t, pop.Close())
 	require.ErrorIs(t, pop.Wait(ctx), ErrClosed)
@@ -447,7 +384,7 @@ func TestCloseIdempotent(t *testing.T) {
 	wg.Wait()
 	require.NoError(t, c.Close())
 
-	_, err = c.CreateReadable(ctx, NewDescriptor(make([]byte, 10)))
+	_, err := c.CreateReadable(ctx, NewDescriptor(make([]byte, 10)))
 	require.ErrorIs(t, err, ErrClosed)
 	_, err = c.CreateWritable(ctx, NewDescriptor(make([]byte, 10)))
 	require.ErrorIs(t, err, ErrClosed)
@@ -517,19 +454,13 @@ func TestPeerLost(t *testing.T) {
 				return WithBackends(mem.New())
 			}
 			passive := newConnector(t, only())
-			activeConn, err := NewConnector(quiet, only())
-			require.NoError(t, err)
-			t.Cleanup(func() { _ = activeConn.Close() }) // closed below; this is for a failure before
+			activeConn := newConnector(t, only()) // closed below
 
 			pop := expose(t, passive, KindWrite, buffers([]int{64}, 1))
-			md := pop.Metadata()
-			// A message of a code this version does not know: the peer binds
-			// the exposure, nothing more.
-			require.NoError(t, activeConn.a.Notify(context.Background(), md.peer, md.key, []byte{0xee, 'x'}))
-			require.Eventually(t, func() bool { return pop.Status() == StatusInProgress }, hangGuard, time.Millisecond)
+			bindPeer(t, activeConn, pop)
 			require.NoError(t, activeConn.Close())
 
-			err = pop.Wait(ctx)
+			err := pop.Wait(ctx)
 			require.ErrorIs(t, err, ErrRemoteLost)
 			var te *TransferError
 			require.ErrorAs(t, err, &te)
@@ -556,26 +487,18 @@ func TestKeepaliveKeepsIdlePeer(t *testing.T) {
 	} {
 		t.Run(fmt.Sprintf("%v/%v", ka.interval, ka.timeout), func(t *testing.T) {
 			t.Parallel()
-			newTCP := func() (*Connector, error) {
-				return NewConnector(quiet, WithBackends(tcp.New(tcp.WithKeepalive(ka.interval, ka.timeout))))
+			newTCP := func() *Connector {
+				return newConnector(t, WithBackends(tcp.New(tcp.WithKeepalive(ka.interval, ka.timeout))))
 			}
-			passive, err := newTCP()
-			require.NoError(t, err)
-			t.Cleanup(func() { assert.NoError(t, passive.Close()) })
-			activeConn, err := newTCP()
-			require.NoError(t, err)
-			t.Cleanup(func() { assert.NoError(t, activeConn.Close()) })
-
+			passive, activeConn := newTCP(), newTCP()
 			pop := expose(t, passive, KindWrite, buffers([]int{64}, 1))
-			md := pop.Metadata()
-			require.NoError(t, activeConn.a.Notify(context.Background(), md.peer, md.key, []byte{0xee, 'x'}))
-			require.Eventually(t, func() bool { return pop.Status() == StatusInProgress }, hangGuard, time.Millisecond)
+			bindPeer(t, activeConn, pop)
 
 			silence := 4 * ka.timeout
 			idle, cancel := context.WithTimeout(t.Context(), silence)
 			defer cancel()
 			start := time.Now()
-			err = pop.Wait(idle)
+			err := pop.Wait(idle)
 			require.ErrorIs(t, err, context.DeadlineExceeded, "a live peer idle for %v was reported lost after %v", silence, time.Since(start))
 			assert.Equal(t, StatusInProgress, pop.Status())
 		})
@@ -586,18 +509,12 @@ func TestClosedPeer(t *testing.T) {
 	for _, backend := range transferBackends {
 		t.Run(backend, func(t *testing.T) {
 			ctx := guarded(t)
-			passive, err := NewConnector(quiet)
-			require.NoError(t, err)
+			passive := startConnector(t)
 			activeConn := newConnector(t, WithBackend(backend))
-			pop, err := passive.CreateReadable(ctx, NewDescriptor(make([]byte, 4096)))
-			require.NoError(t, err)
-			md := pop.Metadata()
+			md := create(t, passive, KindRead, [][]byte{make([]byte, 4096)}).Metadata()
 			require.NoError(t, passive.Close())
 
-			rop, err := activeConn.BeginRead(ctx, md, NewDescriptor(make([]byte, 4096)))
-			if err == nil {
-				err = rop.Wait(ctx)
-			}
+			err := beginWait(ctx, activeConn, md, [][]byte{make([]byte, 4096)})
 			require.ErrorIs(t, err, ErrRemoteLost)
 			var te *TransferError
 			require.ErrorAs(t, err, &te)
@@ -629,14 +546,12 @@ func TestMalformedNotificationsIgnored(t *testing.T) {
 	pop := expose(t, passive, KindRead, src)
 	md := pop.Metadata()
 	for _, msg := range [][]byte{{}, {0}, {4, 'x'}, {0xff}} {
-		require.NoError(t, activeConn.a.Notify(context.Background(), md.peer, md.key, msg))
+		notice(t, activeConn, md, msg)
 	}
 	assert.Equal(t, StatusInProgress, pop.Status(), "the peer is known, nothing is decided")
 
 	dst := buffers([]int{64}, 0)
-	aop, err := begin(ctx, activeConn, md, dst)
-	require.NoError(t, err)
-	require.NoError(t, aop.Wait(ctx))
+	moved(t, ctx, activeConn, md, dst)
 	require.NoError(t, pop.Wait(ctx))
 }
 
@@ -644,8 +559,7 @@ func TestPeerReportsFailure(t *testing.T) {
 	ctx := guarded(t)
 	passive, activeConn := pair(t, "mem")
 	pop := expose(t, passive, KindRead, buffers([]int{64}, 1))
-	md := pop.Metadata()
-	require.NoError(t, activeConn.a.Notify(context.Background(), md.peer, md.key, encodeNotice(noticeFailed, "disk on fire\n")))
+	notice(t, activeConn, pop.Metadata(), encodeNotice(noticeFailed, "disk on fire\n"))
 	err := pop.Wait(ctx)
 	require.ErrorIs(t, err, errPeerFailed)
 	assert.NotErrorIs(t, err, ErrCancelled)
@@ -769,18 +683,11 @@ func TestCompletionBeforeDeparture(t *testing.T) {
 	for _, backend := range transferBackends {
 		t.Run(backend, func(t *testing.T) {
 			ctx := guarded(t)
-			passive, err := NewConnector(quiet)
-			require.NoError(t, err)
-			t.Cleanup(func() { assert.NoError(t, passive.Close()) })
+			passive := newConnector(t)
 			for i := range 100 {
-				activeConn, err := NewConnector(quiet, WithBackend(backend))
-				require.NoError(t, err)
-				buf := make([]byte, 64<<10)
-				op, err := passive.CreateWritable(ctx, NewDescriptor(buf))
-				require.NoError(t, err)
-				w, err := activeConn.BeginWrite(ctx, op.Metadata(), NewDescriptor(make([]byte, 64<<10)))
-				require.NoError(t, err)
-				require.NoError(t, w.Wait(ctx))
+				activeConn := startConnector(t, WithBackend(backend))
+				op := create(t, passive, KindWrite, [][]byte{make([]byte, 64<<10)})
+				moved(t, ctx, activeConn, op.Metadata(), [][]byte{make([]byte, 64<<10)})
 				require.NoError(t, activeConn.Close())
 				require.NoError(t, op.Wait(ctx), "round %d: the passive side lost a completed write to the peer's departure", i)
 				require.NoError(t, op.Close())

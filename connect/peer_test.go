@@ -174,7 +174,7 @@ func TestPeerDepartedPassive(t *testing.T) {
 
 	// The peer writes, but its completion notice is lost: the exposure is
 	// bound to the peer and still waiting.
-	require.NoError(t, active.a.Notify(context.Background(), passive.info, used.Metadata().key, []byte{0xff}))
+	notice(t, active, used.Metadata(), []byte{0xff})
 	require.Equal(t, StatusInProgress, used.Status(), "mem delivers on the sender's goroutine")
 
 	passive.PeerDeparted(active.AgentInfo().ID())

@@ -24,10 +24,7 @@ func TestStatsCountRefusals(t *testing.T) {
 			assert.Equal(t, 1, open.Registered)
 			assert.Equal(t, 1, open.Exposed)
 			require.NoError(t, pop.Close())
-			aop, err := begin(ctx, active, md, buffers([]int{4096}, 2))
-			if err == nil {
-				err = aop.Wait(ctx)
-			}
+			err := beginWait(ctx, active, md, buffers([]int{4096}, 2))
 			require.ErrorIs(t, err, ErrAccessDenied)
 
 			after := passive.Stats()
