@@ -40,8 +40,8 @@
 //
 // The active side calls [Agent.Post] with a [Request]: the direction
 // ([OpRead] copies the peer's memory into local memory, [OpWrite] the
-// reverse), the peer's [Info], the exposure's key, and [Segment]s pairing
-// local memory with remote regions of the same length. Post chooses a
+// reverse), the peer's [Info], the exposure's key, and segments
+// ([Segment]) pairing local memory with remote regions of the same length. Post chooses a
 // backend (the first that reaches the peer and moves the memory involved,
 // or the one Request.Backend names), starts the transfer and returns an
 // [*Xfer] without waiting. [Xfer.Done] is closed when the transfer has

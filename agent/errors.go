@@ -6,7 +6,7 @@ import "errors"
 // which re-exports them. Match them with [errors.Is].
 var (
 	// ErrClosed reports use of a closed agent or backend; joined to
-	// ErrCancelled, it ends the transfers Agent.Close cancels.
+	// ErrCancelled, it ends the transfers [Agent.Close] cancels.
 	ErrClosed = errors.New("goxfer: closed")
 	// ErrCancelled reports a transfer cancelled before it completed.
 	ErrCancelled = errors.New("goxfer: operation cancelled")

@@ -21,7 +21,7 @@ type Host interface {
 	Logger() *slog.Logger
 	// Context is the backend's lifetime: it is cancelled, with cause
 	// [ErrClosed], just before [Backend.Close], when the agent closes the
-	// backend (Agent.Close, or a New that fails). Goroutines and blocking
+	// backend ([Agent.Close], or a [New] that fails). Goroutines and blocking
 	// calls that should end with the backend watch it ([context.AfterFunc],
 	// or a select) instead of a stop channel of their own.
 	Context() context.Context

@@ -6,7 +6,7 @@ import (
 
 // WithUCX adds the UCX backend, configured by opts (for example
 // [ucx.WithTransports]), to the defaults between cma and tcp. It needs the
-// build tag ucx: without it NewConnector fails with [ucx.ErrNotBuiltIn].
+// build tag ucx: without it [NewConnector] fails with [ucx.ErrNotBuiltIn].
 // Options accumulate; it conflicts with [WithBackends].
 //
 // Default: no UCX backend.
