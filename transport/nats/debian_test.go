@@ -38,27 +38,25 @@ func TestRegistryOnTheSystemServer(t *testing.T) {
 	t.Logf("system nats-server %s", nc.ConnectedServerVersion())
 
 	r1 := openRegistry(t, nc)
+	w := r1.Watch(guarded(t))
 	nc2, err := nats.Connect(url)
 	require.NoError(t, err)
-	r2, err := OpenRegistry(guarded(t), nc2, WithHeartbeat(testHeartbeat), WithLogger(quietLog))
-	require.NoError(t, err)
-	w := r1.Watch(guarded(t))
+	t.Cleanup(nc2.Close)
 
-	a, b := newConnector(t), newConnector(t)
+	a := newConnector(t)
 	ma := join(t, r1, a)
-	join(t, r2, b)
+	b := newMortal(t, nc2)
 	got := map[bool]int{}
 	for range 2 {
 		got[next(t, w).Departed]++
 	}
 	assert.Equal(t, map[bool]int{false: 2}, got)
-	info, err := r1.Resolve(guarded(t), b.AgentInfo().ID())
+	info, err := r1.Resolve(guarded(t), b.id())
 	require.NoError(t, err)
-	assert.Equal(t, b.AgentInfo(), info)
+	assert.Equal(t, b.c.AgentInfo(), info)
 
 	nc2.Close() // b goes silent
-	assert.Equal(t, Presence{ID: b.AgentInfo().ID(), Info: b.AgentInfo(), Departed: true}, next(t, w))
-	_ = r2.Close()
+	assert.Equal(t, b.departure(), next(t, w))
 	require.NoError(t, ma.Leave(guarded(t)))
 	assert.Equal(t, Presence{ID: a.AgentInfo().ID(), Info: a.AgentInfo(), Departed: true}, next(t, w))
 }

@@ -3,7 +3,7 @@ package nats
 import (
 	"context"
 	"fmt"
-	"strings"
+	"slices"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -44,15 +44,7 @@ func watchfulServer(t *testing.T) *natsserver.Server {
 // for ever. The proxy and the connection end with the test.
 func partitionable(t *testing.T, srv *natsserver.Server) (*nats.Conn, *faultproxy.Proxy) {
 	t.Helper()
-	p, err := faultproxy.New(strings.TrimPrefix(srv.URL(), "nats://"))
-	require.NoError(t, err)
-	t.Cleanup(func() { assert.NoError(t, p.Close()) })
-	nc, err := nats.Connect("nats://"+p.Addr(), append(resilient,
-		nats.PingInterval(100*time.Millisecond), nats.MaxPingsOutstanding(2),
-		nats.Timeout(500*time.Millisecond))...)
-	require.NoError(t, err)
-	t.Cleanup(nc.Close)
-	return nc, p
+	return proxied(t, srv, nats.PingInterval(100*time.Millisecond), nats.MaxPingsOutstanding(2), nats.Timeout(500*time.Millisecond))
 }
 
 // partitions are the ways a worker is cut off from the server.
@@ -174,12 +166,7 @@ func TestRegistryReportsAPartitionedWorker(t *testing.T) {
 			assert.Equal(t, worker.AgentInfo(), info)
 
 			// The registry goes on hearing departures.
-			quiet := time.After(4 * testHeartbeat)
-			select {
-			case ev := <-w:
-				t.Fatalf("after healing: %+v", ev)
-			case <-quiet:
-			}
+			quiet(t, w, 4*testHeartbeat, "after healing")
 		})
 	}
 }
@@ -243,12 +230,10 @@ func TestPartitionedWorkerFailsOperationsThroughTheRegistry(t *testing.T) {
 	reader := newConnector(t, connect.WithResolver(r), connect.WithBackends(tcp.New(tcp.WithKeepalive(time.Second, kaTimeout))))
 	join(t, r, reader)
 	id := worker.AgentInfo().ID()
-	require.Eventually(t, func() bool { return containsID(r.Agents(), id) }, hangGuard, time.Millisecond)
+	require.Eventually(t, func() bool { return slices.Contains(r.Agents(), id) }, hangGuard, time.Millisecond)
 
-	read := func(ctx context.Context, rep *Reply) (*connect.ReadOperation, []byte, error) {
-		dst := make([]byte, rep.Metadata.Sizes()[0])
-		rop, err := reader.BeginRead(ctx, rep.Metadata, connect.NewDescriptor(dst))
-		return rop, dst, err
+	read := func(ctx context.Context, rep *Reply) (*connect.ReadOperation, error) {
+		return reader.BeginRead(ctx, rep.Metadata, connect.NewDescriptor(make([]byte, rep.Metadata.Sizes()[0])))
 	}
 	ctx := guarded(t)
 	rep, err := Request(ctx, dial(t, srv), "kv", fmt.Append(nil, size), WithRetry(5))
@@ -261,7 +246,7 @@ func TestPartitionedWorkerFailsOperationsThroughTheRegistry(t *testing.T) {
 		tcpProxy.Stall(faultproxy.Both)
 		natsProxy.Stall(faultproxy.Both)
 	})
-	rop, _, err := read(ctx, rep)
+	rop, err := read(ctx, rep)
 	require.NoError(t, err)
 	err = rop.Wait(ctx)
 	at := <-hit
@@ -272,31 +257,19 @@ func TestPartitionedWorkerFailsOperationsThroughTheRegistry(t *testing.T) {
 	assert.Less(t, lost, 2*testHeartbeat+2*time.Second, "about two heartbeats, far below the keepalive timeout")
 
 	// The token names a departed agent now.
-	_, _, err = read(ctx, rep)
+	_, err = read(ctx, rep)
 	require.ErrorIs(t, err, connect.ErrRemoteLost)
 
 	tcpProxy.Heal()
 	natsProxy.Heal()
-	require.Eventually(t, func() bool { return containsID(r.Agents(), id) }, hangGuard, time.Millisecond,
+	require.Eventually(t, func() bool { return slices.Contains(r.Agents(), id) }, hangGuard, time.Millisecond,
 		"the healed worker never came back")
 	rep, err = Request(ctx, dial(t, srv), "kv", fmt.Append(nil, healedSize), WithRetry(20), WithAttemptTimeout(500*time.Millisecond))
 	require.NoError(t, err)
-	rop, dst, err := read(ctx, rep)
-	require.NoError(t, err)
-	require.NoError(t, rop.Wait(ctx))
 	var seed uint64
 	_, err = fmt.Sscan(string(rep.Data), &seed)
 	require.NoError(t, err)
-	require.NoError(t, pattern.Check(dst, seed, 0, 0))
-}
-
-func containsID(ids []uuid.UUID, id uuid.UUID) bool {
-	for _, x := range ids {
-		if x == id {
-			return true
-		}
-	}
-	return false
+	readPattern(t, ctx, reader, rep.Metadata, seed)
 }
 
 // A server restart while a watch is open, with one agent dying silently
@@ -309,32 +282,22 @@ func TestRegistryRestartWithAPeerDyingAroundIt(t *testing.T) {
 	w := r.Watch(guarded(t))
 	live := newConnector(t)
 	join(t, openRegistry(t, dial(t, srv, resilient...)), live)
-	deadNC, err := srv.Connect(resilient...)
-	require.NoError(t, err)
-	deadReg, err := OpenRegistry(guarded(t), deadNC, WithHeartbeat(testHeartbeat), WithLogger(quietLog))
-	require.NoError(t, err)
-	dead := newConnector(t)
-	_, err = deadReg.Join(guarded(t), dead)
-	require.NoError(t, err)
+	dead := newMortal(t, dial(t, srv, resilient...))
 	for range 2 {
 		require.False(t, next(t, w).Departed)
 	}
 
-	deadNC.Close() // no goodbye: its entry stays in the bucket
+	dead.nc.Close() // no goodbye: its entry stays in the bucket
 	require.NoError(t, srv.Restart())
 	start := time.Now()
 	p := next(t, w)
-	assert.Equal(t, Presence{ID: dead.AgentInfo().ID(), Info: dead.AgentInfo(), Departed: true}, p)
+	assert.Equal(t, dead.departure(), p)
 	t.Logf("the dead peer departed %v after the restart", time.Since(start).Round(time.Millisecond))
-	select {
-	case ev := <-w:
-		t.Fatalf("after the restart: %+v", ev)
-	case <-time.After(6 * testHeartbeat):
-	}
+	quiet(t, w, 6*testHeartbeat, "after the restart")
 	assert.Equal(t, []uuid.UUID{live.AgentInfo().ID()}, r.Agents())
-	_, err = r.Resolve(guarded(t), live.AgentInfo().ID())
+	_, err := r.Resolve(guarded(t), live.AgentInfo().ID())
 	require.NoError(t, err)
-	_, err = r.Resolve(guarded(t), dead.AgentInfo().ID())
+	_, err = r.Resolve(guarded(t), dead.id())
 	require.ErrorIs(t, err, connect.ErrRemoteLost)
-	require.Error(t, deadReg.Close(), "its Member cannot say goodbye")
+	require.Error(t, dead.reg.Close(), "its Member cannot say goodbye")
 }

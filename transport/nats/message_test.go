@@ -12,13 +12,6 @@ import (
 	"github.com/goxfer/goxfer/connect"
 )
 
-// testToken returns a real token over a small buffer.
-func testToken(t testing.TB) connect.Metadata {
-	t.Helper()
-	c := newConnector(t)
-	return readable(t, c, []byte("block")).Metadata()
-}
-
 func TestMessageRoundTrip(t *testing.T) {
 	md := testToken(t)
 	for _, payload := range [][]byte{nil, {}, []byte("prompt 17"), bytes.Repeat([]byte{0xff}, 1000)} {

@@ -14,15 +14,6 @@ import (
 	"github.com/goxfer/goxfer/internal/wire"
 )
 
-func subscribe(t testing.TB, nc *nats.Conn, subject string, opts ...Option) *Subscription {
-	t.Helper()
-	s, err := Subscribe(nc, subject, opts...)
-	require.NoError(t, err)
-	t.Cleanup(func() { assert.NoError(t, s.Close()) })
-	require.NoError(t, nc.Flush())
-	return s
-}
-
 // A decode worker offers a writable KV slot; a prefill worker takes the
 // offer and writes the block into it.
 func TestPublishAWritableOffer(t *testing.T) {

@@ -1,14 +1,11 @@
 package nats
 
 import (
-	"context"
 	"errors"
-	"strings"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -23,32 +20,6 @@ import (
 // tests. Each uses real components: an embedded server, faultproxy for the
 // network, a stranger's connection for the bucket.
 
-// quiet fails the test if w reports anything within d.
-func quiet(t *testing.T, w <-chan Presence, d time.Duration, what string) {
-	t.Helper()
-	select {
-	case p, ok := <-w:
-		if ok {
-			t.Fatalf("%s: %s %s", what, departedWord(p), p.ID)
-		}
-		t.Fatalf("%s: the watch closed", what)
-	case <-time.After(d):
-	}
-}
-
-// within returns the next event of w, or fails the test if none comes in d.
-func within(t *testing.T, w <-chan Presence, d time.Duration, what string) Presence {
-	t.Helper()
-	select {
-	case p, ok := <-w:
-		require.True(t, ok, "watch closed")
-		return p
-	case <-time.After(d):
-		t.Fatalf("%s: nothing within %v", what, d)
-	}
-	return Presence{}
-}
-
 // A registry with a member whose puts the server rejects (here: the bucket's
 // maximum message size, set by an administrator, admits the peers' entries
 // but not the member's; permissions on its key, or a full account, do the
@@ -62,21 +33,15 @@ func TestRegistryWhoseOwnPutsAreRefusedStillDeclaresADeadPeerDeparted(t *testing
 	self := newConnector(t)
 	join(t, r, self)
 	w := r.Watch(guarded(t))
-	peerNC := dial(t, srv)
-	peerReg, err := OpenRegistry(guarded(t), peerNC, WithHeartbeat(testHeartbeat), WithLogger(quietLog))
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = peerReg.Close() })
-	peer := newConnector(t)
 	const peerHB = 100 * time.Millisecond // a shorter varint: a shorter entry
-	_, err = peerReg.Join(guarded(t), peer, WithHeartbeat(peerHB))
-	require.NoError(t, err)
+	peer := newMortal(t, dial(t, srv), WithHeartbeat(peerHB))
 	for range 2 {
 		require.False(t, next(t, w).Departed)
 	}
 
 	mine, err := encodeEntry(entry{hb: testHeartbeat, seq: nextSeq(), info: self.AgentInfo()})
 	require.NoError(t, err)
-	theirs, err := encodeEntry(entry{hb: peerHB, seq: nextSeq(), info: peer.AgentInfo()})
+	theirs, err := encodeEntry(entry{hb: peerHB, seq: nextSeq(), info: peer.c.AgentInfo()})
 	require.NoError(t, err)
 	require.Greater(t, len(mine), len(theirs), "setup: the member's entry must be the longer")
 	js, err := jetstream.New(dial(t, srv))
@@ -93,10 +58,10 @@ func TestRegistryWhoseOwnPutsAreRefusedStillDeclaresADeadPeerDeparted(t *testing
 	// The watch works: the peer's heartbeats keep it present.
 	quiet(t, w, 8*testHeartbeat, "the peer heartbeats")
 
-	peerNC.Close() // no goodbye
+	peer.nc.Close() // no goodbye
 	start := time.Now()
 	p := within(t, w, 20*testHeartbeat, "a peer that died while this registry's own puts fail is never declared departed")
-	assert.Equal(t, Presence{ID: peer.AgentInfo().ID(), Info: peer.AgentInfo(), Departed: true}, p)
+	assert.Equal(t, peer.departure(), p)
 	t.Logf("declared departed %v after it died (its heartbeat %v)", time.Since(start).Round(time.Millisecond), peerHB)
 	// Its own member, whose puts fail, is not declared departed here.
 	quiet(t, w, 4*testHeartbeat, "after the peer departed")
@@ -115,12 +80,7 @@ func TestRegistryWhoseOwnPutsAreRefusedStillDeclaresADeadPeerDeparted(t *testing
 func TestRegistryBehindALagOfSixteenHeartbeatsDeclaresNobodyDeparted(t *testing.T) {
 	const lag = 16 * testHeartbeat
 	srv := startServer(t)
-	p, err := faultproxy.New(strings.TrimPrefix(srv.URL(), "nats://"))
-	require.NoError(t, err)
-	t.Cleanup(func() { assert.NoError(t, p.Close()) })
-	nc, err := nats.Connect("nats://"+p.Addr(), resilient...)
-	require.NoError(t, err)
-	t.Cleanup(nc.Close)
+	nc, p := proxied(t, srv)
 	r := openRegistry(t, nc)
 	self := newConnector(t)
 	join(t, r, self)
@@ -212,13 +172,6 @@ func TestRegistryEchoNamesItsPut(t *testing.T) {
 	assert.Zero(t, waiting)
 }
 
-func departedWord(p Presence) string {
-	if p.Departed {
-		return "departed"
-	}
-	return "arrived"
-}
-
 // A peer declared departed (it died without a goodbye) keeps its last entry
 // in the bucket until the bucket's max age. A re-watch (after any
 // reconnection) delivers that old entry again; it is not a heartbeat, and
@@ -228,30 +181,18 @@ func departedWord(p Presence) string {
 func TestRegistryRewatchDoesNotBringBackADepartedPeer(t *testing.T) {
 	srv := startServer(t)
 	openRegistry(t, dial(t, srv), WithHeartbeat(time.Second)) // creates the bucket: TTL 3 s
-	p, err := faultproxy.New(strings.TrimPrefix(srv.URL(), "nats://"))
-	require.NoError(t, err)
-	t.Cleanup(func() { assert.NoError(t, p.Close()) })
-	nc, err := nats.Connect("nats://"+p.Addr(), resilient...)
-	require.NoError(t, err)
-	t.Cleanup(nc.Close)
+	nc, p := proxied(t, srv)
 	r := openRegistry(t, nc)
 	w := r.Watch(guarded(t))
-	peerNC := dial(t, srv)
-	peerReg, err := OpenRegistry(guarded(t), peerNC, WithHeartbeat(testHeartbeat), WithLogger(quietLog))
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = peerReg.Close() })
-	peer := newConnector(t)
-	_, err = peerReg.Join(guarded(t), peer)
-	require.NoError(t, err)
-	id := peer.AgentInfo().ID()
-	require.Equal(t, Presence{ID: id, Info: peer.AgentInfo()}, next(t, w))
+	peer := newMortal(t, dial(t, srv))
+	require.Equal(t, peer.arrival(), next(t, w))
 
-	peerNC.Close() // dies, no goodbye
-	require.Equal(t, Presence{ID: id, Info: peer.AgentInfo(), Departed: true}, next(t, w))
+	peer.nc.Close() // dies, no goodbye
+	require.Equal(t, peer.departure(), next(t, w))
 
 	require.Positive(t, p.Reset()) // a reconnection: the registry re-watches
 	quiet(t, w, 8*testHeartbeat, "after a re-watch, a peer that died and was declared departed")
-	_, err = r.Resolve(guarded(t), id)
+	_, err := r.Resolve(guarded(t), peer.id())
 	assert.ErrorIs(t, err, connect.ErrRemoteLost)
 	assert.Empty(t, r.Agents())
 }
@@ -262,28 +203,7 @@ func TestRegistryRewatchDoesNotBringBackADepartedPeer(t *testing.T) {
 // Join fails with ErrClosed.
 func TestRegistryCloseDoesNotWaitForAJoinsContext(t *testing.T) {
 	const joinCtx = 15 * time.Second
-	srv := startServer(t)
-	nc := dial(t, srv, resilient...)
-	r, err := OpenRegistry(guarded(t), nc, WithHeartbeat(testHeartbeat), WithLogger(quietLog))
-	require.NoError(t, err)
-	srv.Shutdown()
-	require.Eventually(t, func() bool { return nc.Status() != nats.CONNECTED }, hangGuard, time.Millisecond)
-
-	joined := make(chan error, 1)
-	go func() {
-		ctx, cancel := context.WithTimeout(context.Background(), joinCtx)
-		defer cancel()
-		_, err := r.Join(ctx, newConnector(t))
-		joined <- err
-	}()
-	require.Eventually(t, func() bool {
-		r.mu.Lock()
-		defer r.mu.Unlock()
-		return len(r.members) == 1
-	}, hangGuard, time.Millisecond)
-	start := time.Now()
-	closed := make(chan error, 1)
-	go func() { closed <- r.Close() }()
+	start, joined, closed := closeDuringFailingJoin(t, joinCtx)
 	select {
 	case <-closed:
 		t.Logf("Close returned after %v", time.Since(start).Round(time.Millisecond))
@@ -292,12 +212,7 @@ func TestRegistryCloseDoesNotWaitForAJoinsContext(t *testing.T) {
 		<-closed
 		t.Logf("Close returned after %v", time.Since(start).Round(time.Millisecond))
 	}
-	select {
-	case err := <-joined:
-		assert.ErrorIs(t, err, ErrClosed)
-	case <-time.After(hangGuard):
-		t.Fatal("Join never returned")
-	}
+	assert.ErrorIs(t, await(t, joined, "the Join"), ErrClosed)
 }
 
 // A stranger (an administrator's tool, a cleanup script) deletes the bucket
@@ -344,24 +259,18 @@ func bucketDeleted(t *testing.T, hb time.Duration) {
 	require.NoError(t, err, "the bucket was not re-created")
 
 	// Still hears a peer that arrives, and dies, afterwards.
-	doomedNC := dial(t, srv)
-	doomedReg, err := OpenRegistry(guarded(t), doomedNC, WithHeartbeat(hb), WithLogger(quietLog))
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = doomedReg.Close() })
-	doomed := newConnector(t)
-	_, err = doomedReg.Join(guarded(t), doomed)
-	require.NoError(t, err)
+	doomed := newMortal(t, dial(t, srv), WithHeartbeat(hb))
 	for {
 		ev := within(t, w, 10*hb, "a peer joining after the bucket came back")
-		if ev.ID == doomed.AgentInfo().ID() {
+		if ev.ID == doomed.id() {
 			require.False(t, ev.Departed)
 			break
 		}
 		t.Errorf("event about another agent: %s %s", departedWord(ev), ev.ID)
 	}
-	doomedNC.Close()
+	doomed.nc.Close()
 	ev := within(t, w, 10*hb, "a peer dying after the bucket came back")
-	assert.Equal(t, Presence{ID: doomed.AgentInfo().ID(), Info: doomed.AgentInfo(), Departed: true}, ev)
+	assert.Equal(t, doomed.departure(), ev)
 	assert.NoError(t, r.Err(), "the watching registry hears its bucket again")
 	assert.NoError(t, peerReg.Err(), "the member's registry hears its bucket again")
 	assert.Equal(t, []uuid.UUID{peer.AgentInfo().ID()}, r.Agents())

@@ -38,16 +38,8 @@ const pausedChildEnv = "GOXFER_NATS_PAUSED_CHILD"
 func TestRegistryPausedProcessDeclaresNobodyDeparted(t *testing.T) {
 	const pauses = 5
 	srv := startServer(t)
-	peerNC, err := srv.Connect()
-	require.NoError(t, err)
-	t.Cleanup(peerNC.Close)
-	peerReg, err := OpenRegistry(guarded(t), peerNC, WithHeartbeat(testHeartbeat), WithLogger(quietLog))
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = peerReg.Close() })
-	peer := newConnector(t)
-	_, err = peerReg.Join(guarded(t), peer)
-	require.NoError(t, err)
-	id := peer.AgentInfo().ID()
+	peer := newMortal(t, dial(t, srv))
+	id := peer.id()
 
 	// The child prints "arrived ID" and "departed ID" as its registry
 	// reports them.
@@ -108,7 +100,7 @@ func TestRegistryPausedProcessDeclaresNobodyDeparted(t *testing.T) {
 	}
 
 	// The child still hears real departures.
-	peerNC.Close() // no goodbye
+	peer.nc.Close() // no goodbye
 	require.Equal(t, "departed "+id.String(), await())
 }
 
@@ -145,41 +137,10 @@ func TestRegistryPausedChild(t *testing.T) {
 // failing its first put (the server is down): that Member's heartbeats
 // never start, and nobody may wait for them.
 func TestRegistryCloseRacingAFailingJoinReturns(t *testing.T) {
-	srv := startServer(t)
-	nc := dial(t, srv, resilient...)
-	r, err := OpenRegistry(guarded(t), nc, WithHeartbeat(testHeartbeat), WithLogger(quietLog))
-	require.NoError(t, err)
-	srv.Shutdown() // the put waits for an acknowledgement that cannot come
-	require.Eventually(t, func() bool { return nc.Status() != nats.CONNECTED }, hangGuard, time.Millisecond)
-
-	joined := make(chan error, 1)
-	go func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 4*testHeartbeat)
-		defer cancel()
-		_, err := r.Join(ctx, newConnector(t))
-		joined <- err
-	}()
-	// Close while the put is in flight: it sees the Member registered.
-	require.Eventually(t, func() bool {
-		r.mu.Lock()
-		defer r.mu.Unlock()
-		return len(r.members) == 1
-	}, hangGuard, time.Millisecond)
-	closed := make(chan error, 1)
-	go func() { closed <- r.Close() }()
-	select {
-	case err := <-joined:
-		// Close cuts the put short: it does not wait for the Join's ctx.
-		require.ErrorIs(t, err, ErrClosed)
-	case <-time.After(hangGuard):
-		t.Fatal("Join never returned")
-	}
-	select {
-	case err := <-closed:
-		assert.NoError(t, err, "a Member that never joined has nothing to leave")
-	case <-time.After(hangGuard):
-		t.Fatal("Close hangs after a Join whose first put failed")
-	}
+	_, joined, closed := closeDuringFailingJoin(t, 4*testHeartbeat)
+	// Close cuts the put short: it does not wait for the Join's ctx.
+	require.ErrorIs(t, await(t, joined, "the Join"), ErrClosed)
+	assert.NoError(t, await(t, closed, "Close after a Join whose first put failed"), "a Member that never joined has nothing to leave")
 }
 
 // Leave returns by its context's end even when deleting the entry cannot
@@ -217,17 +178,12 @@ func forgetfulServer(t *testing.T) *natsserver.Server {
 func TestRegistryRecreatesABucketLostWithTheServerStore(t *testing.T) {
 	srv := forgetfulServer(t)
 	var logs lockedBuffer // of every registry: any of them may re-create the bucket
-	log := WithLogger(slog.New(slog.NewTextHandler(&logs, nil)))
+	log := logs.logger(slog.LevelInfo)
 	r := openRegistry(t, dial(t, srv, resilient...), log)
 	w := r.Watch(guarded(t))
 	live := newConnector(t)
 	join(t, openRegistry(t, dial(t, srv, resilient...), log), live)
-	doomedNC := dial(t, srv, resilient...)
-	doomedReg, err := OpenRegistry(guarded(t), doomedNC, WithHeartbeat(testHeartbeat), log)
-	require.NoError(t, err)
-	doomed := newConnector(t)
-	_, err = doomedReg.Join(guarded(t), doomed)
-	require.NoError(t, err)
+	doomed := newMortal(t, dial(t, srv, resilient...), log)
 	for range 2 {
 		require.False(t, next(t, w).Departed)
 	}
@@ -250,23 +206,17 @@ func TestRegistryRecreatesABucketLostWithTheServerStore(t *testing.T) {
 	assert.Contains(t, logs.String(), "re-created it")
 
 	// Departures are heard again.
-	require.NoError(t, doomedReg.Close())
+	require.NoError(t, doomed.reg.Close())
 	start = time.Now()
 	p := next(t, w)
-	assert.Equal(t, Presence{ID: doomed.AgentInfo().ID(), Info: doomed.AgentInfo(), Departed: true}, p)
+	assert.Equal(t, doomed.departure(), p)
 	t.Logf("a peer leaving after the restart was heard %v later", time.Since(start).Round(time.Millisecond))
 
 	// And silent ones too.
-	silentNC := dial(t, srv, resilient...)
-	silentReg, err := OpenRegistry(guarded(t), silentNC, WithHeartbeat(testHeartbeat), WithLogger(quietLog))
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = silentReg.Close() })
-	silent := newConnector(t)
-	_, err = silentReg.Join(guarded(t), silent)
-	require.NoError(t, err)
-	require.Equal(t, Presence{ID: silent.AgentInfo().ID(), Info: silent.AgentInfo()}, next(t, w))
-	silentNC.Close()
-	require.Equal(t, Presence{ID: silent.AgentInfo().ID(), Info: silent.AgentInfo(), Departed: true}, next(t, w))
+	silent := newMortal(t, dial(t, srv, resilient...))
+	require.Equal(t, silent.arrival(), next(t, w))
+	silent.nc.Close()
+	require.Equal(t, silent.departure(), next(t, w))
 	assert.Equal(t, []uuid.UUID{live.AgentInfo().ID()}, r.Agents())
 }
 
@@ -277,8 +227,7 @@ func TestRegistryReportsABucketItMayNotRecreate(t *testing.T) {
 	srv := forgetfulServer(t)
 	openRegistry(t, dial(t, srv)) // creates the bucket
 	var logs lockedBuffer
-	r := openRegistry(t, dial(t, srv, resilient...), WithCreateBucket(false),
-		WithLogger(slog.New(slog.NewTextHandler(&logs, nil))))
+	r := openRegistry(t, dial(t, srv, resilient...), WithCreateBucket(false), logs.logger(slog.LevelInfo))
 	require.NoError(t, r.Err())
 
 	require.NoError(t, srv.Restart())
@@ -310,11 +259,7 @@ func TestRegistryReportsADepartureOnce(t *testing.T) {
 	require.True(t, next(t, w).Departed)
 
 	require.NoError(t, srv.Restart()) // the re-watch delivers the delete marker again
-	select {
-	case p := <-w:
-		t.Fatalf("after the restart: %+v", p)
-	case <-time.After(8 * testHeartbeat):
-	}
+	quiet(t, w, 8*testHeartbeat, "after the restart")
 	_, err := r.Resolve(guarded(t), c.AgentInfo().ID())
 	require.ErrorIs(t, err, connect.ErrRemoteLost)
 }
@@ -327,46 +272,27 @@ func TestRegistryReportsADepartureOnce(t *testing.T) {
 func TestRegistryOnALaggingLinkDeclaresNobodyDeparted(t *testing.T) {
 	const lag = 4 * testHeartbeat
 	srv := startServer(t)
-	p, err := faultproxy.New(strings.TrimPrefix(srv.URL(), "nats://"))
-	require.NoError(t, err)
-	t.Cleanup(func() { assert.NoError(t, p.Close()) })
-	nc, err := nats.Connect("nats://"+p.Addr(), resilient...)
-	require.NoError(t, err)
-	t.Cleanup(nc.Close)
+	nc, p := proxied(t, srv)
 	r := openRegistry(t, nc)
 	self := newConnector(t)
 	join(t, r, self)
 	w := r.Watch(guarded(t))
-	peerNC := dial(t, srv)
-	peerReg, err := OpenRegistry(guarded(t), peerNC, WithHeartbeat(testHeartbeat), WithLogger(quietLog))
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = peerReg.Close() })
-	peer := newConnector(t)
-	_, err = peerReg.Join(guarded(t), peer)
-	require.NoError(t, err)
+	peer := newMortal(t, dial(t, srv))
 	for range 2 {
 		require.False(t, next(t, w).Departed)
 	}
 
 	for i := range 3 {
 		p.Latency(faultproxy.Downstream, lag, 0)
-		select {
-		case ev := <-w:
-			t.Fatalf("lag %d: %+v of a peer that never stopped heartbeating", i+1, ev)
-		case <-time.After(2 * lag):
-		}
+		quiet(t, w, 2*lag, fmt.Sprintf("lag %d, of a peer that never stopped heartbeating", i+1))
 		p.Latency(faultproxy.Downstream, 0, 0)
-		select {
-		case ev := <-w:
-			t.Fatalf("lag %d lifted: %+v", i+1, ev)
-		case <-time.After(4 * testHeartbeat):
-		}
+		quiet(t, w, 4*testHeartbeat, fmt.Sprintf("lag %d lifted", i+1))
 	}
 
 	p.Latency(faultproxy.Downstream, lag, 0)
 	start := time.Now()
-	peerNC.Close() // no goodbye
-	require.Equal(t, Presence{ID: peer.AgentInfo().ID(), Info: peer.AgentInfo(), Departed: true}, next(t, w))
+	peer.nc.Close() // no goodbye
+	require.Equal(t, peer.departure(), next(t, w))
 	t.Logf("a peer dying behind a lag of %v was declared departed %v later (heartbeat %v)",
 		lag, time.Since(start).Round(time.Millisecond), testHeartbeat)
 	assert.Equal(t, []uuid.UUID{self.AgentInfo().ID()}, r.Agents())

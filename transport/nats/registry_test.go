@@ -1,11 +1,9 @@
 package nats
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"log/slog"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -24,44 +22,6 @@ import (
 	"github.com/goxfer/goxfer/internal/testproc"
 	"github.com/goxfer/goxfer/transport/nats/natsserver"
 )
-
-// testHeartbeat keeps registry tests fast; departures take two of them.
-const testHeartbeat = 250 * time.Millisecond
-
-func openRegistry(t testing.TB, nc *nats.Conn, opts ...Option) *Registry {
-	t.Helper()
-	r, err := OpenRegistry(guardedTB(t), nc, append([]Option{WithHeartbeat(testHeartbeat), WithLogger(quietLog)}, opts...)...)
-	require.NoError(t, err)
-	t.Cleanup(func() { assert.NoError(t, r.Close()) })
-	return r
-}
-
-func guardedTB(t testing.TB) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), hangGuard)
-	t.Cleanup(cancel)
-	return ctx
-}
-
-func join(t testing.TB, r *Registry, c *connect.Connector, opts ...Option) *Member {
-	t.Helper()
-	m, err := r.Join(guardedTB(t), c, opts...)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = m.Close() })
-	return m
-}
-
-// next returns the next presence event, failing the test if none comes.
-func next(t *testing.T, w <-chan Presence) Presence {
-	t.Helper()
-	select {
-	case p, ok := <-w:
-		require.True(t, ok, "watch closed")
-		return p
-	case <-time.After(hangGuard):
-		t.Fatal("no presence event")
-	}
-	return Presence{}
-}
 
 func TestRegistryCreatesItsBucket(t *testing.T) {
 	srv := startServer(t)
@@ -197,11 +157,7 @@ func TestCompactTokenResolvedThroughTheRegistry(t *testing.T) {
 	assert.Less(t, rep.Metadata.Size(), op.Metadata().Size())
 	t.Logf("token: %d bytes full, %d compact", op.Metadata().Size(), rep.Metadata.Size())
 
-	dst := make([]byte, len(block))
-	rop, err := decode.BeginRead(ctx, rep.Metadata, connect.NewDescriptor(dst))
-	require.NoError(t, err)
-	require.NoError(t, rop.Wait(ctx))
-	require.NoError(t, pattern.Check(dst, seed, 0, 0))
+	readPattern(t, ctx, decode, rep.Metadata, seed)
 	require.NoError(t, op.Wait(ctx))
 }
 
@@ -211,25 +167,20 @@ func TestRegistryDeclaresASilentPeerDeparted(t *testing.T) {
 	srv := startServer(t)
 	r := openRegistry(t, dial(t, srv))
 	w := r.Watch(guarded(t))
-	peerNC, err := srv.Connect()
-	require.NoError(t, err)
-	peerReg, err := OpenRegistry(guarded(t), peerNC, WithHeartbeat(testHeartbeat), WithLogger(quietLog))
-	require.NoError(t, err)
-	peer := newConnector(t)
-	join(t, peerReg, peer)
-	require.Equal(t, peer.AgentInfo().ID(), next(t, w).ID)
+	peer := newMortal(t, dial(t, srv))
+	require.Equal(t, peer.arrival(), next(t, w))
 
 	start := time.Now()
-	peerNC.Close() // no goodbye: the entry stays in the bucket
+	peer.nc.Close() // no goodbye: the entry stays in the bucket
 	p := next(t, w)
 	silent := time.Since(start)
-	assert.Equal(t, Presence{ID: peer.AgentInfo().ID(), Info: peer.AgentInfo(), Departed: true}, p)
+	assert.Equal(t, peer.departure(), p)
 	assert.GreaterOrEqual(t, silent, testHeartbeat, "declared departed before it could have missed a heartbeat")
 	t.Logf("silent peer declared departed after %v (heartbeat %v)", silent, testHeartbeat)
-	_, err = r.Resolve(guarded(t), peer.AgentInfo().ID())
+	_, err := r.Resolve(guarded(t), peer.id())
 	require.ErrorIs(t, err, connect.ErrRemoteLost)
 	// Its Member cannot say goodbye any more, and says so.
-	require.Error(t, peerReg.Close())
+	require.Error(t, peer.reg.Close())
 }
 
 // Peers that stay alive through a server restart are not declared
@@ -314,8 +265,7 @@ func TestRegistryOutlivesItsOpeningContext(t *testing.T) {
 	srv := startServer(t)
 	var logs lockedBuffer
 	ctx, cancel := context.WithCancel(context.Background())
-	r, err := OpenRegistry(ctx, dial(t, srv), WithHeartbeat(testHeartbeat),
-		WithLogger(slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))))
+	r, err := OpenRegistry(ctx, dial(t, srv), WithHeartbeat(testHeartbeat), logs.logger(slog.LevelDebug))
 	require.NoError(t, err)
 	t.Cleanup(func() { assert.NoError(t, r.Close()) })
 	cancel()
@@ -327,21 +277,4 @@ func TestRegistryOutlivesItsOpeningContext(t *testing.T) {
 	require.NoError(t, m.Leave(guarded(t)))
 	require.Eventually(t, func() bool { return len(r.Agents()) == 0 }, hangGuard, time.Millisecond)
 	assert.NotContains(t, logs.String(), "watch ended", "the watch was never interrupted")
-}
-
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }

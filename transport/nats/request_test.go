@@ -19,15 +19,6 @@ import (
 	"github.com/goxfer/goxfer/internal/pattern"
 )
 
-// serve runs h on subject until the test ends.
-func serve(t testing.TB, nc *nats.Conn, subject string, h Handler, opts ...Option) *Service {
-	t.Helper()
-	s, err := Serve(nc, subject, h, append([]Option{WithLogger(quietLog)}, opts...)...)
-	require.NoError(t, err)
-	t.Cleanup(func() { assert.NoError(t, s.Close()) })
-	return s
-}
-
 // kvWorker is a prefill worker: each request names a seed; it exposes a
 // block filled with that seed's pattern and answers with the token, then
 // closes the operation once the reader is done.
@@ -95,12 +86,7 @@ func TestRequestCarriesATokenEndToEnd(t *testing.T) {
 		}
 		require.Equal(t, connect.KindRead, rep.Metadata.Kind())
 		require.Equal(t, []int{worker.size}, rep.Metadata.Sizes())
-
-		dst := make([]byte, worker.size)
-		rop, err := decode.BeginRead(ctx, rep.Metadata, connect.NewDescriptor(dst))
-		require.NoError(t, err)
-		require.NoError(t, rop.Wait(ctx))
-		require.NoError(t, pattern.Check(dst, seed, 0, 0))
+		readPattern(t, ctx, decode, rep.Metadata, seed)
 	}
 }
 
