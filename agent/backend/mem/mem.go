@@ -120,13 +120,18 @@ func (b *Backend) Post(w *agent.Work) error {
 	return nil
 }
 
+// run moves w and finishes it through agent.Parts, as every backend does:
+// a transfer cancelled while its last bytes were copied reports the
+// cancellation, not success, and its notification is not sent.
 func (b *Backend) run(w *agent.Work) {
 	defer b.wg.Done()
-	w.Finish(b.copy(w))
+	remote := lookup(w.Peer.ID)
+	var p agent.Parts
+	p.Init(w, func(key agent.Key, msg []byte) error { return b.notify(remote, key, msg) }, nil)
+	p.Done(b.copy(w, remote))
 }
 
-func (b *Backend) copy(w *agent.Work) error {
-	remote := lookup(w.Peer.ID)
+func (b *Backend) copy(w *agent.Work, remote *Backend) error {
 	if remote == nil {
 		return fmt.Errorf("mem: peer %s: %w", w.Peer.ID, agent.ErrRemoteLost)
 	}
@@ -142,9 +147,6 @@ func (b *Backend) copy(w *agent.Work) error {
 			return err
 		}
 		c = end
-	}
-	if w.Notify != nil {
-		return b.notify(remote, w.Key, w.Notify)
 	}
 	return nil
 }
