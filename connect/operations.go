@@ -117,14 +117,15 @@ func (c *Connector) CreateWritable(ctx context.Context, descs ...Descriptor) (*W
 // closed Connector ([ErrClosed]) and a ctx already done come as plain
 // errors; a transfer the agent could not start (no backend both sides share
 // reaches the peer, a backend refused it) comes as a [*TransferError], and
-// the peer is told, best effort (for at most 10 s), before BeginRead
-// returns.
+// the peer is told, best effort (for at most 10 s), from a goroutine the
+// Connector owns.
 //
 // ctx bounds the whole transfer, not just the call, as with
 // [exec.CommandContext]: if it ends before the transfer finishes, the
-// transfer is cancelled. The context given to [ReadOperation.Wait] cancels
-// the transfer too when it ends: on the active side no context bounds only
-// the wait.
+// transfer is cancelled, with an error matching both [ErrCancelled] and
+// ctx.Err() (and the cause, for a context cancelled with one). The context
+// given to [ReadOperation.Wait] cancels the transfer too when it ends: on
+// the active side no context bounds only the wait.
 func (c *Connector) BeginRead(ctx context.Context, md Metadata, local ...Descriptor) (*ReadOperation, error) {
 	o := &ReadOperation{}
 	return made(o, c.begin(ctx, &o.activeOp, agent.OpRead, md, local))
@@ -445,12 +446,15 @@ func (c *Connector) begin(ctx context.Context, o *activeOp, op agent.Op, md Meta
 		c.mu.Unlock()
 		_ = regs.Release()
 		err = &TransferError{Op: o.name, Remote: o.peer.ID.String(), Backend: c.force, Err: err}
-		o.tellPeer(err)
-		c.watchers.Done()
+		// Telling the peer may take a connection: not on the caller's time.
+		go func() {
+			defer c.watchers.Done()
+			o.tellPeer(err)
+		}()
 		return err
 	}
 	o.x = x
-	stop := context.AfterFunc(ctx, func() { x.Cancel(ctx.Err()) })
+	stop := context.AfterFunc(ctx, func() { x.Cancel(ctxErr(ctx)) })
 	o.mu.Lock()
 	if o.finished {
 		stop()
@@ -541,10 +545,21 @@ func (o *activeOp) Wait(ctx context.Context) error {
 	select {
 	case <-o.done:
 	case <-ctx.Done():
-		o.x.Cancel(ctx.Err())
+		o.x.Cancel(ctxErr(ctx))
 		<-o.done
 	}
 	return o.err
+}
+
+// ctxErr is why ctx ended: ctx.Err(), joined with the cause given to its
+// cancel function (context.WithCancelCause) when there is one, so that the
+// operation's error matches both.
+func ctxErr(ctx context.Context) error {
+	err, cause := ctx.Err(), context.Cause(ctx)
+	if cause == nil || cause == err {
+		return err
+	}
+	return fmt.Errorf("%w: %w", err, cause)
 }
 
 // Cancel asks the transfer to stop and returns without waiting; Wait then
