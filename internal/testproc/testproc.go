@@ -2,8 +2,10 @@
 // that serves requests: the parent writes one JSON request a line to the
 // child's stdin and reads one JSON answer a line from its stdout.
 //
-// The parent side is Start, which returns a Child; the child side is Serve,
-// called from TestMain when the environment variable named in Start is set.
+// The parent side is [Start], which returns a [Child]; the child side is
+// [Serve], called from TestMain when the environment variable named in
+// Start is set. [Spawn] starts a child that speaks a protocol of its own
+// after a JSON hello, and [Shared] one such child for a whole test binary.
 package testproc
 
 import (
@@ -54,7 +56,7 @@ type Child[Req Request, Resp any] struct {
 	lines  chan []byte
 	quit   chan struct{}
 	eof    chan struct{}
-	stderr lockedBuffer
+	stderr Buffer
 	killed bool // the child may exit with an error
 }
 
@@ -72,18 +74,33 @@ func Start[Req Request, Resp any](t *testing.T, env string, opts Options) *Child
 		opts.ExitWithin = time.Minute
 	}
 	c := &Child[Req, Resp]{t: t, opts: opts, lines: make(chan []byte), quit: make(chan struct{}), eof: make(chan struct{})}
-	c.cmd = exec.Command(os.Args[0], "-test.run=^$")
-	c.cmd.Env = append(append(os.Environ(), env+"=1"), opts.Env...)
+	c.cmd = command(env, "-test.run=^$")
+	c.cmd.Env = append(c.cmd.Env, opts.Env...)
 	c.cmd.Stderr = &c.stderr
-	var err error
-	c.stdin, err = c.cmd.StdinPipe()
-	require.NoError(t, err)
-	stdout, err := c.cmd.StdoutPipe()
-	require.NoError(t, err)
-	require.NoError(t, c.cmd.Start(), "start child process")
+	var stdout io.Reader
+	c.stdin, stdout = startPiped(t, c.cmd)
 	go c.read(stdout)
 	t.Cleanup(c.stop)
 	return c
+}
+
+// command re-executes the test binary with args and env=1 added to its
+// environment.
+func command(env string, args ...string) *exec.Cmd {
+	cmd := exec.Command(os.Args[0], args...)
+	cmd.Env = append(os.Environ(), env+"=1")
+	return cmd
+}
+
+// startPiped starts cmd and returns pipes to its stdin and from its stdout.
+func startPiped(t testing.TB, cmd *exec.Cmd) (io.WriteCloser, io.Reader) {
+	t.Helper()
+	stdin, err := cmd.StdinPipe()
+	require.NoError(t, err)
+	stdout, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start(), "start child process")
+	return stdin, stdout
 }
 
 func (c *Child[Req, Resp]) read(stdout io.Reader) {
@@ -187,19 +204,23 @@ func Serve[Req, Resp any](in io.Reader, out io.Writer, handle func(Req) (resp Re
 	return sc.Err()
 }
 
-// lockedBuffer collects a child's stderr.
-type lockedBuffer struct {
+// Buffer collects what is written to it, a child's stderr or a logger's
+// output, for reading while writes go on. The zero value is empty and
+// ready. Safe for concurrent use.
+type Buffer struct {
 	mu sync.Mutex
 	b  bytes.Buffer
 }
 
-func (l *lockedBuffer) Write(p []byte) (int, error) {
+// Write appends p.
+func (l *Buffer) Write(p []byte) (int, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.b.Write(p)
 }
 
-func (l *lockedBuffer) String() string {
+// String returns everything written so far.
+func (l *Buffer) String() string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.b.String()

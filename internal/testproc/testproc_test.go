@@ -6,7 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -47,6 +49,30 @@ func handle(req request) (response, bool) {
 	return bad(fmt.Errorf("unknown command %q", req.Cmd)), false
 }
 
+// helloEnv makes the test binary a Spawn child: it says hello (its pid and
+// $TESTPROC_EXTRA), then echoes every JSON value it reads, until its stdin closes.
+const helloEnv = "GOXFER_TESTPROC_HELLO"
+
+type hello struct {
+	Pid   int
+	Extra string
+}
+
+func helloChild() {
+	enc, dec := json.NewEncoder(os.Stdout), json.NewDecoder(os.Stdin)
+	if err := enc.Encode(hello{Pid: os.Getpid(), Extra: os.Getenv("TESTPROC_EXTRA")}); err != nil {
+		os.Exit(2)
+	}
+	for {
+		var v any
+		if dec.Decode(&v) != nil || enc.Encode(v) != nil {
+			return
+		}
+	}
+}
+
+var shared = Shared[hello]{Env: helloEnv}
+
 func TestMain(m *testing.M) {
 	if os.Getenv(childEnv) != "" {
 		if err := Serve(os.Stdin, os.Stdout, handle, bad); err != nil {
@@ -55,7 +81,13 @@ func TestMain(m *testing.M) {
 		}
 		os.Exit(0)
 	}
-	os.Exit(m.Run())
+	if os.Getenv(helloEnv) != "" {
+		helloChild()
+		os.Exit(0)
+	}
+	code := m.Run()
+	shared.Stop()
+	os.Exit(code)
 }
 
 func start(t *testing.T) *Child[request, response] {
@@ -117,4 +149,38 @@ func (failingWriter) Write([]byte) (int, error) { return 0, errors.New("broken p
 func TestServeReportsWriteErrors(t *testing.T) {
 	err := Serve(strings.NewReader("{\"cmd\":\"echo\"}\n"), failingWriter{}, handle, bad)
 	require.ErrorContains(t, err, "write response: broken pipe")
+}
+
+func TestSpawn(t *testing.T) {
+	var h hello
+	p := Spawn(t, helloEnv, &h, func(cmd *exec.Cmd) { cmd.Env = append(cmd.Env, "TESTPROC_EXTRA=y") })
+	assert.NotZero(t, h.Pid)
+	assert.NotEqual(t, os.Getpid(), h.Pid)
+	assert.Equal(t, "y", h.Extra, "attr adjusts the command")
+	require.NoError(t, json.NewEncoder(p.Stdin).Encode(request{Cmd: "echo", Text: "hi"}))
+	var got request
+	require.NoError(t, p.Stdout.Decode(&got))
+	assert.Equal(t, request{Cmd: "echo", Text: "hi"}, got)
+	require.NoError(t, p.Stop(), "stderr: %s", p.Stderr())
+}
+
+func TestShared(t *testing.T) {
+	first := shared.Hello(t)
+	assert.NotZero(t, first.Pid)
+	assert.Equal(t, first, shared.Hello(t), "one child for every use")
+}
+
+func TestBuffer(t *testing.T) {
+	var b Buffer
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Go(func() {
+			for range 100 {
+				_, _ = b.Write([]byte("x"))
+				_ = b.String()
+			}
+		})
+	}
+	wg.Wait()
+	assert.Equal(t, strings.Repeat("x", 400), b.String())
 }

@@ -11,7 +11,6 @@ import (
 	"math/rand/v2"
 	"net"
 	"os"
-	"runtime/pprof"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -22,26 +21,8 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backendtest"
 )
-
-// watchdog dumps every goroutine and fails the test hard if it is still
-// running after d: a hang is a finding, not a test timeout.
-func watchdog(t *testing.T, d time.Duration) {
-	t.Helper()
-	stop := make(chan struct{})
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		select {
-		case <-stop:
-		case <-time.After(d):
-			fmt.Fprintf(os.Stderr, "watchdog: %s still running after %v; goroutines:\n", t.Name(), d)
-			_ = pprof.Lookup("goroutine").WriteTo(os.Stderr, 2)
-			os.Exit(3)
-		}
-	}()
-	t.Cleanup(func() { close(stop); <-done })
-}
 
 // An honest copier with more transfers in flight than the exposing side's
 // per-connection lease limit (maxLeases, 1024) must not be cut off as a
@@ -63,7 +44,7 @@ func TestAttackConcurrentTransfersOverLeaseLimit(t *testing.T) {
 		{"Pipelined", maxLeases, 256 << 10, []Option{WithLeaseSize(64 << 10), WithChunkSize(64 << 10)}}, // two leases each in flight
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			watchdog(t, 2*time.Minute)
+			backendtest.Watchdog(t, 2*time.Minute)
 			a, ab := newAgent(t, tc.opts...)
 			p, pb := newAgent(t, tc.opts...)
 			n, size := tc.n, tc.size
@@ -87,7 +68,7 @@ func TestAttackConcurrentTransfersOverLeaseLimit(t *testing.T) {
 // connection, and every connection counts against the exposing side's
 // WithMaxConnsPerProcess.
 func TestAttackDepartureDuringProbeLeaksConnection(t *testing.T) {
-	watchdog(t, time.Minute)
+	backendtest.Watchdog(t, time.Minute)
 	a, ab := newAgent(t, WithTimeout(5*time.Second))
 	g := newGatedExposer(t)
 	const rounds = 3
@@ -116,7 +97,7 @@ func TestAttackDepartureDuringProbeLeaksConnection(t *testing.T) {
 // laid right after Done survives); after Revoke returns, exposed memory is
 // never written again.
 func TestAttackCancelDepartRevokeRace(t *testing.T) {
-	watchdog(t, 3*time.Minute)
+	backendtest.Watchdog(t, 3*time.Minute)
 	opts := []Option{WithChunkSize(4 << 10), WithLeaseSize(64 << 10), WithWorkers(2), WithTimeout(10 * time.Second)}
 	a, _ := newAgent(t, opts...)
 	p, _ := newAgent(t, opts...)
@@ -169,7 +150,7 @@ func TestAttackCancelDepartRevokeRace(t *testing.T) {
 				}
 				posted.Add(1)
 				spin := r.IntN(20000)
-				for i := 0; i < spin && !done(x); i++ {
+				for i := 0; i < spin && !backendtest.Finished(x); i++ {
 				}
 				revoked := false
 				switch r.IntN(4) {
@@ -223,7 +204,7 @@ func TestAttackCancelDepartRevokeRace(t *testing.T) {
 		t.Error(err)
 	}
 	t.Logf("%d posted, %d succeeded, %d cancelled, %d departures", posted.Load(), ok.Load(), cancelled.Load(), departed.Load())
-	closeWithin(t, a, 20*time.Second)
+	require.NoError(t, backendtest.CloseWithin(t, a, 20*time.Second, "after the races"))
 }
 
 // Agent.Close of the copying side races Cancel, PeerDeparted and transfers
@@ -232,7 +213,7 @@ func TestAttackCancelDepartRevokeRace(t *testing.T) {
 // agents closed no goroutine of theirs is left (guards' callbacks,
 // writers, readers, probes, workers).
 func TestAttackCloseRaceNoHangNoLeak(t *testing.T) {
-	watchdog(t, 3*time.Minute)
+	backendtest.Watchdog(t, 3*time.Minute)
 	ignore := goleak.IgnoreCurrent()
 	r := rand.New(rand.NewPCG(1, uint64(time.Now().UnixNano())))
 	for round := range 30 {
@@ -269,7 +250,7 @@ func TestAttackCloseRaceNoHangNoLeak(t *testing.T) {
 		}
 		wg.Wait()
 		for i, x := range xs {
-			require.True(t, done(x), "round %d: a transfer outlived Agent.Close", round)
+			require.True(t, backendtest.Finished(x), "round %d: a transfer outlived Agent.Close", round)
 			for j := range locals[i] {
 				locals[i][j] = 0xCC
 			}
@@ -292,7 +273,7 @@ func serverConns(b *Backend) []*net.UnixConn { return b.conns.Members() }
 // WRITE are being copied under its leases. Revoke must not return before the
 // copier's chunks in flight returned: no byte lands after it.
 func TestAttackExposerDropMidCopyNoLateWrite(t *testing.T) {
-	watchdog(t, 2*time.Minute)
+	backendtest.Watchdog(t, 2*time.Minute)
 	const size = 96 << 20
 	opts := []Option{WithChunkSize(32 << 20), WithLeaseSize(32 << 20), WithWorkers(2)}
 	a, _ := newAgent(t, opts...)
@@ -306,9 +287,9 @@ func TestAttackExposerDropMidCopyNoLateWrite(t *testing.T) {
 		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpWrite, Peer: p.Info(), Key: e.Key(),
 			Segments: []agent.Segment{{Local: agent.DRAM(local), Remote: agent.DRAM(exposed).Region}}})
 		require.NoError(t, err)
-		for atomicLoad(&exposed[0]) != 0xAA && !done(x) {
+		for atomicLoad(&exposed[0]) != 0xAA && !backendtest.Finished(x) {
 		}
-		for delta(pb.Stats(), before).Timeouts == 0 && !done(x) {
+		for delta(pb.Stats(), before).Timeouts == 0 && !backendtest.Finished(x) {
 			for _, c := range serverConns(pb) {
 				_ = c.SetReadDeadline(time.Unix(1, 0))
 			}
@@ -316,7 +297,7 @@ func TestAttackExposerDropMidCopyNoLateWrite(t *testing.T) {
 		}
 		e.Revoke()
 		snap := bytes.Clone(exposed)
-		waitDone(t, x, 20*time.Second, "exposer drop")
+		backendtest.DoneWithin(t, x, 20*time.Second, "exposer drop")
 		time.Sleep(10 * time.Millisecond)
 		require.True(t, bytes.Equal(snap, exposed), "round %d: bytes landed in exposed memory after Revoke returned (transfer: %v)", round, x.Err())
 		t.Logf("round %d: transfer %v", round, x.Err())
@@ -328,7 +309,7 @@ func TestAttackExposerDropMidCopyNoLateWrite(t *testing.T) {
 // close is bounded by WithTimeout all the same (the deadline is absolute),
 // so Revoke returns.
 func TestAttackDroppedCopierFloodsRevokeBounded(t *testing.T) {
-	watchdog(t, time.Minute)
+	backendtest.Watchdog(t, time.Minute)
 	const timeout = 300 * time.Millisecond
 	_, exp, p, _ := holdLease(t, WithTimeout(timeout))
 	p.send(header{typ: 42}, nil, nil) // dropped for this
@@ -336,16 +317,7 @@ func TestAttackDroppedCopierFloodsRevokeBounded(t *testing.T) {
 	flooded := make(chan struct{})
 	go func() {
 		defer close(flooded)
-		junk := make([]byte, 64<<10)
-		for {
-			select {
-			case <-stop:
-				return
-			default:
-			}
-			_ = p.c.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
-			_, _ = p.c.Write(junk)
-		}
+		p.spam(make([]byte, 64<<10), 100*time.Millisecond, stop)
 	}()
 	defer func() { close(stop); <-flooded }()
 	start := time.Now()
@@ -363,7 +335,7 @@ func TestAttackDroppedCopierFloodsRevokeBounded(t *testing.T) {
 // silent peer: each returns by its own deadline, and Close, long before the
 // probe's timeout, ends the probe and every caller still waiting.
 func TestAttackProbeManyContextsThenClose(t *testing.T) {
-	watchdog(t, time.Minute)
+	backendtest.Watchdog(t, time.Minute)
 	a, ab := newAgent(t, WithTimeout(time.Minute))
 	s := newSilentPeer(t)
 	type res struct {
@@ -416,7 +388,7 @@ func TestAttackProbeManyContextsThenClose(t *testing.T) {
 // protocol error, and with two named connections of one process it stays
 // until both are gone.
 func TestAttackYamaExceptionLifecycle(t *testing.T) {
-	watchdog(t, time.Minute)
+	backendtest.Watchdog(t, time.Minute)
 	y := newFakeYama()
 	a, b := yamaAgent(t, y)
 	src := make([]byte, 4096)
@@ -454,7 +426,7 @@ func TestAttackYamaExceptionLifecycle(t *testing.T) {
 // is a protocol error that drops the connection; every transfer finishes
 // promptly, and none writes its local buffer after Done.
 func TestAttackDoubleGrantsWithCancel(t *testing.T) {
-	watchdog(t, 2*time.Minute)
+	backendtest.Watchdog(t, 2*time.Minute)
 	src := bytes.Repeat([]byte{0x5A}, 256<<10) // the fake exposer's memory: this process's
 	f := newFakeExposer(t, func(c *net.UnixConn, br *bufio.Reader) {
 		var mu sync.Mutex
@@ -488,7 +460,7 @@ func TestAttackDoubleGrantsWithCancel(t *testing.T) {
 			time.Sleep(time.Duration(rand.IntN(200)) * time.Microsecond)
 			x.Cancel(nil)
 		}
-		waitDone(t, x, 10*time.Second, "double grants")
+		backendtest.DoneWithin(t, x, 10*time.Second, "double grants")
 		if x.Err() != nil && !errors.Is(x.Err(), agent.ErrCancelled) {
 			require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
 		}
@@ -508,7 +480,7 @@ func TestAttackDoubleGrantsWithCancel(t *testing.T) {
 // WithTimeout, with every Notify reporting success. Before the writer queue
 // a Notify waited for the socket.
 func TestAttackNotifyQueueUnbounded(t *testing.T) {
-	watchdog(t, time.Minute)
+	backendtest.Watchdog(t, time.Minute)
 	f := newFakeExposer(t, func(c *net.UnixConn, br *bufio.Reader) {}) // never reads again
 	_, ab := newAgent(t, WithTimeout(3*time.Second))
 	msg := make([]byte, 64<<10)
@@ -541,7 +513,7 @@ func TestAttackNotifyQueueUnbounded(t *testing.T) {
 // returns once its context is done, with the context's cause, not after
 // WithTimeout; the peer stays connected.
 func TestNotifyWaitEndsWithContext(t *testing.T) {
-	watchdog(t, time.Minute)
+	backendtest.Watchdog(t, time.Minute)
 	f := newFakeExposer(t, func(c *net.UnixConn, br *bufio.Reader) {}) // never reads again
 	_, ab := newAgent(t, WithTimeout(time.Minute))
 	msg := make([]byte, 64<<10)

@@ -3,12 +3,10 @@
 package cma_test
 
 import (
-	"context"
 	"encoding/json"
 	"fmt"
 	"io"
 	"os"
-	"sync"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -17,6 +15,8 @@ import (
 	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/agent/backend/cma"
 	"github.com/goxfer/goxfer/agent/backend/tcp"
+	"github.com/goxfer/goxfer/agent/backendtest"
+	"github.com/goxfer/goxfer/internal/testproc"
 )
 
 // The benchmarks compare the cma backend, in the same run and the same
@@ -26,65 +26,26 @@ import (
 
 // benchHello is what the benchmark child prints on its first line.
 type benchHello struct {
-	Info      agent.Info
-	ReadKey   agent.Key
-	WriteKey  agent.Key
-	Addr      uint64 // the read exposure's address
-	WriteAddr uint64
-	Size      int
-	Pid       int
+	backendtest.BenchTarget
+	Pid int
 }
 
 const childSize = 256 << 20
 
+// benchChild exposes childSize bytes for READs and as many for WRITEs on
+// cma and tcp, and serves them until its standard input closes.
 func benchChild() {
 	a, err := agent.New(agent.WithBackends(cma.New(), tcp.New()))
 	die(err)
-	rbuf, wbuf := make([]byte, childSize), make([]byte, childSize)
-	for i := range rbuf {
-		rbuf[i] = byte(i)
-	}
-	rexp, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(rbuf)})
+	tg, _, err := backendtest.ExposeBenchTarget(a, childSize)
 	die(err)
-	wexp, err := a.Expose(agent.AccessWrite, []agent.Local{agent.DRAM(wbuf)})
-	die(err)
-	die(json.NewEncoder(os.Stdout).Encode(benchHello{
-		Info: a.Info(), ReadKey: rexp.Key(), WriteKey: wexp.Key(),
-		Addr: agent.DRAM(rbuf).Addr, WriteAddr: agent.DRAM(wbuf).Addr, Size: childSize, Pid: os.Getpid(),
-	}))
+	die(json.NewEncoder(os.Stdout).Encode(benchHello{BenchTarget: tg, Pid: os.Getpid()}))
 	_, _ = io.Copy(io.Discard, os.Stdin)
 	_ = a.Close()
 }
 
-var (
-	childOnce sync.Once
-	theChild  *procChild
-	theHello  benchHello
-)
-
-// sharedChild starts one child for all cross-process benchmarks.
-func sharedChild(b *testing.B) benchHello {
-	childOnce.Do(func() { theChild = startProcChild(b, benchChildEnv, "", nil, &theHello) })
-	require.NotNil(b, theChild, "benchmark child failed to start")
-	return theHello
-}
-
-func stopSharedChild() {
-	if theChild != nil {
-		_ = theChild.stop()
-	}
-}
-
-var shapes = []struct {
-	name       string
-	descs, len int
-}{
-	{"4KiB", 1, 4 << 10},
-	{"1MiB", 1, 1 << 20},
-	{"64MiB", 1, 64 << 20},
-	{"256MiB", 1, 256 << 20},
-	{"KV-4096x64KiB", 4096, 64 << 10},
-}
+// benchTarget is one child for all cross-process benchmarks.
+var benchTarget = testproc.Shared[benchHello]{Env: benchChildEnv}
 
 // BenchmarkCMA measures READ and WRITE against a child process through the
 // cma backend, through the tcp backend, and with one raw
@@ -92,7 +53,7 @@ var shapes = []struct {
 // compare the same moment of a noisy machine. The KV shape compares with
 // the 256 MiB single region just before it.
 func BenchmarkCMA(b *testing.B) {
-	ch := sharedChild(b)
+	ch := benchTarget.Hello(b)
 	a, err := agent.New(agent.WithBackends(cma.New(), tcp.New()))
 	require.NoError(b, err)
 	defer a.Close()
@@ -101,38 +62,19 @@ func BenchmarkCMA(b *testing.B) {
 		local[i] = byte(i)
 	}
 	for _, op := range []agent.Op{agent.OpRead, agent.OpWrite} {
-		for _, sh := range shapes {
-			key, base := ch.ReadKey, ch.Addr
-			if op == agent.OpWrite {
-				key, base = ch.WriteKey, ch.WriteAddr
-			}
-			segs := make([]agent.Segment, sh.descs)
-			for i := range segs {
-				off := i * sh.len
-				segs[i] = agent.Segment{
-					Local:  agent.DRAM(local[off : off+sh.len]),
-					Remote: agent.Region{Addr: base + uint64(off), Len: uint64(sh.len)},
-				}
-			}
+		for _, sh := range backendtest.BenchShapes {
+			key, base := ch.Remote(op)
+			segs := sh.Segments(local, base)
 			for _, backend := range []string{cma.Name, tcp.Name} {
-				b.Run(fmt.Sprintf("%s/%s/%s", op, sh.name, backend), func(b *testing.B) {
-					b.SetBytes(int64(sh.descs * sh.len))
+				b.Run(fmt.Sprintf("%s/%s/%s", op, sh.Name, backend), func(b *testing.B) {
+					b.SetBytes(int64(sh.Bytes()))
 					b.ReportAllocs()
-					for b.Loop() {
-						x, err := a.Post(context.Background(), agent.Request{Op: op, Peer: ch.Info, Key: key, Segments: segs, Backend: backend})
-						if err != nil {
-							b.Fatal(err)
-						}
-						<-x.Done()
-						if err := x.Err(); err != nil {
-							b.Fatal(err)
-						}
-					}
+					backendtest.BenchPost(b, a, agent.Request{Op: op, Peer: ch.Info, Key: key, Segments: segs, Backend: backend})
 				})
 			}
-			if sh.descs == 1 {
-				b.Run(fmt.Sprintf("%s/%s/raw", op, sh.name), func(b *testing.B) {
-					rawCopy(b, ch.Pid, op, local[:sh.len], base)
+			if sh.Descs == 1 {
+				b.Run(fmt.Sprintf("%s/%s/raw", op, sh.Name), func(b *testing.B) {
+					rawCopy(b, ch.Pid, op, local[:sh.Len], base)
 				})
 			}
 		}

@@ -4,22 +4,17 @@ package cma_test
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
 	"io"
 	"log/slog"
 	"os"
-	"os/exec"
-	"sync"
-	"testing"
-
-	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/agent/backend/cma"
 	"github.com/goxfer/goxfer/agent/backend/tcp"
+	"github.com/goxfer/goxfer/internal/testproc"
 )
 
 // This package's own child processes, besides the conformance suite's: a
@@ -69,7 +64,7 @@ type fallbackResult struct {
 // it exposes a readable buffer (hello), then READs the parent's exposure
 // twice and reports which backend moved the bytes and what it logged.
 func fallbackChild() {
-	var logs lockedBuffer
+	var logs testproc.Buffer
 	a, err := agent.New(agent.WithBackends(cma.New(), tcp.New()), agent.WithLogger(slog.New(slog.NewTextHandler(&logs, nil))))
 	die(err)
 	defer a.Close()
@@ -107,58 +102,4 @@ func fallbackChild() {
 	res.Log = logs.String()
 	die(enc.Encode(res))
 	_, _ = io.Copy(io.Discard, os.Stdin)
-}
-
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
-
-// procChild is the parent's handle on one of this package's children.
-type procChild struct {
-	cmd    *exec.Cmd
-	stdin  io.WriteCloser
-	dec    *json.Decoder
-	stderr lockedBuffer
-}
-
-// startProcChild re-executes the test binary (or bin, when not empty) as a
-// child with env set, and decodes its hello into hello.
-func startProcChild(t testing.TB, env, bin string, attr func(*exec.Cmd), hello any) *procChild {
-	t.Helper()
-	if bin == "" {
-		bin = os.Args[0]
-	}
-	c := &procChild{cmd: exec.Command(bin, "-test.run=^$", "-test.bench=^$")}
-	c.cmd.Env = append(os.Environ(), env+"=1")
-	c.cmd.Stderr = &c.stderr
-	if attr != nil {
-		attr(c.cmd)
-	}
-	var err error
-	c.stdin, err = c.cmd.StdinPipe()
-	require.NoError(t, err)
-	stdout, err := c.cmd.StdoutPipe()
-	require.NoError(t, err)
-	require.NoError(t, c.cmd.Start())
-	c.dec = json.NewDecoder(bufio.NewReader(stdout))
-	require.NoError(t, c.dec.Decode(hello), "child hello; stderr: %s", c.stderr.String())
-	return c
-}
-
-func (c *procChild) stop() error {
-	_ = c.stdin.Close()
-	return c.cmd.Wait()
 }

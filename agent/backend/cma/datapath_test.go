@@ -20,6 +20,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backendtest"
 )
 
 // exposeRead exposes n bytes of a pattern on p for READ until the test
@@ -69,7 +70,7 @@ func waitAll(t testing.TB, xs []*agent.Xfer, d time.Duration, what string) (fail
 		if x == nil {
 			continue
 		}
-		waitDone(t, x, d, what)
+		backendtest.DoneWithin(t, x, d, what)
 		if err := x.Err(); err != nil {
 			if failed++; first == nil {
 				first = err
@@ -77,30 +78,6 @@ func waitAll(t testing.TB, xs []*agent.Xfer, d time.Duration, what string) (fail
 		}
 	}
 	return failed, first
-}
-
-// closeWithin closes a and fails the test if Close fails or takes longer
-// than d.
-func closeWithin(t testing.TB, a *agent.Agent, d time.Duration) {
-	t.Helper()
-	closed := make(chan error, 1)
-	go func() { closed <- a.Close() }()
-	select {
-	case err := <-closed:
-		require.NoError(t, err)
-	case <-time.After(d):
-		t.Fatalf("Agent.Close did not return within %v", d)
-	}
-}
-
-// waitDone fails the test if x does not finish within d.
-func waitDone(t testing.TB, x *agent.Xfer, d time.Duration, what string) {
-	t.Helper()
-	select {
-	case <-x.Done():
-	case <-time.After(d):
-		t.Fatalf("%s: the transfer did not finish within %v", what, d)
-	}
 }
 
 // When the copying side drops its control connection itself (a registry
@@ -137,7 +114,7 @@ func TestNoCopyAfterRevokeOnDeparture(t *testing.T) {
 					}
 					return atomicLoad(&local[0]) == 0x11
 				}
-				for !started() && !done(x) {
+				for !started() && !backendtest.Finished(x) {
 					runtime.Gosched()
 				}
 				a.PeerDeparted(p.ID(), errors.New("registry: entry deleted"))
@@ -148,7 +125,7 @@ func TestNoCopyAfterRevokeOnDeparture(t *testing.T) {
 						exposed[i] = 0x22 // reused at once, from the end: ahead of a copy in flight
 					}
 				}
-				waitDone(t, x, 20*time.Second, "departure")
+				backendtest.DoneWithin(t, x, 20*time.Second, "departure")
 				if op == agent.OpWrite {
 					require.True(t, bytes.Equal(snap, exposed), "bytes landed in exposed memory after Revoke returned (transfer: %v)", x.Err())
 				} else {
@@ -165,15 +142,6 @@ func atomicLoad(b *byte) byte {
 }
 
 func uintptrOf[T any](p *T) uintptr { return uintptr(unsafe.Pointer(p)) }
-
-func done(x *agent.Xfer) bool {
-	select {
-	case <-x.Done():
-		return true
-	default:
-		return false
-	}
-}
 
 // One-chunk transfers posted while the peer departs, again and again: every
 // transfer finishes, and Close returns.
@@ -224,7 +192,7 @@ func TestDepartureWhilePostingSmall(t *testing.T) {
 	case <-time.After(20 * time.Second):
 		t.Fatal("transfers posted during departures never finished")
 	}
-	closeWithin(t, a, 20*time.Second)
+	require.NoError(t, backendtest.CloseWithin(t, a, 20*time.Second, "after the departures"))
 	t.Logf("%d transfers posted during departures", len(xs))
 }
 
@@ -280,7 +248,7 @@ func TestStrayGrantsFailTheTransfer(t *testing.T) {
 		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: f.info, Key: agent.NewKey(),
 			Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: 4096, Len: uint64(size)}}}})
 		require.NoError(t, err)
-		waitDone(t, x, 10*time.Second, "stray grants")
+		backendtest.DoneWithin(t, x, 10*time.Second, "stray grants")
 		require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
 		require.ErrorContains(t, x.Err(), "awaits none")
 	}
@@ -313,7 +281,7 @@ func TestCancelUnansweredLease(t *testing.T) {
 		require.NoError(t, err)
 		h := <-begun
 		x.Cancel(nil)
-		waitDone(t, x, 5*time.Second, "cancel")
+		backendtest.DoneWithin(t, x, 5*time.Second, "cancel")
 		require.ErrorIs(t, x.Err(), agent.ErrCancelled)
 		b := make([]byte, hdrSize) // grant it now: nothing may be copied any more
 		(&header{typ: tGrant, status: stOK, id: h.id}).put(b)

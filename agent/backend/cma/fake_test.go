@@ -8,7 +8,6 @@ import (
 	"io"
 	"net"
 	"os"
-	"sync"
 	"sync/atomic"
 	"testing"
 
@@ -16,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backendtest"
 )
 
 // fakeSocket is a cma control socket in the abstract namespace served by
@@ -27,8 +27,7 @@ type fakeSocket struct {
 }
 
 // listenFake listens on a fresh fakeSocket and hands each connection it
-// accepts to serve, on a goroutine of its own. The test's cleanup closes
-// the listener and every connection, then waits for the goroutines.
+// accepts to serve, with [backendtest.ServeConns].
 func listenFake(t *testing.T, kind string, serve func(f *fakeSocket, c *net.UnixConn)) *fakeSocket {
 	t.Helper()
 	name := fmt.Sprintf("goxfer-cma-test/%s/%s", kind, uuid.New())
@@ -37,36 +36,7 @@ func listenFake(t *testing.T, kind string, serve func(f *fakeSocket, c *net.Unix
 	f := &fakeSocket{nonce: &[16]byte{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}}
 	ci := connInfo{host: hostIdentity(), pid: uint32(os.Getpid()), sock: name}
 	f.info = agent.Info{ID: uuid.New(), Conns: []agent.ConnInfo{{Backend: Name, Data: ci.marshal()}}}
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	var conns []*net.UnixConn
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := ln.AcceptUnix()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				serve(f, c)
-			}()
-		}
-	}()
-	t.Cleanup(func() {
-		_ = ln.Close()
-		mu.Lock()
-		for _, c := range conns {
-			_ = c.Close()
-		}
-		mu.Unlock()
-		wg.Wait()
-	})
+	backendtest.ServeConns(t, ln, func(c net.Conn) { serve(f, c.(*net.UnixConn)) })
 	return f
 }
 

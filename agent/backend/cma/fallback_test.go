@@ -21,6 +21,7 @@ import (
 	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/agent/backend/cma"
 	"github.com/goxfer/goxfer/agent/backend/tcp"
+	"github.com/goxfer/goxfer/internal/testproc"
 )
 
 // nobody is the unprivileged user the fallback child runs as.
@@ -50,10 +51,11 @@ func TestFallbackWhenNotPermitted(t *testing.T) {
 	defer e.Revoke()
 
 	var hello exposure
-	c := startProcChild(t, fallbackChildEnv, bin, func(cmd *exec.Cmd) {
+	c := testproc.Spawn(t, fallbackChildEnv, &hello, func(cmd *exec.Cmd) {
+		cmd.Path, cmd.Args[0] = bin, bin
 		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: nobody, Gid: nobody}}
-	}, &hello)
-	defer func() { require.NoError(t, c.stop(), "child stderr: %s", c.stderr.String()) }()
+	})
+	defer func() { require.NoError(t, c.Stop(), "child stderr: %s", c.Stderr()) }()
 
 	// This process (root) reads the unprivileged child: cma.
 	dst := make([]byte, hello.Size)
@@ -70,9 +72,9 @@ func TestFallbackWhenNotPermitted(t *testing.T) {
 	assert.NotContains(t, logs.String(), "preferred backends unavailable")
 
 	// The child reads this process: denied by the kernel, so tcp.
-	require.NoError(t, json.NewEncoder(c.stdin).Encode(exposure{Info: a.Info(), Key: e.Key(), Addr: agent.DRAM(buf).Addr, Size: len(buf)}))
+	require.NoError(t, json.NewEncoder(c.Stdin).Encode(exposure{Info: a.Info(), Key: e.Key(), Addr: agent.DRAM(buf).Addr, Size: len(buf)}))
 	var res fallbackResult
-	require.NoError(t, c.dec.Decode(&res))
+	require.NoError(t, c.Stdout.Decode(&res))
 	t.Logf("child's log:\n%s", res.Log)
 	require.Empty(t, res.Errs)
 	assert.Equal(t, []string{tcp.Name, tcp.Name}, res.Backends, "transfers fell back to tcp and say so")

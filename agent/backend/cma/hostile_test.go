@@ -19,15 +19,14 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backendtest"
 )
 
+// newAgent starts an agent on a cma backend with opts.
 func newAgent(t testing.TB, opts ...Option) (*agent.Agent, *Backend) {
 	t.Helper()
 	b := New(opts...)
-	a, err := agent.New(agent.WithBackends(b))
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = a.Close() })
-	return a, b
+	return backendtest.NewAgent(t, b), b
 }
 
 // rawPeer is a hand-driven client speaking the control protocol.
@@ -122,6 +121,20 @@ func (p *rawPeer) grant() (header, string, error) {
 	msg := make([]byte, h.length)
 	_, err := io.ReadFull(p.br, msg)
 	return h, string(msg), err
+}
+
+// spam writes b to p's connection over and over, each write given up to
+// wait, until stop is closed.
+func (p *rawPeer) spam(b []byte, wait time.Duration, stop <-chan struct{}) {
+	for {
+		select {
+		case <-stop:
+			return
+		default:
+		}
+		_ = p.c.SetWriteDeadline(time.Now().Add(wait))
+		_, _ = p.c.Write(b)
+	}
 }
 
 // The handshake's claims are checked against the kernel's: a dialler that

@@ -9,7 +9,6 @@ import (
 	"io"
 	"net"
 	"os"
-	"sync"
 	"testing"
 	"time"
 
@@ -18,6 +17,7 @@ import (
 
 	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/agent/backend/internal/serve"
+	"github.com/goxfer/goxfer/agent/backendtest"
 )
 
 // delta returns what each counter moved by from before to after.
@@ -27,26 +27,27 @@ var delta = serve.Delta
 // if they moved by anything else.
 func waitStats(t testing.TB, b *Backend, before, want Stats) {
 	t.Helper()
-	require.Eventually(t, func() bool { return delta(b.Stats(), before) == want }, 10*time.Second, time.Millisecond,
-		"want counters to move by %+v, got %+v", want, delta(b.Stats(), before))
+	backendtest.WaitCounters(t, func() Stats { return delta(b.Stats(), before) }, want, 0)
 }
 
-// legitRead has active READ src, exposed by passive as exp, and checks the
-// bytes: the agent still serves honest peers.
-func legitRead(t testing.TB, active, passive *agent.Agent, exp *agent.Exposure, src []byte) {
+// readAll has active READ all of src, exposed by passive as exp, checks
+// the bytes and returns the transfer.
+func readAll(t testing.TB, active, passive *agent.Agent, exp *agent.Exposure, src []byte) *agent.Xfer {
 	t.Helper()
 	dst := make([]byte, len(src))
 	x, err := active.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: passive.Info(), Key: exp.Key(),
 		Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.DRAM(src).Region}}})
 	require.NoError(t, err)
-	select {
-	case <-x.Done():
-	case <-time.After(20 * time.Second):
-		t.Fatal("a legitimate transfer hung")
-	}
-	require.NoError(t, x.Err(), "a legitimate transfer failed")
-	require.Equal(t, Name, x.Backend())
+	backendtest.DoneWithin(t, x, 20*time.Second, "a READ")
+	require.NoError(t, x.Err(), "a READ failed")
 	require.Equal(t, src, dst)
+	return x
+}
+
+// legitRead is readAll over cma: the agent still serves honest peers.
+func legitRead(t testing.TB, active, passive *agent.Agent, exp *agent.Exposure, src []byte) {
+	t.Helper()
+	require.Equal(t, Name, readAll(t, active, passive, exp, src).Backend())
 }
 
 func TestLimitOptions(t *testing.T) {
@@ -54,35 +55,6 @@ func TestLimitOptions(t *testing.T) {
 		_, err := agent.New(agent.WithBackends(New(o)))
 		require.ErrorIs(t, err, agent.ErrInvalidOption)
 	}
-}
-
-// trickle writes b one byte every gap until the server drops the
-// connection; it returns how long that took from the first byte.
-func trickle(t *testing.T, p *rawPeer, b []byte, gap time.Duration) time.Duration {
-	t.Helper()
-	start := time.Now()
-	gone := make(chan struct{})
-	go func() {
-		defer close(gone)
-		_ = p.c.SetReadDeadline(time.Now().Add(20 * time.Second))
-		_, _ = io.Copy(io.Discard, p.br)
-	}()
-	for _, x := range b {
-		select {
-		case <-gone:
-			return time.Since(start)
-		case <-time.After(gap):
-		}
-		if _, err := p.c.Write([]byte{x}); err != nil {
-			break
-		}
-	}
-	select {
-	case <-gone:
-	case <-time.After(20 * time.Second):
-		t.Fatal("the server never dropped a slow peer")
-	}
-	return time.Since(start)
 }
 
 // A peer that trickles a handshake or a frame is cut within the timeout and
@@ -106,17 +78,17 @@ func TestSlowLoris(t *testing.T) {
 			p := dialRaw(t, b)
 			var hs [hsSize]byte
 			(&handshake{self: p.id, expect: a.ID(), pid: uint32(os.Getpid())}).put(hs[:])
-			return trickle(t, p, hs[:], gap)
+			return backendtest.Trickle(t, p.c, p.br, hs[:], gap)
 		}},
 		{"header", func(t *testing.T) time.Duration {
 			p := joinRaw(t, a, b)
-			return trickle(t, p, begin[:hdrSize], gap)
+			return backendtest.Trickle(t, p.c, p.br, begin[:hdrSize], gap)
 		}},
 		{"range table", func(t *testing.T) time.Duration {
 			p := joinRaw(t, a, b)
 			_, err = p.c.Write(begin[:hdrSize+3])
 			require.NoError(t, err)
-			return trickle(t, p, begin[hdrSize+3:], gap)
+			return backendtest.Trickle(t, p.c, p.br, begin[hdrSize+3:], gap)
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -154,51 +126,18 @@ func TestConnectionFloods(t *testing.T) {
 		exp, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
 		require.NoError(t, err)
 		before := b.Stats()
-		var mu sync.Mutex
-		var conns []net.Conn
-		defer func() {
-			mu.Lock()
-			defer mu.Unlock()
-			for _, c := range conns {
-				_ = c.Close()
-			}
-		}()
-		open := func() {
-			c, err := net.Dial("unix", "@"+b.self.sock)
-			require.NoError(t, err)
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-		}
+		f := backendtest.NewFlood(t, func() (net.Conn, error) { return net.Dial("unix", "@"+b.self.sock) })
 		const flood = 100
-		for range flood {
-			open()
-		}
+		f.Open(flood)
 		require.Eventually(t, func() bool { return b.Stats().LimitRejected-before.LimitRejected == flood-limit }, 10*time.Second, time.Millisecond)
-		stop := make(chan struct{})
-		var wg sync.WaitGroup
-		wg.Go(func() {
-			for {
-				select {
-				case <-stop:
-					return
-				case <-time.After(time.Millisecond):
-					open()
-				}
+		f.During(func() {
+			for range 3 {
+				legitRead(t, honest, a, exp, src)
 			}
 		})
-		for range 3 {
-			legitRead(t, honest, a, exp, src)
-		}
-		close(stop)
-		wg.Wait()
 		got := delta(b.Stats(), before)
 		assert.Equal(t, got.LimitRejected, got.Disconnected)
-		_ = conns[0].SetReadDeadline(time.Now().Add(5 * time.Second))
-		_, err = conns[0].Read(make([]byte, 1))
-		var ne net.Error
-		require.Error(t, err)
-		require.False(t, errors.As(err, &ne) && ne.Timeout(), "the oldest handshake was kept")
+		f.OldestDropped(t)
 	})
 	t.Run("one process", func(t *testing.T) {
 		const limit = 4

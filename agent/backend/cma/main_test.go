@@ -3,10 +3,7 @@
 package cma_test
 
 import (
-	"os"
 	"testing"
-
-	"go.uber.org/goleak"
 
 	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/agent/backend/cma"
@@ -16,17 +13,9 @@ import (
 func factory() ([]agent.Backend, error) { return []agent.Backend{cma.New()}, nil }
 
 func TestMain(m *testing.M) {
-	backendtest.Child(factory) // becomes the conformance suite's child process when asked to
-	childMain()                // or one of this package's own children
-	code := m.Run()
-	stopSharedChild()
-	if code == 0 {
-		if err := goleak.Find(); err != nil {
-			os.Stderr.WriteString("goleak: " + err.Error() + "\n")
-			code = 1
-		}
-	}
-	os.Exit(code)
+	childMain() // becomes one of this package's own children when asked to
+	// or the conformance suite's child; the benchmarks share one target
+	backendtest.MainAfter(m, factory, benchTarget.Stop)
 }
 
 func TestConformance(t *testing.T) {

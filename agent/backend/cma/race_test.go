@@ -16,6 +16,7 @@ import (
 
 	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/agent/backend/cma"
+	"github.com/goxfer/goxfer/agent/backendtest"
 )
 
 // TestLeaseCloseRace races transfers against the exposing side's Revoke
@@ -47,7 +48,7 @@ func TestLeaseCloseRace(t *testing.T) {
 
 // raceOnce runs one race and reports whether it interrupted the transfer.
 func raceOnce(t *testing.T, opts []cma.Option, race string, op agent.Op, size, delay int) bool {
-	a, p := pair(t, opts...)
+	a, p := backendtest.Pair(t, cma.New, opts...)
 	old, local := make([]byte, size), make([]byte, size)
 	for i := range old {
 		old[i] = byte(i*13 + 1)
@@ -62,7 +63,7 @@ func raceOnce(t *testing.T, opts []cma.Option, race string, op agent.Op, size, d
 	case 1:
 		runtime.Gosched()
 	case 2:
-		for e.Peer() == uuid.Nil && !done(x) {
+		for e.Peer() == uuid.Nil && !backendtest.Finished(x) {
 			time.Sleep(time.Duration(rand.IntN(50)) * time.Microsecond)
 		}
 	}
@@ -95,7 +96,7 @@ func raceOnce(t *testing.T, opts []cma.Option, race string, op agent.Op, size, d
 		return err != nil
 	case "ActiveClose":
 		require.NoError(t, a.Close())
-		require.True(t, done(x), "Close returned before its transfer finished")
+		require.True(t, backendtest.Finished(x), "Close returned before its transfer finished")
 		if err := x.Err(); err != nil {
 			require.ErrorIs(t, err, agent.ErrClosed)
 		}
@@ -106,13 +107,4 @@ func raceOnce(t *testing.T, opts []cma.Option, race string, op agent.Op, size, d
 		return x.Err() != nil
 	}
 	return false
-}
-
-func done(x *agent.Xfer) bool {
-	select {
-	case <-x.Done():
-		return true
-	default:
-		return false
-	}
 }

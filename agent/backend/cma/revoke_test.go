@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/assert"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backendtest"
 )
 
 // A same-user process that takes a lease on a live connection and then
@@ -34,16 +35,7 @@ func TestRevokeBoundedAgainstSilentLeaseHolder(t *testing.T) {
 		{name: "Chatty", behave: func(p *rawPeer, stop <-chan struct{}) {
 			// Ends of leases it never asked for, without pause: frames keep
 			// coming and no read waits.
-			b := frameBytes(header{typ: tEnd, id: 1 << 40}, nil, nil)
-			for {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				_ = p.c.SetWriteDeadline(time.Now().Add(50 * time.Millisecond))
-				_, _ = p.c.Write(b)
-			}
+			p.spam(frameBytes(header{typ: tEnd, id: 1 << 40}, nil, nil), 50*time.Millisecond, stop)
 		}},
 		{name: "Trickle", behave: func(p *rawPeer, stop <-chan struct{}) {
 			// Frames begun and finished just within the frame timeout.
@@ -80,7 +72,7 @@ func TestRevokeBoundedAgainstSilentLeaseHolder(t *testing.T) {
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			watchdog(t, time.Minute)
+			backendtest.Watchdog(t, time.Minute)
 			a, exp, p, _ := holdLease(t, WithTimeout(timeout))
 
 			stop, behaved := make(chan struct{}), make(chan struct{})

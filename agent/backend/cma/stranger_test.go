@@ -3,7 +3,6 @@
 package cma
 
 import (
-	"context"
 	"os"
 	"testing"
 	"time"
@@ -12,6 +11,7 @@ import (
 
 	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/agent/backend/tcp"
+	"github.com/goxfer/goxfer/agent/backendtest"
 )
 
 // A local process without a key that connects claiming an honest peer's ID,
@@ -21,21 +21,11 @@ import (
 // the only cma connection in that peer's name.
 func TestStrangerHangupIsNoLoss(t *testing.T) {
 	cb := New()
-	exposing, err := agent.New(agent.WithBackends(cb, tcp.New()))
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = exposing.Close() })
-	honest, err := agent.New(agent.WithBackends(tcp.New()))
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = honest.Close() })
+	exposing := backendtest.NewAgent(t, cb, tcp.New())
+	honest := backendtest.NewAgent(t, tcp.New())
 
 	src, exp := exposeRead(t, exposing, 64<<10)
-	dst := make([]byte, len(src))
-	x, err := honest.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: exposing.Info(), Key: exp.Key(),
-		Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: agent.DRAM(src).Addr, Len: uint64(len(src))}}}})
-	require.NoError(t, err)
-	<-x.Done()
-	require.NoError(t, x.Err())
-	require.Equal(t, src, dst)
+	readAll(t, honest, exposing, exp, src)
 
 	// The stranger: a real handshake in the honest peer's name, a lease
 	// request with a guessed key, and a hang-up.

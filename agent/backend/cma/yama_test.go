@@ -17,6 +17,7 @@ import (
 
 	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/agent/backend/tcp"
+	"github.com/goxfer/goxfer/agent/backendtest"
 )
 
 // fakeYama stands in for a host in Yama mode 1: a ptracer exception that
@@ -75,10 +76,7 @@ func yamaAgent(t *testing.T, y *fakeYama, opts ...Option) (*agent.Agent, *Backen
 	b.readScope = func() int { return 1 }
 	b.ptracers = y.set
 	b.readv = y.readv
-	a, err := agent.New(agent.WithBackends(b, tcp.New()))
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = a.Close() })
-	return a, b
+	return backendtest.NewAgent(t, b, tcp.New()), b
 }
 
 const ptracerAnyValue = ^uintptr(0) // PR_SET_PTRACER_ANY
@@ -142,17 +140,6 @@ func TestYamaKeyedPeerNamedOthersFallBack(t *testing.T) {
 	y := newFakeYama()
 	a, _ := yamaAgent(t, y)
 	src, exp := exposeRead(t, a, 64<<10)
-	read := func(r *agent.Agent) *agent.Xfer {
-		t.Helper()
-		dst := make([]byte, len(src))
-		x, err := r.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: a.Info(), Key: exp.Key(),
-			Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: agent.DRAM(src).Addr, Len: uint64(len(src))}}}})
-		require.NoError(t, err)
-		<-x.Done()
-		require.NoError(t, x.Err())
-		require.Equal(t, src, dst)
-		return x
-	}
 
 	// Without a key (a notification's choice) the peer names nobody.
 	r1, rb := yamaAgent(t, y)
@@ -163,7 +150,7 @@ func TestYamaKeyedPeerNamedOthersFallBack(t *testing.T) {
 	assert.Zero(t, y.current())
 
 	// With the transfer's key it is named, and reads over cma.
-	x := read(r1)
+	x := readAll(t, r1, a, exp, src)
 	assert.Equal(t, Name, x.Backend())
 	assert.Equal(t, uintptr(os.Getpid()), y.current())
 	assert.Equal(t, []uintptr{uintptr(os.Getpid())}, y.changes())
@@ -180,7 +167,7 @@ func TestYamaKeyedPeerNamedOthersFallBack(t *testing.T) {
 	r2, err := agent.New(agent.WithBackends(r2b, tcp.New()), agent.WithLogger(slog.New(slog.NewTextHandler(&logs, nil))))
 	require.NoError(t, err)
 	defer r2.Close()
-	x = read(r2)
+	x = readAll(t, r2, a, exp, src)
 	assert.Equal(t, tcp.Name, x.Backend(), "a second process falls back")
 	assert.Contains(t, logs.String(), "not permitted")
 	assert.Contains(t, logs.String(), "held by another process")

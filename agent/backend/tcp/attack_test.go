@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"runtime"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -23,28 +22,12 @@ import (
 
 	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/agent/backend/internal/serve"
+	"github.com/goxfer/goxfer/agent/backendtest"
 )
 
 // Adversarial tests of the reworked tcp backend's promises: cancelling
 // never waits for the peer, Revoke within one timeout, busy pings, sessions,
 // outgoing bounds, idle reaping.
-
-// watchdog fails the test with a goroutine dump if it is still running
-// after d: a hang is a finding, not a test timeout.
-func watchdog(t *testing.T, d time.Duration) {
-	t.Helper()
-	done := make(chan struct{})
-	t.Cleanup(func() { close(done) })
-	go func() {
-		select {
-		case <-done:
-		case <-time.After(d):
-			buf := make([]byte, 1<<20)
-			buf = buf[:runtime.Stack(buf, true)]
-			panic(fmt.Sprintf("%s still running after %v; goroutines:\n%s", t.Name(), d, buf))
-		}
-	}()
-}
 
 // nonReader is a passive peer that answers the handshake and then never
 // reads a byte: whatever is written to it stays in the socket buffers.
@@ -65,7 +48,7 @@ func nonReader(t *testing.T, nw network) agent.Info {
 // waits for them.
 func TestAttackCancelWaitsBehindAnotherTransfersWrite(t *testing.T) {
 	bubble(t, func(t *testing.T, nw *memNet) {
-		watchdog(t, 60*time.Second)
+		backendtest.Watchdog(t, 60*time.Second)
 		peer := nonReader(t, nw)
 		const big = 64 << 20
 		a, _ := newAgent(t, nw, WithStreams(1), WithChunkSize(16<<20), WithKeepalive(time.Second, 30*time.Second))
@@ -175,7 +158,7 @@ func shrinkServerSide(t *testing.T, b *Backend, local net.Addr) {
 // close the stranger's connection.
 func TestAttackNonReaderStallsKeepalives(t *testing.T) {
 	bubble(t, func(t *testing.T, nw *memNet) {
-		watchdog(t, 60*time.Second)
+		backendtest.Watchdog(t, 60*time.Second)
 		const timeout = 500 * time.Millisecond
 		victim, vb := newAgent(t, nw, WithKeepalive(50*time.Millisecond, timeout))
 		honest, hb := newAgent(t, nw, WithKeepalive(50*time.Millisecond, timeout))
@@ -201,7 +184,7 @@ func TestAttackNonReaderStallsKeepalives(t *testing.T) {
 // peer does not read (the peer holds a key, and reads nothing) holds its
 // lease no longer than that, so Revoke returns within one timeout.
 func TestRevokeBoundedBehindStuckKeepalive(t *testing.T) {
-	watchdog(t, time.Minute)
+	backendtest.Watchdog(t, time.Minute)
 	const timeout = 500 * time.Millisecond
 	victim, vb := newAgent(t, WithKeepalive(50*time.Millisecond, timeout))
 	src := make([]byte, 4096)
@@ -233,7 +216,7 @@ func TestRevokeBoundedBehindStuckKeepalive(t *testing.T) {
 // that reads nothing, with the socket full, Post returns at once (what the
 // socket did not take goes from a goroutine), and so do Cancel and Close.
 func TestInlinePostNeverWaitsForThePeer(t *testing.T) {
-	watchdog(t, time.Minute)
+	backendtest.Watchdog(t, time.Minute)
 	peer := nonReader(t, loopback)
 	a, _ := newAgent(t, WithStreams(1), WithInflight(64), WithKeepalive(time.Second, 30*time.Second))
 	var xs []*agent.Xfer
@@ -250,7 +233,7 @@ func TestInlinePostNeverWaitsForThePeer(t *testing.T) {
 		x.Cancel(nil)
 	}
 	for _, x := range xs {
-		doneWithin(t, x, 2*time.Second, "a cancelled inline WRITE")
+		backendtest.DoneWithin(t, x, 2*time.Second, "a cancelled inline WRITE")
 	}
 	start := time.Now()
 	require.NoError(t, a.Close())
@@ -269,7 +252,7 @@ func pat(i int) byte { return byte(i%251) | 1 }
 // zeros and data land only in the region a WRITE named; and transfers that
 // run on the same connections afterwards get exactly their bytes.
 func TestAttackCancelRacesNeverLandLate(t *testing.T) {
-	watchdog(t, 5*time.Minute)
+	backendtest.Watchdog(t, 5*time.Minute)
 	ka := WithKeepalive(50*time.Millisecond, 2*time.Second)
 	passive, _ := newAgent(t, ka)
 	active, _ := newAgent(t, ka, WithStreams(2), WithChunkSize(128<<10), WithInflight(2))
@@ -426,7 +409,7 @@ func TestAttackCancelRacesNeverLandLate(t *testing.T) {
 // with ErrRemoteLost: cancelling one transfer breaks its neighbours.
 func TestAttackCancelDuringRefusalTextFailsOthers(t *testing.T) {
 	bubble(t, func(t *testing.T, nw *memNet) {
-		watchdog(t, 60*time.Second)
+		backendtest.Watchdog(t, 60*time.Second)
 		peer := fakePassive(t, nw, uuid.New(), func(c net.Conn) {
 			for first := true; ; first = false {
 				req, table, err := readRequest(c)
@@ -464,7 +447,7 @@ func TestAttackCancelDuringRefusalTextFailsOthers(t *testing.T) {
 		x.Cancel(nil)
 		<-x.Done()
 		require.ErrorIs(t, x.Err(), agent.ErrCancelled)
-		doneWithin(t, z, 5*time.Second, "the neighbour")
+		backendtest.DoneWithin(t, z, 5*time.Second, "the neighbour")
 		assert.NoError(t, z.Err(), "cancelling one transfer failed another on the same peer")
 	})
 }
@@ -475,7 +458,7 @@ func TestAttackCancelDuringRefusalTextFailsOthers(t *testing.T) {
 // never hears that the live peer was lost.
 func TestAttackIdleReapRacesTransfers(t *testing.T) {
 	bubble(t, func(t *testing.T, nw *memNet) {
-		watchdog(t, 2*time.Minute)
+		backendtest.Watchdog(t, 2*time.Minute)
 		const idle = 30 * time.Millisecond
 		passive, _ := newAgent(t, nw, WithKeepalive(10*time.Millisecond, time.Second))
 		active, ab := newAgent(t, nw, WithKeepalive(10*time.Millisecond, time.Second), WithIdleTimeout(idle))
@@ -532,7 +515,7 @@ func TestOutgoingLimitSizing(t *testing.T) {
 	const peers = 6
 	t.Run("default", func(t *testing.T) {
 		bubble(t, func(t *testing.T, nw *memNet) {
-			watchdog(t, 2*time.Minute)
+			backendtest.Watchdog(t, 2*time.Minute)
 			active, _ := newAgent(t, nw, WithStreams(64), WithChunkSize(64<<10))
 			// All posts at once, none idle: 4 MiB in 64 KiB chunks holds
 			// every stream.
@@ -551,7 +534,7 @@ func TestOutgoingLimitSizing(t *testing.T) {
 	})
 	t.Run("over", func(t *testing.T) {
 		bubble(t, func(t *testing.T, nw *memNet) {
-			watchdog(t, 2*time.Minute)
+			backendtest.Watchdog(t, 2*time.Minute)
 			// Honest peers on one address that take their time to answer, so
 			// that every transfer holds its connections while the others dial.
 			slow := func(c net.Conn) {
@@ -642,7 +625,7 @@ func truthfulBusyPinger(restarts *atomic.Int64) func(c net.Conn) {
 // TestBusyPingsFedByPingFlood shows the same in a second.
 func TestBusyPingsFedByOurKeepalives(t *testing.T) {
 	bubble(t, func(t *testing.T, nw *memNet) {
-		watchdog(t, 2*time.Minute)
+		backendtest.Watchdog(t, 2*time.Minute)
 		const timeout = 30 * time.Second
 		var restarts atomic.Int64
 		peer := fakePassiveAnswering(t, nw, handshake{self: uuid.New(), timeout: 30 * time.Millisecond}, truthfulBusyPinger(&restarts))
@@ -690,7 +673,7 @@ func floodPings(b *Backend, n int) {
 // for nothing towards the progress a busy peer claims.
 func TestBusyPingsFedByPingFlood(t *testing.T) {
 	bubble(t, func(t *testing.T, nw *memNet) {
-		watchdog(t, time.Minute)
+		backendtest.Watchdog(t, time.Minute)
 		const timeout = 300 * time.Millisecond
 		var restarts atomic.Int64
 		peer := fakePassive(t, nw, uuid.New(), truthfulBusyPinger(&restarts))
@@ -720,7 +703,7 @@ func TestBusyPingsFedByPingFlood(t *testing.T) {
 // those, answered long ago, while it holds a new READ unanswered.
 func TestBusyPingsCannotClaimAnsweredBytes(t *testing.T) {
 	bubble(t, func(t *testing.T, nw *memNet) {
-		watchdog(t, time.Minute)
+		backendtest.Watchdog(t, time.Minute)
 		const timeout = 300 * time.Millisecond
 		var gotRead atomic.Bool
 		peer := fakePassive(t, nw, uuid.New(), func(c net.Conn) {
@@ -765,10 +748,10 @@ func TestBusyPingsCannotClaimAnsweredBytes(t *testing.T) {
 		a, _ := newAgent(t, nw, WithStreams(1), WithKeepalive(50*time.Millisecond, timeout))
 		const big = 4 << 20 // 64 timeouts' worth of 64 KiB claims
 		w := postFake(t, a, agent.OpWrite, peer, make([]byte, big))
-		doneWithin(t, w, 10*time.Second, "the WRITE")
+		backendtest.DoneWithin(t, w, 10*time.Second, "the WRITE")
 		require.NoError(t, w.Err())
 		x := postFake(t, a, agent.OpRead, peer, make([]byte, 4096))
-		took := doneWithin(t, x, 10*timeout, "a READ held by claims of answered bytes")
+		took := backendtest.DoneWithin(t, x, 10*timeout, "a READ held by claims of answered bytes")
 		require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
 		t.Logf("lost after %v (timeout %v)", took, timeout)
 	})

@@ -1,7 +1,6 @@
 package tcp_test
 
 import (
-	"bufio"
 	"context"
 	"encoding/binary"
 	"encoding/json"
@@ -9,7 +8,6 @@ import (
 	"io"
 	"net"
 	"os"
-	"os/exec"
 	"slices"
 	"sync"
 	"testing"
@@ -19,6 +17,8 @@ import (
 
 	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/agent/backend/tcp"
+	"github.com/goxfer/goxfer/agent/backendtest"
+	"github.com/goxfer/goxfer/internal/testproc"
 )
 
 // The benchmarks compare the tcp backend with raw Go TCP measured in the same
@@ -31,14 +31,9 @@ const benchChildEnv = "GOXFER_TCP_BENCH_CHILD"
 
 // childHello is what the benchmark child prints on its first line.
 type childHello struct {
-	Info      agent.Info
-	ReadKey   agent.Key
-	WriteKey  agent.Key
-	Addr      uint64 // the read exposure's address; the write one follows
-	WriteAddr uint64
-	Size      int
-	Raw       string // raw TCP stream server
-	Ping      string // raw TCP ping-pong server
+	backendtest.BenchTarget
+	Raw  string // raw TCP stream server
+	Ping string // raw TCP ping-pong server
 }
 
 const childSize = 256 << 20
@@ -47,26 +42,21 @@ const childSize = 256 << 20
 // writable region of childSize bytes, serves the raw baselines, and exits
 // when its standard input closes.
 func benchChild() {
+	die := func(err error) {
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(2)
+		}
+	}
 	a, err := agent.New(agent.WithBackends(tcp.New()))
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		os.Exit(2)
-	}
-	rbuf, wbuf := make([]byte, childSize), make([]byte, childSize)
-	for i := range rbuf {
-		rbuf[i] = byte(i)
-	}
-	rexp, _ := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(rbuf)})
-	wexp, _ := a.Expose(agent.AccessWrite, []agent.Local{agent.DRAM(wbuf)})
+	die(err)
+	tg, rbuf, err := backendtest.ExposeBenchTarget(a, childSize)
+	die(err)
 	raw, _ := net.Listen("tcp", "127.0.0.1:0")
 	ping, _ := net.Listen("tcp", "127.0.0.1:0")
 	go serveRaw(raw, rbuf)
 	go servePing(ping)
-	_ = json.NewEncoder(os.Stdout).Encode(childHello{
-		Info: a.Info(), ReadKey: rexp.Key(), WriteKey: wexp.Key(),
-		Addr: agent.DRAM(rbuf).Addr, WriteAddr: agent.DRAM(wbuf).Addr, Size: childSize,
-		Raw: raw.Addr().String(), Ping: ping.Addr().String(),
-	})
+	_ = json.NewEncoder(os.Stdout).Encode(childHello{BenchTarget: tg, Raw: raw.Addr().String(), Ping: ping.Addr().String()})
 	_, _ = io.Copy(io.Discard, os.Stdin)
 	_ = a.Close()
 	os.Exit(0)
@@ -126,51 +116,8 @@ func serveEach(ln net.Listener, serve func(c net.Conn)) {
 	}
 }
 
-type child struct {
-	hello childHello
-	stdin io.WriteCloser
-	cmd   *exec.Cmd
-}
-
-var (
-	childOnce sync.Once
-	theChild  *child
-)
-
-// sharedChild starts one child for all cross-process benchmarks.
-func sharedChild(b *testing.B) *child {
-	childOnce.Do(func() {
-		cmd := exec.Command(os.Args[0], "-test.run=^$", "-test.bench=^$")
-		cmd.Env = append(os.Environ(), benchChildEnv+"=1")
-		cmd.Stderr = os.Stderr
-		stdin, err := cmd.StdinPipe()
-		require.NoError(b, err)
-		stdout, err := cmd.StdoutPipe()
-		require.NoError(b, err)
-		require.NoError(b, cmd.Start())
-		theChild = &child{stdin: stdin, cmd: cmd}
-		require.NoError(b, json.NewDecoder(bufio.NewReader(stdout)).Decode(&theChild.hello))
-	})
-	return theChild
-}
-
-func stopSharedChild() {
-	if theChild != nil {
-		_ = theChild.stdin.Close()
-		_ = theChild.cmd.Wait()
-	}
-}
-
-var shapes = []struct {
-	name       string
-	descs, len int
-}{
-	{"4KiB", 1, 4 << 10},
-	{"1MiB", 1, 1 << 20},
-	{"64MiB", 1, 64 << 20},
-	{"256MiB", 1, 256 << 20},
-	{"KV-4096x64KiB", 4096, 64 << 10},
-}
+// benchTarget is one child for all cross-process benchmarks.
+var benchTarget = testproc.Shared[childHello]{Env: benchChildEnv}
 
 // BenchmarkTCP measures READ and WRITE through the tcp backend against a
 // child process, one operation at a time, and next to each single-region
@@ -179,56 +126,37 @@ var shapes = []struct {
 // ratios compare the same moment of a noisy machine. The KV shape compares
 // with the 256 MiB single region just before it.
 func BenchmarkTCP(b *testing.B) {
-	ch := sharedChild(b)
+	ch := benchTarget.Hello(b)
 	a, err := agent.New(agent.WithBackends(tcp.New()))
 	require.NoError(b, err)
 	defer a.Close()
 	local := make([]byte, childSize)
-	raws := map[int][]net.Conn{1: dialRawConns(b, ch, 1), 4: dialRawConns(b, ch, 4)}
+	raws := map[int][]net.Conn{1: dialRawConns(b, ch.Raw, 1), 4: dialRawConns(b, ch.Raw, 4)}
 	for _, op := range []agent.Op{agent.OpRead, agent.OpWrite} {
-		for _, sh := range shapes {
-			b.Run(fmt.Sprintf("%s/%s/goxfer", op, sh.name), func(b *testing.B) {
-				key, base := ch.hello.ReadKey, ch.hello.Addr
-				if op == agent.OpWrite {
-					key, base = ch.hello.WriteKey, ch.hello.WriteAddr
-				}
-				segs := make([]agent.Segment, sh.descs)
-				for i := range segs {
-					off := i * sh.len
-					segs[i] = agent.Segment{
-						Local:  agent.DRAM(local[off : off+sh.len]),
-						Remote: agent.Region{Addr: base + uint64(off), Len: uint64(sh.len)},
-					}
-				}
-				b.SetBytes(int64(sh.descs * sh.len))
+		for _, sh := range backendtest.BenchShapes {
+			b.Run(fmt.Sprintf("%s/%s/goxfer", op, sh.Name), func(b *testing.B) {
+				key, base := ch.Remote(op)
+				b.SetBytes(int64(sh.Bytes()))
 				b.ReportAllocs()
-				for b.Loop() {
-					x, err := a.Post(context.Background(), agent.Request{Op: op, Peer: ch.hello.Info, Key: key, Segments: segs})
-					if err != nil {
-						b.Fatal(err)
-					}
-					<-x.Done()
-					if err := x.Err(); err != nil {
-						b.Fatal(err)
-					}
-				}
+				backendtest.BenchPost(b, a, agent.Request{Op: op, Peer: ch.Info, Key: key, Segments: sh.Segments(local, base)})
 			})
-			if sh.descs != 1 || sh.len < 1<<20 {
+			if sh.Descs != 1 || sh.Len < 1<<20 {
 				continue
 			}
 			for _, n := range []int{1, 4} {
-				b.Run(fmt.Sprintf("%s/%s/raw-conns=%d", op, sh.name, n), func(b *testing.B) {
-					rawTransfer(b, raws[n], op, local[:sh.len])
+				b.Run(fmt.Sprintf("%s/%s/raw-conns=%d", op, sh.Name, n), func(b *testing.B) {
+					rawTransfer(b, raws[n], op, local[:sh.Len])
 				})
 			}
 		}
 	}
 }
 
-func dialRawConns(b *testing.B, ch *child, n int) []net.Conn {
+// dialRawConns dials n connections to the child's raw server at addr.
+func dialRawConns(b *testing.B, addr string, n int) []net.Conn {
 	cs := make([]net.Conn, n)
 	for i := range cs {
-		c, err := net.Dial("tcp", ch.hello.Raw)
+		c, err := net.Dial("tcp", addr)
 		require.NoError(b, err)
 		b.Cleanup(func() { _ = c.Close() })
 		cs[i] = c
@@ -276,7 +204,7 @@ func rawTransfer(b *testing.B, cs []net.Conn, op agent.Op, buf []byte) {
 // ping-pong in the same process; p50 and p99 are reported in µs.
 func BenchmarkLatency4KiB(b *testing.B) {
 	b.Run("goxfer-read+notify", func(b *testing.B) {
-		pa, aa := pair(b)
+		pa, aa := backendtest.Pair(b, tcp.New)
 		src, dst := make([]byte, 4096), make([]byte, 4096)
 		exp, err := pa.Expose(agent.AccessRead, []agent.Local{agent.DRAM(src)})
 		require.NoError(b, err)

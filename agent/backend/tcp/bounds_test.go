@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backendtest"
 )
 
 // busyPinger is a passive peer that reads every request and never answers
@@ -33,30 +34,6 @@ func busyPinger(c net.Conn) {
 	}
 }
 
-// closeWithin closes a, failing the test if it takes longer than d.
-func closeWithin(t *testing.T, a *agent.Agent, d time.Duration, what string) {
-	t.Helper()
-	closed := make(chan error, 1)
-	go func() { closed <- a.Close() }()
-	select {
-	case <-closed:
-	case <-time.After(d):
-		t.Fatalf("Close hung on %s", what)
-	}
-}
-
-// doneWithin waits for x to finish, failing the test after d.
-func doneWithin(t *testing.T, x *agent.Xfer, d time.Duration, what string) time.Duration {
-	t.Helper()
-	start := time.Now()
-	select {
-	case <-x.Done():
-	case <-time.After(d):
-		t.Fatalf("%s: the transfer did not finish within %v", what, d)
-	}
-	return time.Since(start)
-}
-
 // A peer whose pings say "busy" forever, but which never answers, cannot
 // hold a transfer: it is lost within a bounded time, cancelling it ends it
 // at once without waiting for the peer, and Close returns.
@@ -73,7 +50,7 @@ func TestBusyPingsCannotHoldTransfers(t *testing.T) {
 		t.Run("lost", func(t *testing.T) {
 			bubble(t, func(t *testing.T, nw *memNet) {
 				_, x := post(t, nw, n, WithKeepalive(50*time.Millisecond, 300*time.Millisecond))
-				took := doneWithin(t, x, 10*time.Second, "a peer pinging busy and never answering")
+				took := backendtest.DoneWithin(t, x, 10*time.Second, "a peer pinging busy and never answering")
 				require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
 				t.Logf("%d bytes: lost after %v (timeout 300ms): %v", n, took, x.Err())
 			})
@@ -84,7 +61,7 @@ func TestBusyPingsCannotHoldTransfers(t *testing.T) {
 				_, x := post(t, nw, n, WithKeepalive(time.Second, 30*time.Second))
 				time.Sleep(100 * time.Millisecond)
 				x.Cancel(nil)
-				took := doneWithin(t, x, 5*time.Second, "Cancel")
+				took := backendtest.DoneWithin(t, x, 5*time.Second, "Cancel")
 				require.ErrorIs(t, x.Err(), agent.ErrCancelled)
 				t.Logf("%d bytes: cancelled after %v", n, took)
 			})
@@ -93,7 +70,7 @@ func TestBusyPingsCannotHoldTransfers(t *testing.T) {
 			bubble(t, func(t *testing.T, nw *memNet) {
 				a, x := post(t, nw, n, WithKeepalive(time.Second, 30*time.Second))
 				time.Sleep(100 * time.Millisecond)
-				closeWithin(t, a, 5*time.Second, "a peer pinging busy")
+				_ = backendtest.CloseWithin(t, a, 5*time.Second, "a peer pinging busy")
 				require.Error(t, x.Err())
 			})
 		})
@@ -131,7 +108,7 @@ func TestCancelFencesLandingRead(t *testing.T) {
 		x := postFake(t, a, agent.OpRead, peer, dst)
 		time.Sleep(300 * time.Millisecond) // some of the answer has landed
 		x.Cancel(nil)
-		took := doneWithin(t, x, time.Second, "Cancel during a trickled answer")
+		took := backendtest.DoneWithin(t, x, time.Second, "Cancel during a trickled answer")
 		require.ErrorIs(t, x.Err(), agent.ErrCancelled)
 		landed := bytes.Clone(dst)
 		time.Sleep(300 * time.Millisecond) // the peer goes on sending
@@ -169,7 +146,7 @@ func TestCancelFencesWritingWrite(t *testing.T) {
 		x := postFake(t, a, agent.OpWrite, peer, src)
 		time.Sleep(300 * time.Millisecond)
 		x.Cancel(nil)
-		took := doneWithin(t, x, time.Second, "Cancel during a slowly taken WRITE")
+		took := backendtest.DoneWithin(t, x, time.Second, "Cancel during a slowly taken WRITE")
 		require.ErrorIs(t, x.Err(), agent.ErrCancelled)
 		for i := range src { // the memory is the caller's again
 			src[i] = 0xFF

@@ -11,11 +11,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/agent/backend/internal/serve"
+	"github.com/goxfer/goxfer/agent/backendtest"
 )
 
 // The test-only hostile client: exposed memory surrounded by secret guard
@@ -173,13 +173,10 @@ func (p *rawPeer) dropped(t testing.TB) {
 }
 
 // waitStats waits until b's counters moved by want since before, and fails
-// if they moved by anything else.
+// if they moved by anything else, then or 5 ms later.
 func waitStats(t testing.TB, b *Backend, before, want Stats) {
 	t.Helper()
-	require.Eventually(t, func() bool { return serve.Delta(b.Stats(), before) == want }, 10*time.Second, time.Millisecond,
-		"want counters to move by %+v", want)
-	time.Sleep(5 * time.Millisecond) // nothing more arrives late
-	assert.Equal(t, want, serve.Delta(b.Stats(), before))
+	backendtest.WaitCounters(t, func() Stats { return serve.Delta(b.Stats(), before) }, want, 5*time.Millisecond)
 }
 
 // expose exposes mem on a for acc.
@@ -206,11 +203,7 @@ func postRead(t testing.TB, active, passive *agent.Agent, exp *agent.Exposure, r
 func legitRead(t testing.TB, active, passive *agent.Agent, exp *agent.Exposure, r []byte) {
 	t.Helper()
 	x, dst := postRead(t, active, passive, exp, r)
-	select {
-	case <-x.Done():
-	case <-time.After(20 * time.Second):
-		t.Fatal("a legitimate transfer hung")
-	}
+	backendtest.DoneWithin(t, x, 20*time.Second, "a legitimate transfer")
 	require.NoError(t, x.Err(), "a legitimate transfer failed")
 	require.Equal(t, r, dst)
 }

@@ -16,15 +16,14 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backendtest"
 )
 
+// newAgent starts an agent on a tcp backend with opts.
 func newAgent(t testing.TB, opts ...Option) (*agent.Agent, *Backend) {
 	t.Helper()
 	b := New(opts...)
-	a, err := agent.New(agent.WithBackends(b))
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = a.Close() })
-	return a, b
+	return backendtest.NewAgent(t, b), b
 }
 
 // rawPeer is a hand-driven client speaking the wire protocol.

@@ -3,8 +3,6 @@ package tcp
 import (
 	"bytes"
 	"context"
-	"errors"
-	"io"
 	"net"
 	"sync"
 	"testing"
@@ -16,6 +14,7 @@ import (
 
 	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/agent/backend/internal/serve"
+	"github.com/goxfer/goxfer/agent/backendtest"
 )
 
 func TestLimitOptions(t *testing.T) {
@@ -35,36 +34,6 @@ func TestLimitOptions(t *testing.T) {
 		WithStreams(1), WithMaxConnsPerPeer(2), WithMaxConnsPerIP(2), WithMaxHandshakes(1))))
 	require.NoError(t, err)
 	require.NoError(t, a.Close())
-}
-
-// trickle writes b one byte at a time, every gap, until the server drops
-// the connection or b is sent; it returns how long the server took to drop
-// it, counted from the first byte.
-func trickle(t *testing.T, c net.Conn, b []byte, gap time.Duration) time.Duration {
-	t.Helper()
-	start := time.Now()
-	gone := make(chan struct{})
-	go func() { // the server's drop shows as the end of what it sends
-		defer close(gone)
-		_ = c.SetReadDeadline(time.Now().Add(20 * time.Second))
-		_, _ = io.Copy(io.Discard, c)
-	}()
-	for _, x := range b {
-		select {
-		case <-gone:
-			return time.Since(start)
-		case <-time.After(gap):
-		}
-		if _, err := c.Write([]byte{x}); err != nil {
-			break
-		}
-	}
-	select {
-	case <-gone:
-	case <-time.After(20 * time.Second):
-		t.Fatal("the server never dropped a slow peer")
-	}
-	return time.Since(start)
 }
 
 // A peer that trickles any part of its traffic, or reads its answers too
@@ -130,7 +99,8 @@ func TestSlowLoris(t *testing.T) {
 		{"handshake", func(t *testing.T, tg *target) time.Duration {
 			var hs [hsSize]byte
 			(&handshake{self: uuid.New(), expect: tg.a.ID(), timeout: time.Minute}).put(hs[:])
-			return trickle(t, dialBackend(t, tg.b), hs[:], gap)
+			c := dialBackend(t, tg.b)
+			return backendtest.Trickle(t, c, c, hs[:], gap)
 		}},
 		{"silent after the handshake", func(t *testing.T, tg *target) time.Duration {
 			p, _ := dialHostile(t, tg.b, tg.a.ID())
@@ -140,7 +110,7 @@ func TestSlowLoris(t *testing.T) {
 		}},
 		{"header", func(t *testing.T, tg *target) time.Duration {
 			p, _ := dialHostile(t, tg.b, tg.a.ID())
-			return trickle(t, p.c, readR(tg)[:hdrSize], gap)
+			return backendtest.Trickle(t, p.c, p.c, readR(tg)[:hdrSize], gap)
 		}},
 		{"piece table", func(t *testing.T, tg *target) time.Duration {
 			table := make([][2]uint64, 64)
@@ -151,7 +121,7 @@ func TestSlowLoris(t *testing.T) {
 			p, _ := dialHostile(t, tg.b, tg.a.ID())
 			_, err := p.c.Write(f[:hdrSize+8])
 			require.NoError(t, err)
-			return trickle(t, p.c, f[hdrSize+8:], gap)
+			return backendtest.Trickle(t, p.c, p.c, f[hdrSize+8:], gap)
 		}},
 		{"WRITE payload", func(t *testing.T, tg *target) time.Duration {
 			g := tg.g
@@ -169,7 +139,7 @@ func TestSlowLoris(t *testing.T) {
 				w.Revoke()
 				revoked <- time.Since(start)
 			}()
-			took := trickle(t, p.c, f[hdrSize+pieceSize+1:], gap)
+			took := backendtest.Trickle(t, p.c, p.c, f[hdrSize+pieceSize+1:], gap)
 			select {
 			case d := <-revoked:
 				t.Logf("Revoke waited %v for the trickling WRITE's lease", d)
@@ -197,57 +167,24 @@ func TestHandshakeFlood(t *testing.T) {
 	b := tg.b
 	before := b.Stats()
 
-	var mu sync.Mutex
-	var conns []net.Conn
-	defer func() {
-		mu.Lock()
-		defer mu.Unlock()
-		for _, c := range conns {
-			_ = c.Close()
-		}
-	}()
-	open := func() {
-		c, err := net.Dial("tcp", b.Addr().String())
-		require.NoError(t, err)
-		mu.Lock()
-		conns = append(conns, c)
-		mu.Unlock()
-	}
+	f := backendtest.NewFlood(t, func() (net.Conn, error) { return net.Dial("tcp", b.Addr().String()) })
 	const flood = 200
-	for range flood {
-		open()
-	}
+	f.Open(flood)
 	require.Eventually(t, func() bool { return b.Stats().LimitRejected-before.LimitRejected == flood-limit }, 10*time.Second, time.Millisecond)
 	assert.LessOrEqual(t, b.gate.Len(), limit)
 
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	wg.Go(func() { // the flood goes on during the honest transfers
-		for {
-			select {
-			case <-stop:
-				return
-			case <-time.After(time.Millisecond):
-				open()
-			}
+	f.During(func() { // the flood goes on during the honest transfers
+		for range 3 {
+			tg.stillServes(t, nil)
 		}
 	})
-	for range 3 {
-		tg.stillServes(t, nil)
-	}
-	close(stop)
-	wg.Wait()
 	got := serve.Delta(b.Stats(), before)
 	assert.Equal(t, got.LimitRejected, got.Disconnected)
 	assert.Zero(t, got.HandshakeFailures+got.ProtocolErrors+got.Timeouts+got.Denied)
-	t.Logf("%d connections in the flood, %d closed to make room", len(conns), got.LimitRejected)
+	t.Logf("%d connections in the flood, %d closed to make room", f.Len(), got.LimitRejected)
 
 	// The flood's oldest connections were closed by the server.
-	_ = conns[0].SetReadDeadline(time.Now().Add(5 * time.Second))
-	_, err := conns[0].Read(make([]byte, 1))
-	var ne net.Error
-	require.Error(t, err)
-	require.False(t, errors.As(err, &ne) && ne.Timeout(), "the oldest handshake was kept")
+	f.OldestDropped(t)
 	tg.g.intact(t, nil)
 }
 

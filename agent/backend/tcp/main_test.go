@@ -4,8 +4,6 @@ import (
 	"os"
 	"testing"
 
-	"go.uber.org/goleak"
-
 	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/agent/backend/tcp"
 	"github.com/goxfer/goxfer/agent/backendtest"
@@ -14,20 +12,12 @@ import (
 func factory() ([]agent.Backend, error) { return []agent.Backend{tcp.New()}, nil }
 
 func TestMain(m *testing.M) {
-	backendtest.Child(factory) // becomes the conformance suite's child process when asked to
-	if os.Getenv(benchChildEnv) != "" {
+	if os.Getenv(benchChildEnv) != "" { // the benchmarks' target
 		benchChild()
 		return
 	}
-	code := m.Run()
-	stopSharedChild()
-	if code == 0 {
-		if err := goleak.Find(); err != nil {
-			os.Stderr.WriteString("goleak: " + err.Error() + "\n")
-			code = 1
-		}
-	}
-	os.Exit(code)
+	// or the conformance suite's child; the benchmarks share one target
+	backendtest.MainAfter(m, factory, benchTarget.Stop)
 }
 
 func TestConformance(t *testing.T) {

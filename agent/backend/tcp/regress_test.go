@@ -18,6 +18,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backendtest"
 )
 
 // serveFake listens on nw and hands each connection it accepts to handle,
@@ -28,32 +29,9 @@ func serveFake(t testing.TB, nw network, handle func(c net.Conn)) net.Listener {
 	t.Helper()
 	ln, err := nw.listen("127.0.0.1:0")
 	require.NoError(t, err)
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	var conns []net.Conn
-	wg.Go(func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-			wg.Go(func() {
-				defer c.Close()
-				handle(c)
-			})
-		}
-	})
-	t.Cleanup(func() {
-		_ = ln.Close()
-		mu.Lock()
-		for _, c := range conns {
-			_ = c.Close()
-		}
-		mu.Unlock()
-		wg.Wait()
+	backendtest.ServeConns(t, ln, func(c net.Conn) {
+		defer c.Close()
+		handle(c)
 	})
 	return ln
 }
@@ -231,16 +209,8 @@ func TestDepartedPeerFailsAtOnce(t *testing.T) {
 		dst := make([]byte, 1<<20)
 		x := postFake(t, a, agent.OpRead, peer, dst)
 		time.Sleep(100 * time.Millisecond)
-		start := time.Now()
-		a.PeerDeparted(peer.ID, errors.New("registry: heartbeats stopped"))
-		select {
-		case <-x.Done():
-		case <-time.After(10 * time.Second):
-			t.Fatal("the departed peer's transfer waited for the keepalive timeout")
-		}
-		require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
-		assert.Contains(t, x.Err().Error(), "heartbeats stopped")
-		t.Logf("transfer to a departed peer ended %v after the departure (keepalive timeout 20s): %v", time.Since(start), x.Err())
+		took := backendtest.Depart(t, a, peer.ID, x, "registry: heartbeats stopped", 10*time.Second)
+		t.Logf("transfer to a departed peer ended %v after the departure (keepalive timeout 20s): %v", took, x.Err())
 	})
 }
 

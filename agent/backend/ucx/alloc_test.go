@@ -12,18 +12,14 @@ import (
 
 	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/agent/backend/ucx"
+	"github.com/goxfer/goxfer/agent/backendtest"
 )
 
-// pairOf is pair, returning the backends too.
+// pairOf is [backendtest.Pair], returning the backends too.
 func pairOf(t testing.TB, opts ...ucx.Option) (a, b *agent.Agent, ua, ub *ucx.Backend) {
 	t.Helper()
 	ua, ub = ucx.New(opts...), ucx.New(opts...)
-	a, err := agent.New(agent.WithBackends(ua))
-	require.NoError(t, err)
-	b, err = agent.New(agent.WithBackends(ub))
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = a.Close(); _ = b.Close() })
-	return a, b, ua, ub
+	return backendtest.NewAgent(t, ua), backendtest.NewAgent(t, ub), ua, ub
 }
 
 func TestAllocOwnership(t *testing.T) {
@@ -88,11 +84,7 @@ func TestAllocTransfers(t *testing.T) {
 			x, err := b.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: a.Info(), Key: exp.Key(),
 				Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.DRAM(src).Region}}})
 			require.NoError(t, err)
-			select {
-			case <-x.Done():
-			case <-time.After(20 * time.Second):
-				t.Fatal("READ did not finish")
-			}
+			backendtest.DoneWithin(t, x, 20*time.Second, "READ")
 			require.NoError(t, x.Err())
 			require.True(t, bytes.Equal(src, dst), "READ of %d bytes, Go memory %v", size, goMem)
 			exp.Revoke()
@@ -106,11 +98,7 @@ func TestAllocTransfers(t *testing.T) {
 			x, err = b.Post(context.Background(), agent.Request{Op: agent.OpWrite, Peer: a.Info(), Key: wexp.Key(),
 				Segments: []agent.Segment{{Local: agent.DRAM(dst[:size/2]), Remote: agent.DRAM(src[:size/2]).Region}}})
 			require.NoError(t, err)
-			select {
-			case <-x.Done():
-			case <-time.After(20 * time.Second):
-				t.Fatal("WRITE did not finish")
-			}
+			backendtest.DoneWithin(t, x, 20*time.Second, "WRITE")
 			require.NoError(t, x.Err())
 			require.True(t, bytes.Equal(src[:size/2], dst[:size/2]))
 			wexp.Revoke()
@@ -129,7 +117,7 @@ func TestAllocTransfers(t *testing.T) {
 
 // TestInlineChecks: an inline transfer is checked like any other.
 func TestInlineChecks(t *testing.T) {
-	a, b := pair(t)
+	a, b := backendtest.Pair(t, ucx.New)
 	mem := make([]byte, 8192)
 	exp, err := a.Expose(agent.AccessWrite, []agent.Local{agent.DRAM(mem[:4096])})
 	require.NoError(t, err)

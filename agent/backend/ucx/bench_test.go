@@ -3,7 +3,6 @@
 package ucx_test
 
 import (
-	"context"
 	"fmt"
 	"testing"
 
@@ -11,6 +10,7 @@ import (
 
 	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/agent/backend/ucx"
+	"github.com/goxfer/goxfer/agent/backendtest"
 )
 
 // BenchmarkTransfer moves one descriptor between two agents of this
@@ -20,7 +20,7 @@ func BenchmarkTransfer(b *testing.B) {
 	for _, op := range []agent.Op{agent.OpRead, agent.OpWrite} {
 		for _, size := range []int{4 << 10, 1 << 20, 64 << 20} {
 			b.Run(fmt.Sprintf("%v/%d", op, size), func(b *testing.B) {
-				a, p := pair(b, ucx.WithTimeout(30e9))
+				a, p := backendtest.Pair(b, ucx.New, ucx.WithTimeout(30e9))
 				remote, local := make([]byte, size), make([]byte, size)
 				rr, err := p.Register(agent.DRAM(remote))
 				require.NoError(b, err)
@@ -34,13 +34,7 @@ func BenchmarkTransfer(b *testing.B) {
 				req := agent.Request{Op: op, Peer: p.Info(), Key: e.Key(),
 					Segments: []agent.Segment{{Local: agent.DRAM(local), Remote: agent.DRAM(remote).Region}}}
 				b.SetBytes(int64(size))
-				b.ResetTimer()
-				for range b.N {
-					x, err := a.Post(context.Background(), req)
-					require.NoError(b, err)
-					<-x.Done()
-					require.NoError(b, x.Err())
-				}
+				backendtest.BenchPost(b, a, req)
 			})
 		}
 	}

@@ -6,8 +6,6 @@ import (
 	"os"
 	"testing"
 
-	"go.uber.org/goleak"
-
 	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/agent/backend/ucx"
 	"github.com/goxfer/goxfer/agent/backendtest"
@@ -18,17 +16,7 @@ import (
 // UCX_TLS=tcp,self and once with UCX_TLS=posix,self.
 func factory() ([]agent.Backend, error) { return []agent.Backend{ucx.New()}, nil }
 
-func TestMain(m *testing.M) {
-	backendtest.Child(factory) // becomes the conformance suite's child process when asked to
-	code := m.Run()
-	if code == 0 {
-		if err := goleak.Find(); err != nil {
-			os.Stderr.WriteString("goleak: " + err.Error() + "\n")
-			code = 1
-		}
-	}
-	os.Exit(code)
-}
+func TestMain(m *testing.M) { backendtest.Main(m, factory) }
 
 func TestConformance(t *testing.T) {
 	t.Logf("UCX_TLS=%q", os.Getenv("UCX_TLS"))

@@ -3,18 +3,17 @@
 package ucx
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"log/slog"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/internal/testproc"
 )
 
 // Notify never blocks: it queues the notification, and a ctx already done
@@ -41,27 +40,9 @@ func TestNotifyContext(t *testing.T) {
 	}
 }
 
-// syncBuffer is a bytes.Buffer safe for the progress thread's writes.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 // A dropped connection is logged at Debug on the agent's logger.
 func TestDropLogged(t *testing.T) {
-	var logs syncBuffer
+	var logs testproc.Buffer // the progress thread writes to it
 	a, err := agent.New(agent.WithBackends(New()),
 		agent.WithLogger(slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))))
 	require.NoError(t, err)

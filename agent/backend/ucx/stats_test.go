@@ -13,6 +13,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backend/internal/serve"
+	"github.com/goxfer/goxfer/agent/backendtest"
 )
 
 // onLoop runs f on b's progress thread and waits for it.
@@ -23,51 +25,61 @@ func onLoop(t *testing.T, b *Backend, f func(l *loop)) {
 	<-done
 }
 
+// newUCXAgent starts an agent on a ucx backend with opts.
 func newUCXAgent(t *testing.T, opts ...Option) (*agent.Agent, *Backend) {
 	t.Helper()
 	u := New(opts...)
-	a, err := agent.New(agent.WithBackends(u))
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = a.Close() })
-	return a, u
+	return backendtest.NewAgent(t, u), u
 }
 
-// since returns s - before, field by field.
-func since(s, before Stats) Stats {
-	return Stats{
-		Disconnected:      s.Disconnected - before.Disconnected,
-		HandshakeFailures: s.HandshakeFailures - before.HandshakeFailures,
-		ProtocolErrors:    s.ProtocolErrors - before.ProtocolErrors,
-		LimitRejected:     s.LimitRejected - before.LimitRejected,
-		Timeouts:          s.Timeouts - before.Timeouts,
-		Denied:            s.Denied - before.Denied,
-	}
-}
+// since returns what each counter moved by from before to s.
+var since = serve.Delta
 
+// waitStats waits until u's counters moved by want since before, and fails
+// if they moved by anything else, then or 50 ms later.
 func waitStats(t *testing.T, u *Backend, before, want Stats) {
 	t.Helper()
-	require.Eventually(t, func() bool { return since(u.Stats(), before) == want }, 10*time.Second, time.Millisecond,
-		"got %+v, want %+v", since(u.Stats(), before), want)
-	time.Sleep(50 * time.Millisecond) // and nothing more
-	assert.Equal(t, want, since(u.Stats(), before))
+	backendtest.WaitCounters(t, func() Stats { return since(u.Stats(), before) }, want, 50*time.Millisecond)
+}
+
+// exposing is two agents: a exposes mem, 1 MiB, for reading (revoked
+// when the test ends) and b reaches it.
+type exposing struct {
+	a, b   *agent.Agent
+	ua, ub *Backend
+	mem    []byte
+	exp    *agent.Exposure
+}
+
+func newExposing(t *testing.T) *exposing {
+	t.Helper()
+	e := &exposing{mem: make([]byte, 1<<20)}
+	e.a, e.ua = newUCXAgent(t)
+	e.b, e.ub = newUCXAgent(t)
+	var err error
+	e.exp, err = e.a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(e.mem)})
+	require.NoError(t, err)
+	t.Cleanup(e.exp.Revoke)
+	return e
+}
+
+// post has b move the first n bytes of mem by op under key, and returns
+// the transfer's error.
+func (e *exposing) post(t *testing.T, key agent.Key, op agent.Op, n uint64) error {
+	t.Helper()
+	x, err := e.b.Post(context.Background(), agent.Request{Op: op, Peer: e.a.Info(), Key: key,
+		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, n)), Remote: agent.Region{Addr: agent.DRAM(e.mem).Addr, Len: n}}}})
+	require.NoError(t, err)
+	<-x.Done()
+	return x.Err()
 }
 
 // Lease requests refused by the exposing side count as denied there, the
 // connection kept; the agent sees them under the backend's name.
 func TestStatsDenied(t *testing.T) {
-	a, ua := newUCXAgent(t)
-	b, ub := newUCXAgent(t)
-	mem := make([]byte, 1<<20)
-	exp, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(mem)})
-	require.NoError(t, err)
-	defer exp.Revoke()
-	post := func(key agent.Key, op agent.Op, n uint64) error {
-		x, err := b.Post(context.Background(), agent.Request{Op: op, Peer: a.Info(), Key: key,
-			Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, n)), Remote: agent.Region{Addr: agent.DRAM(mem).Addr, Len: n}}}})
-		require.NoError(t, err)
-		<-x.Done()
-		return x.Err()
-	}
+	e := newExposing(t)
+	a, ua, ub, exp := e.a, e.ua, e.ub, e.exp
+	post := func(key agent.Key, op agent.Op, n uint64) error { return e.post(t, key, op, n) }
 	require.NoError(t, post(exp.Key(), agent.OpRead, 1<<20))
 	beforeA, beforeB := ua.Stats(), ub.Stats()
 	require.ErrorIs(t, post(agent.NewKey(), agent.OpRead, 1<<20), agent.ErrAccessDenied) // unknown key
@@ -85,17 +97,9 @@ func TestStatsDenied(t *testing.T) {
 // limit: limit_rejected) where they arrive; a lease requested twice on
 // one connection costs the connection.
 func TestStatsMalformed(t *testing.T) {
-	a, ua := newUCXAgent(t)
-	b, ub := newUCXAgent(t)
-	mem := make([]byte, 1<<20)
-	exp, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(mem)})
-	require.NoError(t, err)
-	defer exp.Revoke()
-	x, err := b.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: a.Info(), Key: exp.Key(),
-		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 4096)), Remote: agent.Region{Addr: agent.DRAM(mem).Addr, Len: 4096}}}})
-	require.NoError(t, err)
-	<-x.Done()
-	require.NoError(t, x.Err())
+	e := newExposing(t)
+	a, ua, ub, exp, mem := e.a, e.ua, e.ub, e.exp, e.mem
+	require.NoError(t, e.post(t, exp.Key(), agent.OpRead, 4096))
 
 	before, refused := ua.Stats(), a.Stats().Refused
 	onLoop(t, ub, func(l *loop) {
@@ -146,7 +150,7 @@ func TestStatsHandshakeAndTimeout(t *testing.T) {
 
 // A lease request left unanswered is a timeout.
 func TestStatsLeaseTimeout(t *testing.T) {
-	peer := startStuck(t, WithTimeout(time.Minute))
+	peer, _ := backendtest.StartStuck(t, New(WithTimeout(time.Minute)))
 	a, u := newUCXAgent(t, WithTimeout(300*time.Millisecond))
 	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpWrite, Peer: peer, Key: agent.NewKey(),
 		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 1<<20)), Remote: agent.Region{Addr: 4096, Len: 1 << 20}}}})

@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backendtest"
 )
 
 const thawChild = "GOXFER_UCX_THAW_CHILD"
@@ -53,7 +54,7 @@ func TestPeerThawsAfterConnectorClosed(t *testing.T) {
 }
 
 func thawScenario(t *testing.T) {
-	peer, thaw := newStuck(t, WithTimeout(time.Minute))
+	peer, host := backendtest.StartStuck(t, New(WithTimeout(time.Minute)))
 	a, err := agent.New(agent.WithBackends(New(WithTimeout(time.Minute))))
 	require.NoError(t, err)
 	dst := make([]byte, 1<<20)
@@ -72,6 +73,6 @@ func thawScenario(t *testing.T) {
 	a.PeerDeparted(peer.ID, errors.New("registry: gone again"))
 	<-x.Done()
 	require.NoError(t, a.Close())
-	thaw()
+	host.Thaw()
 	time.Sleep(500 * time.Millisecond) // the peer handles its queue
 }
