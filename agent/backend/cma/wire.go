@@ -9,6 +9,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backend/internal/framehdr"
 )
 
 // The control protocol, over one Unix-domain stream socket per pair of
@@ -46,7 +47,7 @@ import (
 //	 24  key     [16]byte
 const (
 	hsSize    = 72
-	hdrSize   = 40
+	hdrSize   = framehdr.HeaderSize
 	rangeSize = 16
 
 	tBegin  = 1 // active→passive: lease the ranges for access; answered by tGrant
@@ -95,23 +96,17 @@ type header struct {
 	key    agent.Key
 }
 
+// put encodes h as a [framehdr.Header].
 func (h *header) put(b []byte) {
-	_ = b[hdrSize-1]
-	b[0], b[1], b[2], b[3] = h.typ, h.status, 0, 0
-	binary.LittleEndian.PutUint32(b[4:], h.count)
-	binary.LittleEndian.PutUint64(b[8:], h.id)
-	binary.LittleEndian.PutUint32(b[16:], h.length)
-	binary.LittleEndian.PutUint32(b[20:], 0)
-	copy(b[24:40], h.key[:])
+	f := framehdr.Header{Type: h.typ, Status: h.status, Count: h.count, ID: h.id, Length: uint64(h.length), Key: h.key}
+	f.Put(b)
 }
 
+// get decodes a [framehdr.Header] into h.
 func (h *header) get(b []byte) {
-	_ = b[hdrSize-1]
-	h.typ, h.status = b[0], b[1]
-	h.count = binary.LittleEndian.Uint32(b[4:])
-	h.id = binary.LittleEndian.Uint64(b[8:])
-	h.length = binary.LittleEndian.Uint32(b[16:])
-	copy(h.key[:], b[24:40])
+	var f framehdr.Header
+	f.Get(b)
+	*h = header{typ: f.Type, status: f.Status, count: f.Count, id: f.ID, length: uint32(f.Length), key: f.Key}
 }
 
 // limits bound what a frame may carry.

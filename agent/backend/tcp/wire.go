@@ -11,6 +11,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backend/internal/framehdr"
 	"github.com/goxfer/goxfer/internal/hostid"
 )
 
@@ -33,7 +34,7 @@ import (
 // far, handshake included: a peer waiting for an answer can tell a request
 // still arriving from a claim.
 const (
-	hdrSize   = 40
+	hdrSize   = framehdr.HeaderSize
 	pieceSize = 16
 	hsSize    = 64
 
@@ -78,22 +79,17 @@ type header struct {
 	key    agent.Key
 }
 
+// put encodes h as a [framehdr.Header].
 func (h *header) put(b []byte) {
-	_ = b[hdrSize-1]
-	b[0], b[1], b[2], b[3] = h.typ, h.status, 0, 0
-	binary.LittleEndian.PutUint32(b[4:], h.count)
-	binary.LittleEndian.PutUint64(b[8:], h.id)
-	binary.LittleEndian.PutUint64(b[16:], h.length)
-	copy(b[24:40], h.key[:])
+	f := framehdr.Header{Type: h.typ, Status: h.status, Count: h.count, ID: h.id, Length: h.length, Key: h.key}
+	f.Put(b)
 }
 
+// get decodes a [framehdr.Header] into h.
 func (h *header) get(b []byte) {
-	_ = b[hdrSize-1]
-	h.typ, h.status = b[0], b[1]
-	h.count = binary.LittleEndian.Uint32(b[4:])
-	h.id = binary.LittleEndian.Uint64(b[8:])
-	h.length = binary.LittleEndian.Uint64(b[16:])
-	copy(h.key[:], b[24:40])
+	var f framehdr.Header
+	f.Get(b)
+	*h = header{typ: f.Type, status: f.Status, count: f.Count, id: f.ID, length: f.Length, key: f.Key}
 }
 
 // handshake: magic[4] version u8 stream u8 - u8 status u8 self[16]
