@@ -90,6 +90,10 @@ type Agent struct {
 	xferMu sync.Mutex
 	xfers  map[*transfer]struct{}
 	xferWG sync.WaitGroup
+	// calls counts the calls that may reach a backend outside a transfer
+	// (Post choosing one, Notify, PeerDeparted); Close waits for them
+	// before closing the backends. Added to under xferMu, while open.
+	calls sync.WaitGroup
 
 	closed   atomic.Bool
 	closeMu  sync.Mutex
@@ -108,11 +112,17 @@ type Agent struct {
 // backends have been closed.
 func New(opts ...Option) (*Agent, error) {
 	o := options{id: uuid.New(), logger: slog.Default()}
+	var optErr error
 	for _, opt := range opts {
-		if err := opt.apply(&o); err != nil {
-			closeAll(o.backends)
-			return nil, err
+		// After an invalid option the rest are still applied, ignoring
+		// their errors, so that every backend given is closed.
+		if err := opt.apply(&o); err != nil && optErr == nil {
+			optErr = err
 		}
+	}
+	if optErr != nil {
+		closeAll(o.backends)
+		return nil, optErr
 	}
 	if len(o.backends) == 0 {
 		return nil, fmt.Errorf("%w: an agent needs at least one backend", ErrInvalid)
@@ -145,24 +155,53 @@ func New(opts ...Option) (*Agent, error) {
 	return a, nil
 }
 
-func closeAll(bs []Backend) {
-	for _, b := range bs {
-		_ = b.Close()
-	}
-}
-
-// stopBackends ends each backend's lifetime context, then closes it.
-func (a *Agent) stopBackends() []error {
+// closeAll closes each backend once, even one given twice.
+func closeAll(bs []Backend) []error {
 	var errs []error
-	for i, b := range a.backends {
-		if i < len(a.stops) {
-			a.stops[i](ErrClosed)
+	for i, b := range bs {
+		if slices.ContainsFunc(bs[:i], func(c Backend) bool { return same(b, c) }) {
+			continue
 		}
 		if err := b.Close(); err != nil {
 			errs = append(errs, fmt.Errorf("close backend %s: %w", b.Name(), err))
 		}
 	}
 	return errs
+}
+
+// same reports whether a and b are the same backend value; values of
+// types that cannot be compared are never the same.
+func same(a, b Backend) (eq bool) {
+	defer func() {
+		if recover() != nil {
+			eq = false
+		}
+	}()
+	return a == b
+}
+
+// stopBackends ends every backend's lifetime context, waits for the calls
+// that may still be inside a backend (they end with it), then closes each
+// backend once.
+func (a *Agent) stopBackends() []error {
+	for _, stop := range a.stops {
+		stop(ErrClosed)
+	}
+	a.calls.Wait()
+	return closeAll(a.backends)
+}
+
+// enter counts a call that may reach a backend outside a transfer; it
+// reports false once the agent is closed. The caller then owes calls one
+// Done.
+func (a *Agent) enter() bool {
+	a.xferMu.Lock()
+	defer a.xferMu.Unlock()
+	if a.closed.Load() {
+		return false
+	}
+	a.calls.Add(1)
+	return true
 }
 
 // ID returns the agent's identity.
@@ -223,10 +262,13 @@ func (a *Agent) choose(ctx context.Context, peer Info, key Key, acc Access, forc
 		if force != "" && b.Name() != force {
 			continue
 		}
-		if err := ctx.Err(); err != nil {
-			return nil, fmt.Errorf("choose a backend for peer %s: %w", peer.ID, context.Cause(ctx))
+		if ctx.Err() != nil {
+			return nil, fmt.Errorf("%w: choosing a backend for peer %s: %w", ErrCancelled, peer.ID, ctxErr(ctx))
 		}
 		if err := reachable(ctx, b, peer, key, acc); err != nil {
+			if ctx.Err() != nil { // cut short: a cancellation, not a verdict
+				return nil, fmt.Errorf("%w: choosing a backend for peer %s: %s: %w", ErrCancelled, peer.ID, b.Name(), ctxErr(ctx))
+			}
 			why = append(why, fmt.Errorf("%s: %w", b.Name(), err))
 			continue
 		}
@@ -249,6 +291,16 @@ func (a *Agent) choose(ctx context.Context, peer Info, key Key, acc Access, forc
 		return nil, fmt.Errorf("%w: backend %q is not configured (have %v)", ErrNoBackend, force, a.Backends())
 	}
 	return nil, fmt.Errorf("%w for peer %s: %w", ErrNoBackend, peer.ID, errors.Join(why...))
+}
+
+// ctxErr is why ctx ended: ctx.Err(), joined with its cause when the
+// context was cancelled with one, so that both match.
+func ctxErr(ctx context.Context) error {
+	err, cause := ctx.Err(), context.Cause(ctx)
+	if cause == nil || cause == err {
+		return err
+	}
+	return fmt.Errorf("%w: %w", err, cause)
 }
 
 func reachable(ctx context.Context, b Backend, peer Info, key Key, acc Access) error {
@@ -279,9 +331,10 @@ func (a *Agent) noteFallback(peer uuid.UUID, chosen string, why []error) {
 // be changed until then either. A closed agent answers [ErrClosed],
 // malformed requests [ErrInvalid]. Safe for concurrent use.
 func (a *Agent) Post(ctx context.Context, r Request) (*Xfer, error) {
-	if a.isClosed() {
+	if !a.enter() {
 		return nil, ErrClosed
 	}
+	defer a.calls.Done()
 	if r.Op != OpRead && r.Op != OpWrite {
 		return nil, fmt.Errorf("%w: op %v", ErrInvalid, r.Op)
 	}
@@ -358,9 +411,10 @@ func (a *Agent) untrack(t *transfer) bool {
 // error then wraps context.Cause(ctx). msg stays the caller's. Safe for
 // concurrent use.
 func (a *Agent) Notify(ctx context.Context, peer Info, key Key, msg []byte) error {
-	if a.isClosed() {
+	if !a.enter() {
 		return ErrClosed
 	}
+	defer a.calls.Done()
 	if peer.ID == uuid.Nil {
 		return fmt.Errorf("%w: notification names no peer", ErrInvalid)
 	}
@@ -440,9 +494,10 @@ func (a *Agent) peerLost(peer uuid.UUID, cause error) {
 // alive they proceed. It does not wait for the aborted transfers to end.
 // Safe for concurrent use.
 func (a *Agent) PeerDeparted(peer uuid.UUID, cause error) {
-	if peer == uuid.Nil || a.isClosed() {
+	if peer == uuid.Nil || !a.enter() {
 		return
 	}
+	defer a.calls.Done()
 	switch {
 	case cause == nil:
 		cause = ErrRemoteLost
@@ -479,9 +534,12 @@ func (a *Agent) send(e *Exposure, ev Event) {
 // Close stops the agent. From its start, Post, Notify, Expose and Register
 // fail with [ErrClosed]. It cancels the transfers in flight (cause
 // ErrClosed) and waits until their backends have finished them, revokes
-// the exposures still open, then, one backend after the other, cancels the
-// backend's [Host.Context] and calls its [Backend.Close]; their errors are
-// joined. It is idempotent and safe to call concurrently with any other
+// the exposures still open, cancels every backend's [Host.Context], waits
+// for the Notify, PeerDeparted and Post calls still inside a backend, then
+// calls each backend's [Backend.Close] once; their errors are joined. A
+// Notify with a context that never ends can hold Close up for as long as
+// its backend lets it block once Host.Context is done (tcp: at most its
+// keepalive timeout). It is idempotent and safe to call concurrently with any other
 // method; the first call's error is returned by all.
 func (a *Agent) Close() error {
 	a.closeMu.Lock()

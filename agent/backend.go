@@ -34,11 +34,13 @@ import (
 //
 // Closing, in order: [Agent.Close] cancels every transfer in flight and
 // waits until the backends have finished each one; it revokes every
-// exposure (waiting for the leases backends hold); then, one backend after
-// the other in preference order, it cancels the backend's [Host.Context]
-// with cause [ErrClosed] and calls its Close. From the start of
-// Agent.Close, Host.Deliver returns false and Host.Open refuses with
-// [ErrRemoteLost].
+// exposure (waiting for the leases backends hold); it cancels every
+// backend's [Host.Context] with cause [ErrClosed] and waits for the calls
+// still inside a backend (a Reachable or Notify that began before
+// Agent.Close: they must end once Host.Context is done); then it calls each
+// backend's Close, once, in preference order. No other method is called
+// after Close. From the start of Agent.Close, Host.Deliver returns false
+// and Host.Open refuses with [ErrRemoteLost].
 //
 // Optional interfaces, each checked with a type assertion when the agent
 // needs it; a backend that lacks one is not asked and loses nothing else:

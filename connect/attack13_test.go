@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"net"
-	"os"
 	"sync"
 	"testing"
 	"time"
@@ -47,9 +46,6 @@ func TestAttack13InvalidBackendOptionsMatchErrInvalidOption(t *testing.T) {
 // ("ucx: nil option"): tcp and cma panic in New instead, inside
 // NewConnector.
 func TestAttack13NilBackendOptionIsInvalid(t *testing.T) {
-	if os.Getenv("ATTACK13") == "" {
-		t.Skip("defect: WithTCPOptions(nil) and WithCMAOptions(nil) panic in NewConnector (tcp/backend.go New and cma/backend_linux.go New call o.apply on a nil Option; ucx's newConfig reports it)")
-	}
 	for name, opt := range map[string]Option{
 		"tcp": WithTCPOptions(nil),
 		"cma": WithCMAOptions(nil),
@@ -104,9 +100,6 @@ func (p *probing) Reachable(ctx context.Context, _ agent.Info) error {
 // StatusErrored with "peer reports the transfer failed" instead of a
 // cancellation.
 func TestAttack13ContextEndingWhileChoosingIsACancellation(t *testing.T) {
-	if os.Getenv("ATTACK13") == "" {
-		t.Skip("defect: a ctx ending during agent.choose fails Begin as a plain failure matching only the cause, and tellPeer sends noticeFailed (agent.go choose returns context.Cause(ctx) without ErrCancelled/ctx.Err(); connect/operations.go begin wraps it, tellPeer picks noticeFailed)")
-	}
 	passive := newConnector(t, WithBackends(mem.New()))
 	p := &probing{probing: make(chan struct{})}
 	active := newConnector(t, WithBackends(p, mem.New()))

@@ -86,6 +86,10 @@ func New(opts ...Option) *Backend {
 		retry: retryFailed, readScope: ptraceScope, ptracers: ptracers, readv: processVMReadv}
 	var errs []error
 	for _, o := range opts {
+		if o == nil {
+			errs = append(errs, fmt.Errorf("%w: cma: nil option", agent.ErrInvalidOption))
+			continue
+		}
 		if err := o.apply(&b.cfg); err != nil {
 			errs = append(errs, err)
 		}

@@ -25,6 +25,10 @@ func New(opts ...Option) *Backend {
 	cfg := defaults()
 	var errs []error
 	for _, o := range opts {
+		if o == nil {
+			errs = append(errs, fmt.Errorf("%w: cma: nil option", agent.ErrInvalidOption))
+			continue
+		}
 		if err := o.apply(&cfg); err != nil {
 			errs = append(errs, err)
 		}

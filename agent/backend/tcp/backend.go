@@ -89,6 +89,10 @@ func New(opts ...Option) *Backend {
 	b.stats.Classes = serve.Classes{Limit: errLimit, Protocol: errProtocol, Timeouts: []error{errStalled}}
 	var errs []error
 	for _, o := range opts {
+		if o == nil {
+			errs = append(errs, fmt.Errorf("%w: tcp: nil option", agent.ErrInvalidOption))
+			continue
+		}
 		if err := o.apply(&b.cfg); err != nil {
 			errs = append(errs, err)
 		}

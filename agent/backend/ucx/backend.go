@@ -45,10 +45,13 @@ type Backend struct {
 
 	mu      sync.Mutex
 	started bool
-	closed  bool
-	cmds    []command
-	wakeFD  int
-	done    chan struct{} // closed when the progress loop has exited
+	// launched: Start ran the progress thread, which closes done when it
+	// ends, also after failing to set UCX up.
+	launched bool
+	closed   bool
+	cmds     []command
+	wakeFD   int
+	done     chan struct{} // closed when the progress loop has exited
 
 	regMu  sync.RWMutex // guards regs and n's context against Close
 	regs   map[regKey]*mapping
@@ -205,6 +208,9 @@ func (b *Backend) Start(h agent.Host) ([]byte, error) {
 	}
 	ready := make(chan error, 1)
 	l := &loop{b: b, wake: wfd}
+	b.mu.Lock()
+	b.launched = true // the progress thread closes b.done, even if it fails
+	b.mu.Unlock()
 	go l.run(ready)
 	if err := <-ready; err != nil {
 		_ = unix.Close(wfd)
@@ -372,10 +378,14 @@ func (b *Backend) Close() error {
 		return nil
 	}
 	b.closed = true
-	started := b.started
+	started, launched := b.started, b.launched
 	b.mu.Unlock()
 	if !started {
-		close(b.done)
+		if launched { // a Start that failed inside UCX: the thread has ended
+			<-b.done
+		} else {
+			close(b.done)
+		}
 		return nil
 	}
 	_ = b.submit(command{close: true})
