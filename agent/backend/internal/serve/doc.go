@@ -18,8 +18,9 @@
 //     dropped connection counted in exactly one kind and in Disconnected.
 //   - CheckHandshake is the identity check every handshake makes.
 //
-// What the package leaves to each backend: its wire format (the headers and
-// handshakes of tcp and cma differ in layout), its handshake beyond the
+// What the package leaves to each backend: its wire format (the frame
+// header both encode is package framehdr's; their piece tables and
+// handshakes differ in layout), its handshake beyond the
 // identity check, deadlines on its connections, and what it tells the agent
 // (agent.Host.Refused, LinkLost).
 //
