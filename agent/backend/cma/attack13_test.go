@@ -22,6 +22,7 @@ import (
 
 	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/agent/backend/internal/serve"
+	"github.com/goxfer/goxfer/agent/backendtest"
 )
 
 // Attacks on the adoption of agent/backend/internal/serve (issue 13), on
@@ -198,53 +199,17 @@ func TestAttack13CloseRacingAccepts(t *testing.T) {
 		addr := &net.UnixAddr{Name: "@" + b.self.sock, Net: "unix"}
 		before := b.Stats()
 
-		var mu sync.Mutex
-		var conns []*net.UnixConn
-		stop := make(chan struct{})
-		var wg sync.WaitGroup
-		for range 8 {
-			wg.Go(func() {
-				for {
-					select {
-					case <-stop:
-						return
-					default:
-					}
-					c, err := net.DialUnix("unix", nil, addr)
-					if err != nil {
-						continue
-					}
-					mu.Lock()
-					conns = append(conns, c)
-					mu.Unlock()
-				}
-			})
-		}
+		stop := backendtest.DialFlood(8, func() (net.Conn, error) {
+			return net.DialUnix("unix", nil, addr)
+		})
 		time.Sleep(time.Duration(round+1) * 10 * time.Millisecond)
 		start := time.Now()
 		require.NoError(t, a.Close())
 		took := time.Since(start)
-		close(stop)
-		wg.Wait()
+		conns := stop()
 		assert.Less(t, took, 2*time.Second, "Close took long")
 
-		var open sync.WaitGroup
-		var mu2 sync.Mutex
-		left := 0
-		for _, c := range conns {
-			open.Go(func() {
-				defer c.Close()
-				_ = c.SetReadDeadline(time.Now().Add(3 * time.Second))
-				_, err := io.Copy(io.Discard, c)
-				var ne net.Error
-				if errors.As(err, &ne) && ne.Timeout() {
-					mu2.Lock()
-					left++
-					mu2.Unlock()
-				}
-			})
-		}
-		open.Wait()
+		left := backendtest.LeftOpen(conns, 3*time.Second) // every connection that reached the backend is closed
 		assert.Zero(t, left, "round %d: connections left open by a closed backend, of %d", round, len(conns))
 		assert.Zero(t, b.conns.Len(), "connections still tracked after Close")
 		assert.Zero(t, b.byPID.Len())

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"io"
 	"net"
-	"sync"
 	"testing"
 	"time"
 
@@ -16,6 +15,7 @@ import (
 
 	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/agent/backend/internal/serve"
+	"github.com/goxfer/goxfer/agent/backendtest"
 )
 
 // Attacks on the adoption of agent/backend/internal/serve (issue 13) and on
@@ -218,57 +218,26 @@ func TestAttack13CloseRacingAccepts(t *testing.T) {
 		addr := b.Addr().String()
 		before := b.Stats()
 
-		var mu sync.Mutex
-		var conns []net.Conn
-		stop := make(chan struct{})
-		var wg sync.WaitGroup
-		for range 8 {
-			wg.Go(func() {
-				for {
-					select {
-					case <-stop:
-						return
-					default:
-					}
-					c, err := net.DialTimeout("tcp", addr, time.Second)
-					if err != nil {
-						continue
-					}
-					// A byte, so that a connection the kernel completed for a
-					// listener that closed before accepting it is reset.
-					_, _ = c.Write([]byte{1})
-					mu.Lock()
-					conns = append(conns, c)
-					mu.Unlock()
+		stop := backendtest.DialFlood(8, func() (net.Conn, error) {
+			c, err := net.DialTimeout("tcp", addr, time.Second)
+			if err == nil {
+				// A byte, so that a connection the kernel completed for a
+				// listener that closed before accepting it is reset.
+				_, err = c.Write([]byte{1})
+				if err != nil {
+					_ = c.Close()
 				}
-			})
-		}
+			}
+			return c, err
+		})
 		time.Sleep(time.Duration(round+1) * 10 * time.Millisecond)
 		start := time.Now()
 		require.NoError(t, a.Close())
 		took := time.Since(start)
-		close(stop)
-		wg.Wait()
+		conns := stop()
 		assert.Less(t, took, 2*time.Second, "Close took long")
 
-		// Every connection that reached the backend is closed now.
-		var open sync.WaitGroup
-		var mu2 sync.Mutex
-		left := 0
-		for _, c := range conns {
-			open.Go(func() {
-				defer c.Close()
-				_ = c.SetReadDeadline(time.Now().Add(3 * time.Second))
-				_, err := io.Copy(io.Discard, c)
-				var ne net.Error
-				if errors.As(err, &ne) && ne.Timeout() {
-					mu2.Lock()
-					left++
-					mu2.Unlock()
-				}
-			})
-		}
-		open.Wait()
+		left := backendtest.LeftOpen(conns, 3*time.Second) // every connection that reached the backend is closed
 		assert.Zero(t, left, "round %d: connections left open by a closed backend, of %d", round, len(conns))
 		assert.Zero(t, b.conns.Len(), "connections still tracked after Close")
 		assert.Zero(t, b.byIP.Len())
@@ -330,38 +299,15 @@ func a13SilentPeer(t *testing.T) agent.Info {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	id := uuid.New()
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	var conns []net.Conn
-	t.Cleanup(func() {
-		_ = ln.Close()
-		mu.Lock()
-		for _, c := range conns {
-			_ = c.Close()
+	backendtest.ServeConns(t, ln, func(c net.Conn) {
+		var hs [hsSize]byte
+		if _, err := io.ReadFull(c, hs[:]); err != nil {
+			return
 		}
-		mu.Unlock()
-		wg.Wait()
-	})
-	wg.Go(func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-			wg.Go(func() {
-				var hs [hsSize]byte
-				if _, err := io.ReadFull(c, hs[:]); err != nil {
-					return
-				}
-				(&handshake{status: stOK, self: id, timeout: time.Hour}).put(hs[:])
-				_, _ = c.Write(hs[:])
-				// then silence: pings included, so that our side's keepalive
-				// is what ends the connection, after its timeout
-			})
-		}
+		(&handshake{status: stOK, self: id, timeout: time.Hour}).put(hs[:])
+		_, _ = c.Write(hs[:])
+		// then silence: pings included, so that our side's keepalive is
+		// what ends the connection, after its timeout
 	})
 	ci := connInfo{host: hostIdentity(), addr: ln.Addr().String()}
 	return agent.Info{ID: id, Conns: []agent.ConnInfo{{Backend: Name, Data: ci.marshal()}}}
