@@ -84,3 +84,27 @@ func Smoke(t *testing.T, a, b *agent.Agent, register bool) {
 		}
 	}
 }
+
+// EndsEarly is a Backend whose Host.Context the test can end on its own,
+// before the agent does (which it does just before Backend.Close), to see
+// what the backend does when its lifetime ends while it still serves.
+type EndsEarly struct {
+	agent.Backend
+	// End cancels the Host.Context the backend was started with; set by
+	// Start.
+	End context.CancelCauseFunc
+}
+
+// Start starts the backend on h, with a Context that End also cancels.
+func (b *EndsEarly) Start(h agent.Host) ([]byte, error) {
+	ctx, cancel := context.WithCancelCause(h.Context())
+	b.End = cancel
+	return b.Backend.Start(earlyHost{Host: h, ctx: ctx})
+}
+
+type earlyHost struct {
+	agent.Host
+	ctx context.Context
+}
+
+func (h earlyHost) Context() context.Context { return h.ctx }

@@ -30,35 +30,6 @@ import (
 // window's guard (Work.AfterCancel and a time.AfterFunc timer). Helpers are
 // prefixed a13 so that they do not collide with the package's harness.
 
-func a13Agent(t *testing.T, b agent.Backend) *agent.Agent {
-	t.Helper()
-	a, err := agent.New(agent.WithBackends(b))
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = a.Close() })
-	return a
-}
-
-// a13Host is the agent's Host with a lifetime of the test's choosing.
-type a13Host struct {
-	agent.Host
-	ctx context.Context
-}
-
-func (h a13Host) Context() context.Context { return h.ctx }
-
-// a13CtxBackend starts the cma backend on a Host whose Context the test
-// cancels before Close, as the agent does just before Close.
-type a13CtxBackend struct {
-	*Backend
-	cancel context.CancelCauseFunc
-}
-
-func (b *a13CtxBackend) Start(h agent.Host) ([]byte, error) {
-	ctx, cancel := context.WithCancelCause(h.Context())
-	b.cancel = cancel
-	return b.Backend.Start(a13Host{Host: h, ctx: ctx})
-}
-
 // a13Dial connects to b's control socket from this process.
 func a13Dial(t *testing.T, b *Backend) *net.UnixConn {
 	t.Helper()
@@ -87,13 +58,10 @@ func a13Hello(t *testing.T, c *net.UnixConn, id, expect uuid.UUID, pid int) (uin
 }
 
 // a13Closed waits until the far end closed c, and fails if it did not
-// within d.
+// within d. It closes c.
 func a13Closed(t *testing.T, c net.Conn, d time.Duration, what string) {
 	t.Helper()
-	_ = c.SetReadDeadline(time.Now().Add(d))
-	_, err := io.Copy(io.Discard, c)
-	var ne net.Error
-	if errors.As(err, &ne) && ne.Timeout() {
+	if backendtest.LeftOpen([]net.Conn{c}, d) > 0 {
 		t.Errorf("%s: the backend kept the connection open for %v", what, d)
 	}
 }
@@ -114,7 +82,7 @@ func a13Settled(t *testing.T, b *Backend) {
 func TestAttack13EveryExitReleasesWhatAdmitTook(t *testing.T) {
 	const perProc, handshakes = 4, 2
 	b := New(WithMaxConnsPerProcess(perProc), WithMaxHandshakes(handshakes), WithTimeout(5*time.Second))
-	a := a13Agent(t, b)
+	a := backendtest.NewAgent(t, b)
 	self, pid := a.ID(), os.Getpid()
 	before := b.Stats()
 	want := Stats{}
@@ -223,10 +191,10 @@ func TestAttack13CloseRacingAccepts(t *testing.T) {
 // while closing are not counted nor reported, Close returns promptly.
 func TestAttack13HostContextEndsBeforeClose(t *testing.T) {
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
-	cb := &a13CtxBackend{Backend: New(WithTimeout(5 * time.Second))}
+	b := New(WithTimeout(5 * time.Second))
+	cb := &backendtest.EndsEarly{Backend: b}
 	a, err := agent.New(agent.WithBackends(cb))
 	require.NoError(t, err)
-	b := cb.Backend
 	before := b.Stats()
 
 	shaking := a13Dial(t, b)
@@ -236,7 +204,7 @@ func TestAttack13HostContextEndsBeforeClose(t *testing.T) {
 	require.Equal(t, uint8(stOK), st)
 	require.Eventually(t, func() bool { return b.gate.Len() == 1 && b.conns.Len() == 2 }, 5*time.Second, time.Millisecond)
 
-	cb.cancel(errors.New("the host is done"))
+	cb.End(errors.New("the host is done"))
 	require.Eventually(t, func() bool {
 		c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: "@" + b.self.sock, Net: "unix"})
 		if err != nil {
@@ -438,7 +406,7 @@ func TestAttack13InlineGuardDisarmedByFinish(t *testing.T) {
 	const timeout = 300 * time.Millisecond
 	e := a13NewExposer(t, 16)
 	b := New(WithTimeout(timeout))
-	a := a13Agent(t, b)
+	a := backendtest.NewAgent(t, b)
 	src := make([]byte, 4096)
 	for i := range src {
 		src[i] = byte(i)
@@ -485,7 +453,7 @@ func TestAttack13InlineCancelRacesTimer(t *testing.T) {
 	const timeout = 40 * time.Millisecond
 	e := a13NewExposer(t, 16) // never answers; its requests channel holds them all
 	b := New(WithTimeout(timeout))
-	a := a13Agent(t, b)
+	a := backendtest.NewAgent(t, b)
 	src := make([]byte, 4096)
 	for round := range 60 {
 		dst := make([]byte, len(src))

@@ -23,37 +23,6 @@ import (
 // prefixed a13 so that they do not collide with the package's harness.
 
 // a13Agent starts an agent on b and closes it when the test ends.
-func a13Agent(t *testing.T, b agent.Backend) *agent.Agent {
-	t.Helper()
-	a, err := agent.New(agent.WithBackends(b))
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = a.Close() })
-	return a
-}
-
-// a13Host is the agent's Host with a lifetime of the test's choosing, as a
-// backend's own test may hand one.
-type a13Host struct {
-	agent.Host
-	ctx context.Context
-}
-
-func (h a13Host) Context() context.Context { return h.ctx }
-
-// a13CtxBackend starts the tcp backend on a Host whose Context the test
-// cancels when it likes, before Close: what the agent does just before
-// Close, and what a host of a backend's own test may do at any time.
-type a13CtxBackend struct {
-	*Backend
-	cancel context.CancelCauseFunc
-}
-
-func (b *a13CtxBackend) Start(h agent.Host) ([]byte, error) {
-	ctx, cancel := context.WithCancelCause(h.Context())
-	b.cancel = cancel
-	return b.Backend.Start(a13Host{Host: h, ctx: ctx})
-}
-
 // a13Dial connects to b's listener.
 func a13Dial(t *testing.T, b *Backend) net.Conn {
 	t.Helper()
@@ -82,13 +51,10 @@ func a13Hello(t *testing.T, c net.Conn, id, expect uuid.UUID) (uint8, error) {
 }
 
 // a13Closed waits until the far end closed c, and fails if it did not
-// within d.
+// within d. It closes c.
 func a13Closed(t *testing.T, c net.Conn, d time.Duration, what string) {
 	t.Helper()
-	_ = c.SetReadDeadline(time.Now().Add(d))
-	_, err := io.Copy(io.Discard, c)
-	var ne net.Error
-	if errors.As(err, &ne) && ne.Timeout() {
+	if backendtest.LeftOpen([]net.Conn{c}, d) > 0 {
 		t.Errorf("%s: the backend kept the connection open for %v", what, d)
 	}
 }
@@ -111,7 +77,7 @@ func a13Settled(t *testing.T, b *Backend) {
 func TestAttack13EveryExitReleasesWhatAdmitTook(t *testing.T) {
 	const perIP, perPeer, handshakes = 6, 2, 2
 	b := New(WithStreams(1), WithMaxConnsPerIP(perIP), WithMaxConnsPerPeer(perPeer), WithMaxHandshakes(handshakes), WithKeepalive(time.Second, 4*time.Second))
-	a := a13Agent(t, b)
+	a := backendtest.NewAgent(t, b)
 	self := a.ID()
 	before := b.Stats()
 	want := Stats{}
@@ -255,10 +221,10 @@ func TestAttack13CloseRacingAccepts(t *testing.T) {
 // returns promptly, nothing leaks.
 func TestAttack13HostContextEndsBeforeClose(t *testing.T) {
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
-	cb := &a13CtxBackend{Backend: New(WithKeepalive(time.Second, 4*time.Second))}
+	b := New(WithKeepalive(time.Second, 4*time.Second))
+	cb := &backendtest.EndsEarly{Backend: b}
 	a, err := agent.New(agent.WithBackends(cb))
 	require.NoError(t, err)
-	b := cb.Backend
 	before := b.Stats()
 
 	shaking := a13Dial(t, b) // in the gate, never says hello
@@ -268,7 +234,7 @@ func TestAttack13HostContextEndsBeforeClose(t *testing.T) {
 	require.Equal(t, uint8(stOK), st)
 	require.Eventually(t, func() bool { return b.gate.Len() == 1 && b.conns.Len() == 2 }, 5*time.Second, time.Millisecond)
 
-	cb.cancel(errors.New("the host is done"))
+	cb.End(errors.New("the host is done"))
 	// The listener is closed: no more connections.
 	require.Eventually(t, func() bool {
 		c, err := net.DialTimeout("tcp", b.Addr().String(), time.Second)
@@ -321,7 +287,7 @@ func TestAttack13NotifyWriteEndsWithContext(t *testing.T) {
 	t.Skip("defect: Notify's socket write ignores its ctx: it waits for the keepalive timeout (active.go, peer.notify's writeFrame)")
 	_, b := func() (*agent.Agent, *Backend) {
 		b := New(WithKeepalive(4*time.Second, 8*time.Second))
-		return a13Agent(t, b), b
+		return backendtest.NewAgent(t, b), b
 	}()
 	peer := a13SilentPeer(t)
 	msg := make([]byte, maxNotify)
