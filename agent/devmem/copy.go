@@ -1,0 +1,25 @@
+package devmem
+
+import "errors"
+
+// CopyToDevice copies src into device memory at dst on GPU dev and waits
+// for the copy: for tests, benchmarks and examples that fill device memory.
+func CopyToDevice(d Driver, dev int, dst uintptr, src []byte) error {
+	st, err := d.NewStream(dev)
+	if err != nil {
+		return err
+	}
+	err = st.ToDevice(dst, src)
+	return errors.Join(err, st.Close())
+}
+
+// CopyToHost copies len(dst) bytes of device memory at src on GPU dev
+// into dst and waits for the copy.
+func CopyToHost(d Driver, dev int, dst []byte, src uintptr) error {
+	st, err := d.NewStream(dev)
+	if err != nil {
+		return err
+	}
+	err = st.ToHost(dst, src)
+	return errors.Join(err, st.Close())
+}
