@@ -10,6 +10,8 @@ import (
 	"sync/atomic"
 
 	"github.com/google/uuid"
+
+	"github.com/goxfer/goxfer/agent/devmem"
 )
 
 // Option configures an [Agent], given to [New].
@@ -20,9 +22,12 @@ type optionFunc func(*options) error
 func (f optionFunc) apply(o *options) error { return f(o) }
 
 type options struct {
-	id       uuid.UUID
-	backends []Backend
-	logger   *slog.Logger
+	id         uuid.UUID
+	backends   []Backend
+	logger     *slog.Logger
+	device     devmem.Driver
+	stageChunk int
+	stagePool  int
 }
 
 // WithID sets the agent's identity. Default: a random UUID.
@@ -103,6 +108,11 @@ type Agent struct {
 	dropped atomic.Uint64
 
 	fallbacks sync.Map // "peer/backend" already logged
+
+	dev        devState // device driver and staging, made at first use
+	stageMu    sync.Mutex
+	stageChunk int
+	stagePool  int
 }
 
 // New starts an agent with the given backends ([WithBackends]), calling
@@ -111,7 +121,7 @@ type Agent struct {
 // Start fails (naming it). On error nothing is left running and the
 // backends have been closed.
 func New(opts ...Option) (*Agent, error) {
-	o := options{id: uuid.New(), logger: slog.Default()}
+	o := options{id: uuid.New(), logger: slog.Default(), stageChunk: defaultStageChunk, stagePool: defaultStagePool}
 	var optErr error
 	for _, opt := range opts {
 		// After an invalid option the rest are still applied, ignoring
@@ -134,6 +144,10 @@ func New(opts ...Option) (*Agent, error) {
 		regs:     make(map[regKey]regEntry),
 		exps:     make(map[Key]*Exposure),
 		xfers:    make(map[*transfer]struct{}),
+
+		dev:        devState{given: o.device},
+		stageChunk: o.stageChunk,
+		stagePool:  o.stagePool,
 	}
 	seen := map[string]bool{}
 	for _, b := range a.backends {
@@ -144,7 +158,7 @@ func New(opts ...Option) (*Agent, error) {
 		seen[b.Name()] = true
 		ctx, stop := context.WithCancelCause(context.Background())
 		a.stops = append(a.stops, stop)
-		h := &host{a: a, log: a.log.With("backend", b.Name()), ctx: ctx}
+		h := &host{a: a, log: a.log.With("backend", b.Name()), ctx: ctx, stages: stagesDevice(b)}
 		ci, err := b.Start(h)
 		if err != nil {
 			a.stopBackends()
@@ -256,7 +270,7 @@ func (a *Agent) isClosed() bool { return a.closed.Load() }
 // given kinds: forced by name, or the first reachable one supporting them.
 // A transfer names the remote exposure's key and the access it needs, which
 // backends that implement KeyedReacher are told; a notification names none.
-func (a *Agent) choose(ctx context.Context, peer Info, key Key, acc Access, force string, kinds []MemKind) (Backend, error) {
+func (a *Agent) choose(ctx context.Context, peer Info, key Key, acc Access, force string, remoteVRAM bool) (Backend, error) {
 	var why []error
 	for _, b := range a.backends {
 		if force != "" && b.Name() != force {
@@ -272,13 +286,12 @@ func (a *Agent) choose(ctx context.Context, peer Info, key Key, acc Access, forc
 			why = append(why, fmt.Errorf("%s: %w", b.Name(), err))
 			continue
 		}
-		ok := true
-		for _, k := range kinds {
-			if !b.Supports(k) {
-				why = append(why, fmt.Errorf("%s: does not support %v memory", b.Name(), k))
-				ok = false
-				break
-			}
+		ok := b.Supports(KindDRAM)
+		if !ok {
+			why = append(why, fmt.Errorf("%s: does not support %v memory", b.Name(), KindDRAM))
+		} else if remoteVRAM && !b.Supports(KindVRAM) && !stagesDevice(b) {
+			why = append(why, fmt.Errorf("%s: cannot reach the peer's %v memory", b.Name(), KindVRAM))
+			ok = false
 		}
 		if ok {
 			if len(why) > 0 {
@@ -346,7 +359,7 @@ func (a *Agent) Post(ctx context.Context, r Request) (*Xfer, error) {
 		return nil, fmt.Errorf("%w: request has no segments", ErrInvalid)
 	}
 	var total uint64
-	var kinds [2]bool
+	var localVRAM, remoteVRAM bool
 	for i, s := range r.Segments {
 		if err := s.Local.check(); err != nil {
 			return nil, fmt.Errorf("segment %d: %w", i, err)
@@ -354,27 +367,37 @@ func (a *Agent) Post(ctx context.Context, r Request) (*Xfer, error) {
 		if s.Local.Len != s.Remote.Len {
 			return nil, fmt.Errorf("%w: segment %d: local length %d != remote length %d", ErrInvalid, i, s.Local.Len, s.Remote.Len)
 		}
-		kinds[min(s.Local.Kind, 1)] = true
-		kinds[min(s.Remote.Kind, 1)] = true
+		if s.Local.Kind > KindVRAM || s.Remote.Kind > KindVRAM {
+			return nil, fmt.Errorf("%w: segment %d: memory kinds %v and %v", ErrInvalid, i, s.Local.Kind, s.Remote.Kind)
+		}
+		localVRAM = localVRAM || s.Local.Kind == KindVRAM
+		remoteVRAM = remoteVRAM || s.Remote.Kind == KindVRAM
 		total += s.Local.Len
 	}
-	var ks []MemKind
-	for k, used := range kinds {
-		if used {
-			ks = append(ks, MemKind(k))
+	if localVRAM {
+		locals := make([]Local, len(r.Segments))
+		for i := range r.Segments {
+			locals[i] = r.Segments[i].Local
+		}
+		if err := a.checkDevice(locals); err != nil {
+			return nil, err
 		}
 	}
 	acc := AccessRead
 	if r.Op == OpWrite {
 		acc = AccessWrite
 	}
-	b, err := a.choose(ctx, peer, r.Key, acc, r.Backend, ks)
+	b, err := a.choose(ctx, peer, r.Key, acc, r.Backend, remoteVRAM)
 	if err != nil {
 		return nil, err
 	}
+	stage := needsStaging(b, r.Segments)
 	t := &transfer{
-		a: a, backend: b.Name(), bytes: total, onDone: r.OnDone,
+		a: a, backend: b.Name(), path: b.Name(), bytes: total, onDone: r.OnDone,
 		cancel: make(chan struct{}), done: make(chan struct{}),
+	}
+	if stage || (remoteVRAM && !b.Supports(KindVRAM)) {
+		t.path += "+staging"
 	}
 	t.x.t = t
 	t.w = Work{Op: r.Op, Peer: peer, Key: r.Key, Segments: r.Segments, Notify: r.Notify, t: t}
@@ -386,7 +409,11 @@ func (a *Agent) Post(ctx context.Context, r Request) (*Xfer, error) {
 	a.xfers[t] = struct{}{}
 	a.xferWG.Add(1)
 	a.xferMu.Unlock()
-	if err := b.Post(&t.w); err != nil {
+	post := b.Post
+	if stage {
+		post = func(*Work) error { return a.postStaged(b, t) }
+	}
+	if err := post(&t.w); err != nil {
 		if a.untrack(t) {
 			a.xferWG.Done()
 		}
@@ -418,7 +445,7 @@ func (a *Agent) Notify(ctx context.Context, peer Info, key Key, msg []byte) erro
 	if peer.ID == uuid.Nil {
 		return fmt.Errorf("%w: notification names no peer", ErrInvalid)
 	}
-	b, err := a.choose(ctx, peer, Key{}, 0, "", nil)
+	b, err := a.choose(ctx, peer, Key{}, 0, "", false)
 	if err != nil {
 		return err
 	}
@@ -557,6 +584,7 @@ func (a *Agent) Close() error {
 	for _, t := range ts {
 		t.x.Cancel(ErrClosed)
 	}
+	a.stopStaging() // waits for a staging buffer end
 	a.xferWG.Wait()
 
 	a.expMu.Lock()
@@ -569,6 +597,10 @@ func (a *Agent) Close() error {
 		e.Revoke()
 	}
 
-	a.closeErr = errors.Join(a.stopBackends()...)
+	errs := a.stopBackends()
+	if err := a.closeStaging(); err != nil {
+		errs = append(errs, err)
+	}
+	a.closeErr = errors.Join(errs...)
 	return a.closeErr
 }

@@ -200,7 +200,7 @@ func TestRevokeWaitsForLeases(t *testing.T) {
 
 	var leases []Lease
 	for range 3 {
-		l, err := a.open(NewLink(peer), e.Key(), AccessWrite)
+		l, err := a.open(NewLink(peer), e.Key(), AccessWrite, false)
 		require.NoError(t, err)
 		leases = append(leases, l)
 	}
@@ -213,7 +213,7 @@ func TestRevokeWaitsForLeases(t *testing.T) {
 	}()
 	// Revoke refuses new leases at once...
 	require.Eventually(t, func() bool {
-		l, err := a.open(NewLink(peer), e.Key(), AccessWrite)
+		l, err := a.open(NewLink(peer), e.Key(), AccessWrite, false)
 		if err == nil {
 			l.Release() // Revoke has not begun yet
 		}
@@ -282,7 +282,7 @@ func TestOpenRefusalsAreCounted(t *testing.T) {
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			before := a.Stats().Refused
-			l, err := a.open(NewLink(peer), c.key, c.acc)
+			l, err := a.open(NewLink(peer), c.key, c.acc, false)
 			require.ErrorIs(t, err, ErrAccessDenied)
 			require.Zero(t, l, "a refused Open grants no lease")
 			assert.Equal(t, before+1, a.Stats().Refused)
@@ -290,7 +290,7 @@ func TestOpenRefusalsAreCounted(t *testing.T) {
 	}
 	assert.Equal(t, uuid.Nil, e.Peer(), "a refused lease binds nothing")
 
-	l, err := a.open(NewLink(peer), e.Key(), AccessRead)
+	l, err := a.open(NewLink(peer), e.Key(), AccessRead, false)
 	require.NoError(t, err)
 	defer l.Release()
 	assert.Equal(t, AccessRead, l.Access())
@@ -329,7 +329,7 @@ func TestOpenOnClosingAgentReportsLoss(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, a.Close())
 	before := a.Stats().Refused
-	_, err = a.open(NewLink(uuid.New()), e.Key(), AccessRead)
+	_, err = a.open(NewLink(uuid.New()), e.Key(), AccessRead, false)
 	require.ErrorIs(t, err, ErrRemoteLost, "a closed agent is lost to its peers, not refusing them")
 	assert.Equal(t, before, a.Stats().Refused, "a closing agent's refusals are no abuse")
 }
@@ -388,11 +388,11 @@ func TestLinkLostReachesOnlyTheExposuresItUsed(t *testing.T) {
 	}
 	byLease, byNotify, others, unbound := mk(), mk(), mk(), mk()
 	link, otherLink := NewLink(lost), NewLink(other)
-	l, err := a.open(link, byLease.Key(), AccessRead)
+	l, err := a.open(link, byLease.Key(), AccessRead, false)
 	require.NoError(t, err)
 	l.Release()
 	require.True(t, a.deliver(link, byNotify.Key(), nil))
-	l, err = a.open(otherLink, others.Key(), AccessRead)
+	l, err = a.open(otherLink, others.Key(), AccessRead, false)
 	require.NoError(t, err)
 	l.Release()
 	<-byNotify.Events()
@@ -427,12 +427,12 @@ func TestStrangerClaimingAPeersIDCannotFailItsExposures(t *testing.T) {
 	e, err := a.Expose(AccessRead, []Local{DRAM(make([]byte, 8))})
 	require.NoError(t, err)
 	used := NewLink(peer)
-	l, err := a.open(used, e.Key(), AccessRead)
+	l, err := a.open(used, e.Key(), AccessRead, false)
 	require.NoError(t, err)
 	l.Release()
 
 	stranger := NewLink(peer) // same claimed ID, another channel
-	_, err = a.open(stranger, NewKey(), AccessRead)
+	_, err = a.open(stranger, NewKey(), AccessRead, false)
 	require.ErrorIs(t, err, ErrAccessDenied)
 	require.True(t, a.deliver(stranger, NewKey(), []byte("forged")))
 	a.linkLost(stranger, errors.New("stranger hung up"))
@@ -471,7 +471,7 @@ func TestCloseWaitsForLeasesAndRefusesUse(t *testing.T) {
 	buf := make([]byte, 64)
 	e, err := a.Expose(AccessRead, []Local{DRAM(buf)})
 	require.NoError(t, err)
-	l, err := a.open(NewLink(uuid.New()), e.Key(), AccessRead)
+	l, err := a.open(NewLink(uuid.New()), e.Key(), AccessRead, false)
 	require.NoError(t, err)
 
 	closed := make(chan error, 1)

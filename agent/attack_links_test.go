@@ -35,10 +35,10 @@ func TestAttackExposureBindsOnePeer(t *testing.T) {
 	require.NoError(t, err)
 	p, q := NewLink(uuid.New()), NewLink(uuid.New())
 
-	l, err := a.open(p, e.Key(), AccessWrite)
+	l, err := a.open(p, e.Key(), AccessWrite, false)
 	require.NoError(t, err)
 	l.Release()
-	l, err = a.open(q, e.Key(), AccessWrite)
+	l, err = a.open(q, e.Key(), AccessWrite, false)
 	require.NoError(t, err)
 	l.Release()
 	require.True(t, a.deliver(q, e.Key(), []byte("from q")))
@@ -71,7 +71,7 @@ func TestAttackStrangerStormNeverReachesExposure(t *testing.T) {
 	require.NoError(t, err)
 	peer := uuid.New()
 	used := NewLink(peer)
-	l, err := a.open(used, e.Key(), AccessRead)
+	l, err := a.open(used, e.Key(), AccessRead, false)
 	require.NoError(t, err)
 	l.Release()
 	require.Equal(t, peer, e.Peer())
@@ -81,10 +81,10 @@ func TestAttackStrangerStormNeverReachesExposure(t *testing.T) {
 		wg.Go(func() { // strangers
 			for range 500 {
 				s := NewLink(peer)
-				if _, err := a.open(s, NewKey(), AccessRead); !errors.Is(err, ErrAccessDenied) {
+				if _, err := a.open(s, NewKey(), AccessRead, false); !errors.Is(err, ErrAccessDenied) {
 					t.Errorf("a stranger's Open: %v", err)
 				}
-				if _, err := a.open(s, e.Key(), AccessWrite); !errors.Is(err, ErrAccessDenied) {
+				if _, err := a.open(s, e.Key(), AccessWrite, false); !errors.Is(err, ErrAccessDenied) {
 					t.Errorf("a wrong-access Open: %v", err)
 				}
 				a.deliver(s, NewKey(), []byte("forged"))
@@ -94,7 +94,7 @@ func TestAttackStrangerStormNeverReachesExposure(t *testing.T) {
 	}
 	wg.Go(func() { // the peer keeps using its link
 		for range 500 {
-			l, err := a.open(used, e.Key(), AccessRead)
+			l, err := a.open(used, e.Key(), AccessRead, false)
 			if err != nil {
 				t.Errorf("the peer's Open: %v", err)
 				return
@@ -112,7 +112,7 @@ func TestAttackStrangerStormNeverReachesExposure(t *testing.T) {
 				t.Errorf("Expose: %v", err)
 				return
 			}
-			l, err := a.open(NewLink(peer), o.Key(), AccessRead)
+			l, err := a.open(NewLink(peer), o.Key(), AccessRead, false)
 			if err == nil {
 				l.Release()
 			}

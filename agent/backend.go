@@ -56,6 +56,14 @@ import (
 //     its own means (timeouts, a closed socket).
 //   - [Counting]: the backend counts what its peers did wrong. Without it,
 //     [Agent.Stats] has no entry for the backend.
+//   - [DeviceStager]: the backend reaches a peer's memory only through the
+//     peer's leases, so the peer's agent can stage its device memory.
+//     Without it, transfers whose remote memory is VRAM go to another
+//     backend, unless this one Supports VRAM itself.
+//
+// Device memory: a backend that does not support VRAM never sees it on the
+// local side: the agent stages local device memory through pinned host
+// buffers and posts the backend plain DRAM transfers, chunk by chunk.
 //
 // Options a backend takes are validated when they are applied; an invalid
 // one yields an error wrapping [ErrInvalidOption], prefixed with the
@@ -190,4 +198,25 @@ func (i Info) Conn(name string) ([]byte, bool) {
 		}
 	}
 	return nil, false
+}
+
+// DeviceStager is an optional [Backend] interface for backends that touch
+// a peer's memory only through the leases the peer's agent grants
+// ([Host.Open], [Lease.Slice]): tcp, cma, mem. For such a backend the
+// exposing agent stages device memory itself: [Lease.Slice] on a VRAM
+// region returns a pinned host buffer, filled from the device for a READ
+// lease, and copied into the device when a WRITE lease is released. The
+// active side's agent then lets the backend move transfers whose remote
+// memory is VRAM. A backend that implements it must read or write the
+// bytes Slice returns only, never the region's address, and should keep
+// the spans of one lease small (a frame, a chunk): each is staged whole.
+type DeviceStager interface {
+	// StagesDevice reports whether the backend reaches device memory
+	// through staged leases. It must not block.
+	StagesDevice() bool
+}
+
+func stagesDevice(b Backend) bool {
+	s, ok := b.(DeviceStager)
+	return ok && s.StagesDevice()
 }

@@ -29,4 +29,8 @@ var (
 	// ("tcp: streams must be in [1, 64], got 0"); connect wraps it in its
 	// own ErrInvalidOption.
 	ErrInvalidOption = errors.New("goxfer: invalid option")
+	// ErrStaging reports device memory that could not be staged through
+	// host memory: no device driver, a copy that failed, or no staging
+	// buffer free in time (see WithStaging).
+	ErrStaging = errors.New("goxfer: device staging failed")
 )

@@ -56,6 +56,7 @@ type Exposure struct {
 	key    Key
 	access Access
 	set    regionSet
+	devs   bool // some regions are VRAM
 	events chan Event
 
 	mu      sync.Mutex
@@ -84,12 +85,19 @@ func (a *Agent) Expose(acc Access, regions []Local) (*Exposure, error) {
 	if acc != AccessRead && acc != AccessWrite {
 		return nil, fmt.Errorf("%w: access %v", ErrInvalid, acc)
 	}
+	devs := false
 	for i, r := range regions {
 		if err := r.check(); err != nil {
 			return nil, fmt.Errorf("region %d: %w", i, err)
 		}
+		devs = devs || r.Kind == KindVRAM
 	}
-	e := &Exposure{a: a, key: NewKey(), access: acc, set: newRegionSet(regions), events: make(chan Event, eventBuffer)}
+	if devs {
+		if err := a.checkDevice(regions); err != nil {
+			return nil, err
+		}
+	}
+	e := &Exposure{a: a, key: NewKey(), access: acc, set: newRegionSet(regions), devs: devs, events: make(chan Event, eventBuffer)}
 	e.drained.L = &e.mu
 	a.expMu.Lock()
 	defer a.expMu.Unlock()
@@ -192,11 +200,33 @@ func NewLink(peer uuid.UUID) Link { return Link{Peer: peer, id: linkIDs.Add(1)} 
 
 // Lease is a short-lived grant to touch an exposure's memory. Backends hold
 // one around each remote access (a frame, a copy) and release it promptly.
-// A Lease is a value with one owner: it is not safe for concurrent use. The
-// zero Lease holds nothing.
+// A Lease is a value with one owner: it is not safe for concurrent use;
+// copies of it share what it staged. The zero Lease holds nothing.
 type Lease struct {
 	e    *Exposure
+	st   *leaseStage // for a DeviceStager's lease on an exposure with VRAM
 	done bool
+}
+
+// leaseStage is what a lease staged: the pinned host buffers standing in
+// for device memory, and the streams that copy them.
+type leaseStage struct {
+	ds    *devState
+	bufs  [][]byte // taken from the pool
+	cur   []byte   // what is left of the last buffer
+	items []stageItem
+	ss    streams
+}
+
+// leaseStageMin is the least a lease takes from the staging pool at a
+// time: a frame of many small pieces shares a buffer.
+const leaseStageMin = 256 << 10
+
+type stageItem struct {
+	buf     []byte
+	addr    uint64
+	dev     int
+	flushed bool
 }
 
 // Access returns the access kind the lease grants.
@@ -204,8 +234,15 @@ func (l *Lease) Access() Access { return l.e.access }
 
 // Slice returns the exposed bytes at [addr, addr+n), or an error wrapping
 // [ErrAccessDenied] if they do not lie within one exposed region. The
-// refusal is counted. For VRAM regions it returns a nil slice and no error.
-// The bytes may be touched only until [Lease.Release].
+// refusal is counted. The bytes may be touched only until
+// [Lease.Release].
+//
+// For VRAM regions: a backend that stages device memory ([DeviceStager])
+// gets a pinned host buffer standing in for the device bytes: for a READ
+// lease it holds a copy of them when Slice returns; for a WRITE lease the
+// backend fills it and Release copies it into the device before it
+// returns. Staging failures wrap [ErrStaging]. Other backends get a nil
+// slice and no error.
 func (l *Lease) Slice(addr, n uint64) ([]byte, error) {
 	r, ok := l.e.set.find(addr, n)
 	if !ok {
@@ -213,10 +250,102 @@ func (l *Lease) Slice(addr, n uint64) ([]byte, error) {
 		return nil, fmt.Errorf("%w: [0x%x, +%d) lies outside the exposed regions", ErrAccessDenied, addr, n)
 	}
 	if r.Mem == nil {
-		return nil, nil
+		if l.st == nil {
+			return nil, nil
+		}
+		return l.stage(addr, n, int(r.Device))
 	}
 	off := addr - r.Addr
 	return r.Mem[off : off+n : off+n], nil
+}
+
+// stage takes a staging buffer for n device bytes at addr, filled from the
+// device for a READ lease.
+func (l *Lease) stage(addr, n uint64, dev int) ([]byte, error) {
+	st := l.st
+	if uint64(len(st.cur)) < n {
+		var held uint64
+		for _, b := range st.bufs {
+			held += uint64(cap(b))
+		}
+		if lim := uint64(st.ds.pool.limit); held+n > lim {
+			// Waiting would wait for this lease's own buffers.
+			return nil, fmt.Errorf("%w: a lease staging %d bytes of GPU memory needs more than the %d-byte staging pool; use smaller frames or a larger pool (WithStaging)", ErrStaging, held+n, lim)
+		}
+		b, err := st.ds.pool.get(max(n, leaseStageMin), nil, stageWait)
+		if err != nil {
+			return nil, err
+		}
+		st.bufs = append(st.bufs, b)
+		st.cur = b
+	}
+	buf := st.cur[:n:n]
+	st.cur = st.cur[n:]
+	st.items = append(st.items, stageItem{buf: buf, addr: addr, dev: dev})
+	if l.e.access == AccessRead {
+		s, err := st.ss.get(dev)
+		if err == nil {
+			err = s.ToHost(buf, uintptr(addr))
+		}
+		if serr := st.ss.sync(); err == nil {
+			err = serr
+		}
+		if err != nil {
+			return nil, fmt.Errorf("%w: GPU %d [0x%x, +%d) to host: %w", ErrStaging, dev, addr, n, err)
+		}
+	}
+	return buf, nil
+}
+
+// Flush copies what a WRITE lease staged so far into device memory and
+// waits for the copies: a backend calls it once the bytes have arrived and
+// before it acknowledges the WRITE, so that a failure reaches the peer.
+// Release flushes whatever is left and can only log a failure. For leases
+// that staged nothing it does nothing.
+func (l *Lease) Flush() error {
+	if l.st == nil || l.e.access != AccessWrite {
+		return nil
+	}
+	return l.st.flush()
+}
+
+func (st *leaseStage) flush() error {
+	var err error
+	for i, it := range st.items {
+		if it.flushed {
+			continue
+		}
+		st.items[i].flushed = true
+		s, gerr := st.ss.get(it.dev)
+		if gerr == nil {
+			gerr = s.ToDevice(uintptr(it.addr), it.buf)
+		}
+		if gerr != nil {
+			err = fmt.Errorf("%w: host to GPU %d [0x%x, +%d): %w", ErrStaging, it.dev, it.addr, len(it.buf), gerr)
+			break
+		}
+	}
+	if serr := st.ss.sync(); err == nil {
+		err = serr
+	}
+	return err
+}
+
+// unstage copies what a WRITE lease staged into the device, unless
+// flushed, and gives the buffers back.
+func (st *leaseStage) unstage(acc Access, log func(error)) {
+	if acc == AccessWrite && len(st.items) > 0 {
+		if err := st.flush(); err != nil {
+			log(err)
+		}
+	}
+	if err := st.ss.release(); err != nil {
+		log(err)
+	}
+	for _, b := range st.bufs {
+		st.ds.pool.put(b)
+	}
+	st.items, st.bufs, st.cur = nil, nil, nil
 }
 
 // Region returns the exposed region containing [addr, addr+n).
@@ -233,6 +362,11 @@ func (l *Lease) Release() {
 	}
 	l.done = true
 	e := l.e
+	if l.st != nil {
+		l.st.unstage(e.access, func(err error) {
+			e.a.log.Warn("goxfer: staging a peer's WRITE into GPU memory failed", "err", err)
+		})
+	}
 	e.mu.Lock()
 	if e.leases--; e.leases == 0 && e.revoked {
 		e.drained.Broadcast()
@@ -241,7 +375,7 @@ func (l *Lease) Release() {
 }
 
 // open is [Host.Open].
-func (a *Agent) open(l Link, key Key, acc Access) (Lease, error) {
+func (a *Agent) open(l Link, key Key, acc Access, stages bool) (Lease, error) {
 	a.expMu.RLock()
 	e := a.exps[key]
 	a.expMu.RUnlock()
@@ -257,7 +391,16 @@ func (a *Agent) open(l Link, key Key, acc Access) (Lease, error) {
 			e.leases++
 			e.bind(l)
 			e.mu.Unlock()
-			return Lease{e: e}, nil
+			lease := Lease{e: e}
+			if stages && e.devs {
+				ds, err := a.staging()
+				if err != nil {
+					lease.Release()
+					return Lease{}, err
+				}
+				lease.st = &leaseStage{ds: ds, ss: streams{a: a}}
+			}
+			return lease, nil
 		}
 		e.mu.Unlock()
 		refusal = fmt.Errorf("%w: exposure %v revoked", ErrAccessDenied, key)

@@ -97,6 +97,7 @@ type transfer struct {
 
 	a       *Agent
 	backend string
+	path    string // backend, "+staging" where device memory is staged
 	bytes   uint64
 	onDone  func(*Xfer, error)
 
@@ -125,6 +126,11 @@ func (x *Xfer) Bytes() uint64 { return x.t.bytes }
 
 // Backend returns the name of the backend moving the transfer's bytes.
 func (x *Xfer) Backend() string { return x.t.backend }
+
+// Path returns how the bytes move: the backend's name, with "+staging"
+// appended when device memory on either side goes through pinned host
+// buffers because the backend cannot reach it directly ("tcp+staging").
+func (x *Xfer) Path() string { return x.t.path }
 
 // Done is closed when the transfer has finished, successfully or not, and
 // its backend no longer touches its local memory.

@@ -63,6 +63,11 @@ func (b *Backend) Name() string { return Name }
 // Supports implements [agent.Backend]: host memory only.
 func (b *Backend) Supports(k agent.MemKind) bool { return k == agent.KindDRAM }
 
+// StagesDevice reports true: the mem backend touches a peer's memory only
+// through the peer's leases, so the peer's agent stages its device memory
+// ([agent.DeviceStager]); local device memory is staged by this agent.
+func (b *Backend) StagesDevice() bool { return true }
+
 // Start implements [agent.Backend]. It fails if another agent of this
 // process has the same ID.
 func (b *Backend) Start(h agent.Host) ([]byte, error) {
@@ -177,7 +182,7 @@ func (b *Backend) copySpan(remote *Backend, w *agent.Work, c agent.Cursor, n uin
 			seg++
 		}
 	}
-	return nil
+	return lease.Flush() // staged device memory reaches the device before the transfer is done
 }
 
 // met records that this agent has exchanged with remote, which hears of it

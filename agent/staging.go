@@ -1,0 +1,380 @@
+package agent
+
+import (
+	"errors"
+	"fmt"
+	"math/bits"
+	"sync"
+	"time"
+
+	"github.com/goxfer/goxfer/agent/devmem"
+)
+
+// Staging defaults: see [WithStaging].
+const (
+	defaultStageChunk = 4 << 20
+	defaultStagePool  = 64 << 20
+	stageDepth        = 4  // chunks of one transfer in flight at once
+	stageMinClass     = 64 << 10
+	stageMaxPieces    = 1024 // pieces per staged chunk
+)
+
+// stageWait bounds how long a lease waits for a free staging buffer: the
+// leases that hold them are released within a frame or chunk, so a wait
+// this long means the pool is too small for the load, not slow.
+var stageWait = 10 * time.Second
+
+// WithDevice sets the device-memory driver the agent checks GPU pointers
+// with and stages device memory through ([devmem.Driver]). Default:
+// [devmem.Default], the CUDA driver unless GOXFER_DEVICE=sim selects the
+// simulator; it is loaded at the first use of device memory, so an agent
+// that never sees VRAM never loads it.
+func WithDevice(d devmem.Driver) Option {
+	return optionFunc(func(o *options) error {
+		if d == nil {
+			return fmt.Errorf("%w: nil device driver", ErrInvalidOption)
+		}
+		o.device = d
+		return nil
+	})
+}
+
+// WithStaging sets how device memory is staged through pinned host memory
+// for backends that cannot reach it directly: chunk is the most one staged
+// piece of a transfer moves at a time (each transfer keeps up to four in
+// flight, so that copying one overlaps sending another), pool the most
+// pinned host memory the agent holds for staging, for all its transfers
+// and its peers' accesses together. Defaults: 4 MiB chunks, a 64 MiB
+// pool. chunk must lie in [64 KiB, 256 MiB] and pool hold two chunks.
+func WithStaging(chunk, pool int) Option {
+	return optionFunc(func(o *options) error {
+		if chunk < stageMinClass || chunk > 256<<20 {
+			return fmt.Errorf("%w: staging chunk of %d bytes: want [%d, %d]", ErrInvalidOption, chunk, stageMinClass, 256<<20)
+		}
+		if pool < 2*chunk {
+			return fmt.Errorf("%w: staging pool of %d bytes cannot hold two chunks of %d", ErrInvalidOption, pool, chunk)
+		}
+		o.stageChunk, o.stagePool = chunk, pool
+		return nil
+	})
+}
+
+// devState is the agent's device driver, loaded at first use, and its
+// staging resources.
+type devState struct {
+	once  sync.Once
+	given devmem.Driver
+	drv   devmem.Driver
+	err   error
+
+	pool    *stagePool
+	chunk   uint64
+	streams streamPool
+}
+
+// Device returns the agent's device-memory driver ([WithDevice]), loading
+// it on first call. The error wraps [devmem.ErrUnavailable] where there is
+// none. Safe for concurrent use.
+func (a *Agent) Device() (devmem.Driver, error) {
+	d := &a.dev
+	d.once.Do(func() {
+		if d.given != nil {
+			d.drv = d.given
+			return
+		}
+		d.drv, d.err = devmem.Default()
+		if d.err == nil && d.drv == nil {
+			d.err = devmem.ErrUnavailable
+		}
+	})
+	return d.drv, d.err
+}
+
+// checkDevice checks every VRAM region of ls through the device driver:
+// device memory of its GPU, inside one allocation.
+func (a *Agent) checkDevice(ls []Local) error {
+	var drv devmem.Driver
+	for i, l := range ls {
+		if l.Kind != KindVRAM {
+			continue
+		}
+		if drv == nil {
+			var err error
+			if drv, err = a.Device(); err != nil {
+				return fmt.Errorf("%w: region %d is GPU memory: %w", ErrInvalid, i, err)
+			}
+		}
+		if err := drv.Check(uintptr(l.Addr), l.Len, int(l.Device)); err != nil {
+			return fmt.Errorf("%w: region %d: [0x%x, +%d) on GPU %d: %w", ErrInvalid, i, l.Addr, l.Len, l.Device, err)
+		}
+	}
+	return nil
+}
+
+// stagePool is the agent's pinned host memory for staging: buffers in
+// power-of-two classes from 64 KiB, kept for reuse, at most limit bytes
+// in all. A buffer of a class none is cached in is made room for by
+// freeing cached buffers of other classes.
+type stagePool struct {
+	drv   devmem.Driver
+	limit int64
+
+	mu     sync.Mutex
+	free   map[int][][]byte // by class
+	held   int64            // bytes allocated, cached or in use
+	inUse  int
+	closed bool
+	wake   chan struct{} // closed and replaced when a buffer comes back
+}
+
+func newStagePool(drv devmem.Driver, limit int) *stagePool {
+	return &stagePool{drv: drv, limit: int64(limit), free: make(map[int][][]byte), wake: make(chan struct{})}
+}
+
+func stageClass(n uint64) int {
+	if n <= stageMinClass {
+		return stageMinClass
+	}
+	return 1 << bits.Len64(n-1)
+}
+
+// errStagingClosed ends waits for a buffer once the agent closes.
+var errStagingClosed = fmt.Errorf("%w: staging stopped", ErrClosed)
+
+// get returns a buffer of at least n bytes, waiting for one to come back
+// until stop is closed or wait passes (wait <= 0: forever, until stop).
+func (p *stagePool) get(n uint64, stop <-chan struct{}, wait time.Duration) ([]byte, error) {
+	class := stageClass(n)
+	if int64(class) > p.limit {
+		return nil, fmt.Errorf("%w: %d bytes to stage at once, more than the staging pool's %d", ErrStaging, n, p.limit)
+	}
+	var timer <-chan time.Time
+	for {
+		p.mu.Lock()
+		if p.closed {
+			p.mu.Unlock()
+			return nil, errStagingClosed
+		}
+		if bs := p.free[class]; len(bs) > 0 {
+			b := bs[len(bs)-1]
+			p.free[class] = bs[:len(bs)-1]
+			p.inUse++
+			p.mu.Unlock()
+			return b[:n], nil
+		}
+		if p.held+int64(class) > p.limit {
+			p.evictLocked(p.held + int64(class) - p.limit)
+		}
+		if p.held+int64(class) <= p.limit {
+			p.held += int64(class)
+			p.inUse++
+			p.mu.Unlock()
+			b, err := p.drv.HostAlloc(class)
+			if err != nil {
+				p.mu.Lock()
+				p.held -= int64(class)
+				p.inUse--
+				p.mu.Unlock()
+				return nil, fmt.Errorf("%w: pinned host buffer of %d bytes: %w", ErrStaging, class, err)
+			}
+			return b[:n], nil
+		}
+		wake := p.wake
+		p.mu.Unlock()
+		if timer == nil && wait > 0 {
+			t := time.NewTimer(wait)
+			defer t.Stop()
+			timer = t.C
+		}
+		select {
+		case <-wake:
+		case <-stop:
+			return nil, errStagingClosed
+		case <-timer:
+			return nil, fmt.Errorf("%w: no staging buffer of %d bytes came free within %v (pool of %d bytes in use)", ErrStaging, class, wait, p.limit)
+		}
+	}
+}
+
+// evictLocked frees cached buffers until need bytes are freed or none is
+// cached. The caller holds p.mu.
+func (p *stagePool) evictLocked(need int64) {
+	for class, bs := range p.free {
+		for len(bs) > 0 && need > 0 {
+			b := bs[len(bs)-1]
+			bs = bs[:len(bs)-1]
+			_ = p.drv.HostFree(b[:cap(b)])
+			p.held -= int64(class)
+			need -= int64(class)
+		}
+		p.free[class] = bs
+		if need <= 0 {
+			return
+		}
+	}
+}
+
+// put returns a buffer from get.
+func (p *stagePool) put(b []byte) {
+	b = b[:cap(b)]
+	p.mu.Lock()
+	p.inUse--
+	if p.closed {
+		p.held -= int64(len(b))
+		p.mu.Unlock()
+		_ = p.drv.HostFree(b)
+		return
+	}
+	p.free[len(b)] = append(p.free[len(b)], b)
+	close(p.wake)
+	p.wake = make(chan struct{})
+	p.mu.Unlock()
+}
+
+// close frees the cached buffers and makes waits and later gets fail;
+// buffers still in use are freed as they come back.
+func (p *stagePool) close() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return
+	}
+	p.closed = true
+	p.evictLocked(p.held)
+	close(p.wake)
+}
+
+// stats returns the bytes of pinned memory held and the buffers in use.
+func (p *stagePool) stats() (held int64, inUse int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.held, p.inUse
+}
+
+// streamPool keeps copy streams per GPU for reuse.
+type streamPool struct {
+	mu   sync.Mutex
+	free map[int][]devmem.Stream
+	done bool
+}
+
+func (sp *streamPool) get(drv devmem.Driver, dev int) (devmem.Stream, error) {
+	sp.mu.Lock()
+	if ss := sp.free[dev]; len(ss) > 0 {
+		s := ss[len(ss)-1]
+		sp.free[dev] = ss[:len(ss)-1]
+		sp.mu.Unlock()
+		return s, nil
+	}
+	sp.mu.Unlock()
+	s, err := drv.NewStream(dev)
+	if err != nil {
+		return nil, fmt.Errorf("%w: copy stream on GPU %d: %w", ErrStaging, dev, err)
+	}
+	return s, nil
+}
+
+func (sp *streamPool) put(dev int, s devmem.Stream) {
+	sp.mu.Lock()
+	if sp.done {
+		sp.mu.Unlock()
+		_ = s.Close()
+		return
+	}
+	if sp.free == nil {
+		sp.free = make(map[int][]devmem.Stream)
+	}
+	sp.free[dev] = append(sp.free[dev], s)
+	sp.mu.Unlock()
+}
+
+func (sp *streamPool) close() error {
+	sp.mu.Lock()
+	defer sp.mu.Unlock()
+	sp.done = true
+	var errs []error
+	for _, ss := range sp.free {
+		for _, s := range ss {
+			errs = append(errs, s.Close())
+		}
+	}
+	sp.free = nil
+	return errors.Join(errs...)
+}
+
+// staging returns the agent's staging resources, made at first use.
+func (a *Agent) staging() (*devState, error) {
+	drv, err := a.Device()
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrStaging, err)
+	}
+	a.stageMu.Lock()
+	defer a.stageMu.Unlock()
+	if a.isClosed() {
+		return nil, fmt.Errorf("%w: agent %s is closing", ErrRemoteLost, a.id)
+	}
+	if a.dev.pool == nil {
+		a.dev.pool = newStagePool(drv, a.stagePool)
+		a.dev.chunk = uint64(a.stageChunk)
+	}
+	return &a.dev, nil
+}
+
+// stopStaging makes waits for a staging buffer fail: the agent is closing.
+func (a *Agent) stopStaging() {
+	a.stageMu.Lock()
+	defer a.stageMu.Unlock()
+	if a.dev.pool != nil {
+		a.dev.pool.close()
+	}
+}
+
+// closeStaging frees the staging pool and streams; the agent calls it
+// once no transfer or lease can use them.
+func (a *Agent) closeStaging() error {
+	a.stopStaging()
+	return a.dev.streams.close()
+}
+
+// streams is a set of copy streams, one per GPU, taken from the agent's
+// pool for one goroutine's use.
+type streams struct {
+	a  *Agent
+	by map[int]devmem.Stream
+}
+
+func (ss *streams) get(dev int) (devmem.Stream, error) {
+	if s, ok := ss.by[dev]; ok {
+		return s, nil
+	}
+	s, err := ss.a.dev.streams.get(ss.a.dev.drv, dev)
+	if err != nil {
+		return nil, err
+	}
+	if ss.by == nil {
+		ss.by = make(map[int]devmem.Stream, 1)
+	}
+	ss.by[dev] = s
+	return s, nil
+}
+
+// sync waits for every stream's copies.
+func (ss *streams) sync() error {
+	var errs []error
+	for dev, s := range ss.by {
+		if err := s.Sync(); err != nil {
+			errs = append(errs, fmt.Errorf("%w: GPU %d: %w", ErrStaging, dev, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// release syncs the streams and gives them back to the pool.
+func (ss *streams) release() error {
+	err := ss.sync()
+	for dev, s := range ss.by {
+		ss.a.dev.streams.put(dev, s)
+	}
+	ss.by = nil
+	return err
+}
