@@ -58,12 +58,12 @@ type host struct {
 	stages bool // the backend reaches device memory through staged leases
 }
 
-func (h *host) ID() uuid.UUID                                   { return h.a.id }
-func (h *host) Logger() *slog.Logger                            { return h.log }
-func (h *host) Context() context.Context                        { return h.ctx }
+func (h *host) ID() uuid.UUID            { return h.a.id }
+func (h *host) Logger() *slog.Logger     { return h.log }
+func (h *host) Context() context.Context { return h.ctx }
 func (h *host) Open(l Link, key Key, acc Access) (Lease, error) {
 	return h.a.open(l, key, acc, h.stages)
 }
-func (h *host) Deliver(l Link, key Key, msg []byte) bool        { return h.a.deliver(l, key, msg) }
-func (h *host) LinkLost(l Link, cause error)                    { h.a.linkLost(l, cause) }
-func (h *host) Refused()                                        { h.a.refused.Add(1) }
+func (h *host) Deliver(l Link, key Key, msg []byte) bool { return h.a.deliver(l, key, msg) }
+func (h *host) LinkLost(l Link, cause error)             { h.a.linkLost(l, cause) }
+func (h *host) Refused()                                 { h.a.refused.Add(1) }

@@ -14,7 +14,7 @@ import (
 const (
 	defaultStageChunk = 4 << 20
 	defaultStagePool  = 64 << 20
-	stageDepth        = 4  // chunks of one transfer in flight at once
+	stageDepth        = 4 // chunks of one transfer in flight at once
 	stageMinClass     = 64 << 10
 	stageMaxPieces    = 1024 // pieces per staged chunk
 )
