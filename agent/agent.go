@@ -69,6 +69,12 @@ type Stats struct {
 	// registered now, exposures not yet revoked, transfers posted and not
 	// finished. A steady climb means operations are not being closed.
 	Registered, Exposed, InFlight int
+	// StagingBuffers is how many pinned staging buffers are in use now (by
+	// transfers and by peers' leases on device memory), StagingBytes how
+	// much pinned host memory the agent holds for staging, in use or kept
+	// for reuse (at most the pool size of [WithStaging]).
+	StagingBuffers int
+	StagingBytes   int64
 	// Backends holds, per backend name, the counters of backends that keep
 	// them (see [Counting]), for example how many connections the tcp
 	// backend dropped and why. Nil when no backend counts.
@@ -253,6 +259,11 @@ func (a *Agent) Stats() Stats {
 	a.xferMu.Lock()
 	st.InFlight = len(a.xfers)
 	a.xferMu.Unlock()
+	a.stageMu.Lock()
+	if p := a.dev.pool; p != nil {
+		st.StagingBytes, st.StagingBuffers = p.stats()
+	}
+	a.stageMu.Unlock()
 	for _, b := range a.backends {
 		if c, ok := b.(Counting); ok {
 			if st.Backends == nil {
