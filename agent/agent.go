@@ -301,7 +301,7 @@ func (a *Agent) choose(ctx context.Context, peer Info, key Key, acc Access, forc
 		if !ok {
 			why = append(why, fmt.Errorf("%s: does not support %v memory", b.Name(), KindDRAM))
 		} else if remoteVRAM && !b.Supports(KindVRAM) && !stagesDevice(b) {
-			why = append(why, fmt.Errorf("%s: cannot reach the peer's %v memory", b.Name(), KindVRAM))
+			why = append(why, fmt.Errorf("%s: cannot reach the peer's GPU memory (%v)", b.Name(), KindVRAM))
 			ok = false
 		}
 		if ok {

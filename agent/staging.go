@@ -90,8 +90,14 @@ func (a *Agent) Device() (devmem.Driver, error) {
 	return d.drv, d.err
 }
 
-// checkDevice checks every VRAM region of ls through the device driver:
-// device memory of its GPU, inside one allocation.
+// CheckDevice checks every VRAM region of ls through the device driver
+// ([Agent.Device]): it must be device memory of its GPU and lie inside one
+// allocation. Errors wrap [ErrInvalid] and name the region's index; with
+// no driver they also wrap [devmem.ErrUnavailable]. Post and Expose check
+// this themselves; layers above call it to fail early. Regions of host
+// memory are not looked at. Safe for concurrent use.
+func (a *Agent) CheckDevice(ls []Local) error { return a.checkDevice(ls) }
+
 func (a *Agent) checkDevice(ls []Local) error {
 	var drv devmem.Driver
 	for i, l := range ls {

@@ -64,6 +64,12 @@ func NewConnector(opts ...Option) (*Connector, error) {
 	if o.id != uuid.Nil {
 		aopts = append(aopts, agent.WithID(o.id))
 	}
+	if o.device != nil {
+		aopts = append(aopts, agent.WithDevice(o.device))
+	}
+	if o.staging != [2]int{} {
+		aopts = append(aopts, agent.WithStaging(o.staging[0], o.staging[1]))
+	}
 	a, err := agent.New(aopts...)
 	if errors.Is(err, ErrInvalidOption) {
 		return nil, err
@@ -162,4 +168,17 @@ func (c *Connector) isClosing() bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.closing
+}
+
+// CUDAAvailable reports whether the Connector can use GPU memory: its
+// device driver ([WithDevice]) loaded and sees at least one GPU. It loads
+// the CUDA driver if nothing did yet. With the simulator it reports true:
+// simulated GPUs are GPUs to the SDK. Safe for concurrent use.
+func (c *Connector) CUDAAvailable() bool {
+	d, err := c.a.Device()
+	if err != nil {
+		return false
+	}
+	n, err := d.Devices()
+	return err == nil && n > 0
 }

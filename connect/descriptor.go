@@ -90,6 +90,19 @@ func (d Descriptor) local() (agent.Local, error) {
 	return agent.Device(d.ptr, d.size, agent.KindVRAM, uint32(d.dev.ID)), nil
 }
 
+// locals maps descs and checks GPU memory through the agent's device
+// driver, naming the index of the first invalid descriptor.
+func (c *Connector) locals(descs []Descriptor) ([]agent.Local, error) {
+	ls, err := locals(descs)
+	if err != nil {
+		return nil, err
+	}
+	if err := c.a.CheckDevice(ls); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidDescriptor, err)
+	}
+	return ls, nil
+}
+
 // locals maps descs, naming the index of the first invalid one.
 func locals(descs []Descriptor) ([]agent.Local, error) {
 	if len(descs) == 0 {

@@ -175,7 +175,7 @@ type passiveOp struct {
 }
 
 func (c *Connector) create(ctx context.Context, o *passiveOp, kind OperationKind, descs []Descriptor) error {
-	ls, err := locals(descs)
+	ls, err := c.locals(descs)
 	if err != nil {
 		return err
 	}
@@ -405,7 +405,7 @@ func (c *Connector) begin(ctx context.Context, o *activeOp, op agent.Op, md Meta
 	case len(descs) != md.Len():
 		return fmt.Errorf("%w: %d local descriptors != %d remote descriptors", ErrSizeMismatch, len(descs), md.Len())
 	}
-	ls, err := locals(descs)
+	ls, err := c.locals(descs)
 	if err != nil {
 		return err
 	}
@@ -583,6 +583,12 @@ func (o *activeOp) Status() Status {
 // Backend returns the name of the backend moving the bytes ("mem", "cma",
 // "tcp", ...).
 func (o *activeOp) Backend() string { return o.x.Backend() }
+
+// Path returns how the bytes move: the backend's name, with "+staging"
+// when GPU memory on either side goes through pinned host buffers because
+// the backend cannot reach it directly ("tcp+staging"); "ucx" alone when
+// UCX moves GPU memory itself.
+func (o *activeOp) Path() string { return o.x.Path() }
 
 // Notifications from the active side to the passive side: one code byte,
 // then for failures a UTF-8 reason of at most maxReason bytes. They are

@@ -172,29 +172,6 @@ func TestInvalidDescriptors(t *testing.T) {
 	require.ErrorIs(t, err, ErrInvalidMetadata)
 }
 
-func TestDeviceMemoryWithoutGPUBackend(t *testing.T) {
-	ctx := guarded(t)
-	passive, activeConn := pair(t, "mem")
-	pop := expose(t, passive, KindRead, buffers([]int{4096}, 1))
-	// A made-up device pointer: no byte may be touched, since no backend
-	// here moves GPU memory.
-	_, err := activeConn.BeginRead(ctx, pop.Metadata(), NewDeviceDescriptor(0xdead0000, 4096, CUDA(1)))
-	require.ErrorIs(t, err, ErrNoBackend)
-	var te *TransferError
-	require.ErrorAs(t, err, &te)
-	assert.Equal(t, "read", te.Op)
-	assert.Equal(t, passive.a.ID().String(), te.Remote)
-	requireUnregistered(t, activeConn)
-
-	// Exposing GPU memory needs no GPU: the token carries the device.
-	gop, err := passive.CreateWritable(ctx, NewDeviceDescriptor(0xdead0000, 4096, CUDA(3)))
-	require.NoError(t, err)
-	defer func() { require.NoError(t, gop.Close()) }()
-	md, err := ParseMetadata(gop.Metadata().String())
-	require.NoError(t, err)
-	assert.Equal(t, agent.Region{Addr: 0xdead0000, Len: 4096, Kind: agent.KindVRAM, Device: 3}, md.regions[0])
-}
-
 func TestActiveContextCancelled(t *testing.T) {
 	cancels := []struct {
 		name string

@@ -7,6 +7,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/devmem"
 	"github.com/goxfer/goxfer/agent/backend/cma"
 	"github.com/goxfer/goxfer/agent/backend/mem"
 	"github.com/goxfer/goxfer/agent/backend/tcp"
@@ -33,6 +34,33 @@ type options struct {
 	logger   *slog.Logger
 	resolver Resolver
 	id       uuid.UUID
+	device   devmem.Driver
+	staging  [2]int // chunk, pool; zero: the agent's defaults
+}
+
+// WithDevice sets the device-memory driver that checks GPU descriptors and
+// stages GPU memory ([agent.WithDevice]). Default: the CUDA driver, loaded
+// at the first use of GPU memory, unless the environment variable
+// GOXFER_DEVICE=sim selects the simulator ([devmem.Default]). Tests and
+// machines without a GPU pass a [devmem.Sim].
+func WithDevice(d devmem.Driver) Option {
+	return optionFunc(func(o *options) error {
+		if d == nil {
+			return fmt.Errorf("%w: WithDevice(nil)", ErrInvalidOption)
+		}
+		o.device = d
+		return nil
+	})
+}
+
+// WithStaging sets the chunk size and the pinned pool size used to stage
+// GPU memory through host memory for backends that cannot reach it
+// ([agent.WithStaging]; defaults 4 MiB and 64 MiB).
+func WithStaging(chunk, pool int) Option {
+	return optionFunc(func(o *options) error {
+		o.staging = [2]int{chunk, pool}
+		return nil
+	})
 }
 
 // WithBackends replaces the default backends with bs, in order of
