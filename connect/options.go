@@ -7,11 +7,11 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/goxfer/goxfer/agent"
-	"github.com/goxfer/goxfer/agent/devmem"
 	"github.com/goxfer/goxfer/agent/backend/cma"
 	"github.com/goxfer/goxfer/agent/backend/mem"
 	"github.com/goxfer/goxfer/agent/backend/tcp"
 	"github.com/goxfer/goxfer/agent/backend/ucx"
+	"github.com/goxfer/goxfer/agent/devmem"
 )
 
 // Option configures a Connector. Options are applied in order by
