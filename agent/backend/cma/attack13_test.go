@@ -224,6 +224,63 @@ func TestAttack13HostContextEndsBeforeClose(t *testing.T) {
 	assert.Zero(t, b.conns.Len())
 }
 
+// a13Accepted returns the accepting end of a fresh Unix-domain connection
+// from this process, such as b's accept loop hands to admit, and its
+// dialling end.
+func a13Accepted(t *testing.T) (accepted, dialled *net.UnixConn) {
+	t.Helper()
+	name := fmt.Sprintf("goxfer-cma-test/a13-admit/%s", uuid.New())
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: "@" + name, Net: "unix"})
+	require.NoError(t, err)
+	defer ln.Close()
+	dialled, err = net.DialUnix("unix", nil, &net.UnixAddr{Name: "@" + name, Net: "unix"})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = dialled.Close() })
+	accepted, err = ln.AcceptUnix()
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = accepted.Close() })
+	return accepted, dialled
+}
+
+// A connection accepted just as Close begins must not count against the
+// peers what Close does: its admission, after Close stopped the Set, must
+// not evict the handshake in progress (which Close closes anyway) nor
+// count that as a LimitRejected drop. tcp's test of the same name widens
+// the window with a slow listener; cma's accept loop takes a
+// *net.UnixConn, so this test re-enacts the interleaving by hand: admit's
+// check that the backend is not closing passed, then Close stopped the
+// Set (the test calls b.conns.Stop), then admit goes on.
+func TestAttack13AdmitAfterStopEvictsAndCounts(t *testing.T) {
+	b := New(WithMaxHandshakes(1), WithTimeout(5*time.Second))
+	a, err := agent.New(agent.WithBackends(b))
+	require.NoError(t, err)
+	before := b.Stats()
+
+	silent := a13Dial(t, b) // in the handshake gate, never says hello
+	require.Eventually(t, func() bool { return b.gate.Len() == 1 }, 5*time.Second, time.Millisecond)
+	late, lateFar := a13Accepted(t)
+
+	members, first := b.conns.Stop() // Close's step, between admit's check and its use of the gate
+	require.True(t, first)
+	assert.False(t, b.admit(late), "admitted a connection after the Set stopped: the accept loop goes on")
+	assert.Equal(t, 1, b.gate.Len(), "the handshake in progress was evicted, or the late connection entered the gate")
+	assert.Equal(t, Stats{}, serve.Delta(b.Stats(), before), "a closing backend counted a drop against its peers")
+	a13Closed(t, lateFar, 5*time.Second, "the connection accepted as Close began")
+
+	// The rest of Close, which finds the Set stopped already: the members
+	// are closed here, the context cancelled first, as Close does.
+	b.cancel(agent.ErrClosed)
+	for _, c := range members {
+		_ = c.Close()
+	}
+	require.NoError(t, a.Close())
+	a13Closed(t, silent, 5*time.Second, "the handshake in progress")
+	assert.Equal(t, Stats{}, serve.Delta(b.Stats(), before), "a closing backend counted a drop against its peers")
+	assert.Zero(t, b.conns.Len())
+	assert.Zero(t, b.gate.Len())
+	assert.Zero(t, b.byPID.Len())
+}
+
 // a13Exposer is a fake exposing side in this process that announces leases
 // lease slots and hands each lease request to the test, which answers it
 // (grant) when it likes.

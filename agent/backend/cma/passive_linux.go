@@ -21,7 +21,10 @@ import (
 // connection whose peer has no credentials, or whose process already holds
 // WithMaxConnsPerProcess, and lets the others into the gate of
 // WithMaxHandshakes, which closes the oldest handshake when it is full.
-// It reports false once the backend is closing: the loop ends.
+// Entering the gate and serving are one step that Close's stopping of
+// b.conns is ordered against (serve.Set.Admit): a backend that is closing
+// evicts and counts nothing. It reports false once the backend is closing:
+// the loop ends.
 func (b *Backend) admit(nc net.Conn) bool {
 	if b.stopping() {
 		_ = nc.Close()
@@ -31,6 +34,9 @@ func (b *Backend) admit(nc net.Conn) bool {
 	pid, err := peerCred(c)
 	if err != nil {
 		_ = c.Close()
+		if b.stopping() {
+			return false // dropped by a backend that is closing: not the peer's doing
+		}
 		b.stats.Drop(serve.HandshakeFailure)
 		b.log.Debug("cma: dropped a connection whose peer has no credentials", "err", err)
 		b.host.Refused()
@@ -38,22 +44,24 @@ func (b *Backend) admit(nc net.Conn) bool {
 	}
 	if !b.byPID.Acquire(pid) {
 		_ = c.Close()
+		if b.stopping() {
+			return false
+		}
 		b.stats.Drop(serve.LimitRejected)
 		b.log.Debug("cma: refused a connection: its process holds WithMaxConnsPerProcess", "pid", pid, "max", b.cfg.maxConnsPerProc)
 		b.host.Refused()
 		return true
 	}
-	pass, evicted := b.gate.Enter(c)
+	evicted, ok := b.conns.Admit(b.gate, c, c, func(c *net.UnixConn, pass *serve.Pass) { b.serve(c, pid, pass) })
+	if !ok {
+		b.byPID.Release(pid)
+		_ = c.Close()
+		return false
+	}
 	if evicted { // its goroutine ends uncounted (serve.ErrEvicted): counted here
 		b.stats.Drop(serve.LimitRejected)
 		b.log.Debug("cma: closed the oldest handshake to make room: WithMaxHandshakes in progress", "max", b.cfg.maxHandshakes)
 		b.host.Refused()
-	}
-	if !b.conns.Serve(c, func(c *net.UnixConn) { b.serve(c, pid, pass) }) {
-		pass.Done()
-		b.byPID.Release(pid)
-		_ = c.Close()
-		return false
 	}
 	return true
 }

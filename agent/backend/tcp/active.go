@@ -660,13 +660,24 @@ func (p *peer) end(err error, idle bool) {
 }
 
 // notifyDone sends a transfer's notification (agent.Parts) within the
-// backend's lifetime.
+// backend's lifetime: waiting for the control connection's writer, and the
+// write, end when the backend closes, or with the keepalive timeout.
 func (p *peer) notifyDone(key agent.Key, msg []byte) error { return p.notify(p.b.ctx, key, msg) }
+
+// errNotifyCut is why a peer's connections were closed, and why the
+// transfers in flight on them failed, when a notification's write was cut
+// short by its context: the control connection's framing was broken.
+var errNotifyCut = errors.New("tcp: a notification was cut short when its context ended, leaving half a frame on the control connection")
 
 // notify sends a notification on the control connection, which carries no
 // data, so it never waits behind a transfer. Waiting for the connection to
-// be dialled, or for its writer, ends when ctx or the backend is done, with
-// an error wrapping context.Cause(ctx).
+// be dialled or for its writer, and the write itself, end when ctx is done
+// (and the waits when the backend is), with an error wrapping
+// context.Cause(ctx). A write cut short leaves half a frame on the
+// connection: the peer is failed then (errNotifyCut), its connections
+// closed and its transfers in flight failed, and the next transfer or
+// notification dials afresh. A write cut before its first byte leaves the
+// connection as it was.
 func (p *peer) notify(ctx context.Context, key agent.Key, msg []byte) error {
 	if len(msg) > maxNotify {
 		return fmt.Errorf("%w: notification of %d bytes, at most %d", agent.ErrInvalid, len(msg), maxNotify)
@@ -695,24 +706,61 @@ func (p *peer) notify(ctx context.Context, key agent.Key, msg []byte) error {
 	if s.dead {
 		return p.failure()
 	}
+	if ctx.Err() != nil { // the lock may be taken with ctx done: write nothing then
+		return fmt.Errorf("tcp: notify peer %s: %w", p.id, context.Cause(ctx))
+	}
 	h := header{typ: tNotify, length: uint64(len(msg)), key: key}
 	h.put(s.head)
 	s.bufs = append(s.bufs[:0], s.head[:hdrSize], msg)
 	s.out = s.bufs
-	err := writeFrame(w, &s.out, p.b.cfg.timeout, nil, nil, time.Time{})
+	// ctx ends the write as it ends the waits: a fence raised when it is
+	// done sets a deadline in the past, and keeps writeFrame from setting
+	// a later one. A raise under way is waited for before the lock is let
+	// go, so that it never lands on the next writer's deadline.
+	var f fence
+	raised := make(chan struct{})
+	stop := context.AfterFunc(ctx, func() {
+		defer close(raised)
+		f.raise(w.c.SetWriteDeadline)
+	})
+	err := writeFrame(w, &s.out, p.b.cfg.timeout, &f, nil, time.Time{})
+	if !stop() {
+		<-raised
+	}
 	w.lastWrite.Store(time.Now().UnixNano())
-	if err != nil {
+	var left int
+	for _, b := range s.out {
+		left += len(b)
+	}
+	clear(s.bufs) // msg stays the caller's
+	s.out = nil
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, errFenced) && left == hdrSize+len(msg):
+		return fmt.Errorf("tcp: notify peer %s: the socket took none of it: %w", p.id, context.Cause(ctx))
+	case errors.Is(err, errFenced):
+		why := fmt.Errorf("tcp: connections to peer %s closed: %w (%d of its %d bytes sent)", p.id, errNotifyCut, hdrSize+len(msg)-left, hdrSize+len(msg))
+		if p.b.stopping() {
+			why = agent.ErrClosed
+		}
+		p.fail(why) // before the lock is let go: no one writes after the half frame
+		return fmt.Errorf("tcp: notify peer %s: cut short, %d of %d bytes sent, and the peer's connections closed: %w",
+			p.id, hdrSize+len(msg)-left, hdrSize+len(msg), context.Cause(ctx))
+	default:
 		_ = w.c.Close()
 		return fmt.Errorf("tcp: notify peer %s: %w: %w", p.id, agent.ErrRemoteLost, err)
 	}
-	return nil
 }
 
 // Notify implements [agent.Backend]: it sends msg, at most 64 KiB, on the
 // peer's control connection, dialling the peer if it is not connected. It
-// returns once the socket took msg, which it does not keep; waiting for the
-// dial or for the connection's writer ends when ctx is done, with an error
-// wrapping context.Cause(ctx).
+// returns once the socket took msg, which it does not keep. Waiting for the
+// dial or for the connection's writer, and the write itself, end when ctx
+// is done, with an error wrapping context.Cause(ctx); a write that ctx cut
+// short closes the peer's connections (the half-written frame cannot be
+// taken back), failing its transfers in flight, and the next use dials
+// afresh.
 func (b *Backend) Notify(ctx context.Context, info agent.Info, key agent.Key, msg []byte) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("tcp: notify peer %s: %w", info.ID, context.Cause(ctx))

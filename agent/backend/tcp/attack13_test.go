@@ -1,11 +1,14 @@
 package tcp
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"io"
 	"net"
+	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/google/uuid"
@@ -284,7 +287,6 @@ func a13SilentPeer(t *testing.T) agent.Info {
 // stopped reading). Each Notify here has 200 ms; the keepalive timeout is
 // 8 s.
 func TestAttack13NotifyWriteEndsWithContext(t *testing.T) {
-	t.Skip("defect: Notify's socket write ignores its ctx: it waits for the keepalive timeout (active.go, peer.notify's writeFrame)")
 	_, b := func() (*agent.Agent, *Backend) {
 		b := New(WithKeepalive(4*time.Second, 8*time.Second))
 		return backendtest.NewAgent(t, b), b
@@ -307,6 +309,108 @@ func TestAttack13NotifyWriteEndsWithContext(t *testing.T) {
 		}
 	}
 	t.Fatal("a peer that reads nothing took 128 MiB of notifications")
+}
+
+// a13Returned reports whether done is closed.
+func a13Returned(done <-chan struct{}) bool {
+	select {
+	case <-done:
+		return true
+	default:
+		return false
+	}
+}
+
+// A Notify whose context ends while the socket takes its frame. Cut after
+// some of its bytes, the frame is half-written: the peer's connections are
+// closed, its transfer in flight fails with errNotifyCut, and the next
+// Notify dials afresh and goes out whole. Cut before its first byte, the
+// connection is as it was: the transfer goes on, and the next Notify goes
+// out whole on the same connection.
+func TestAttack13NotifyCutShort(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		room int // what the first control connection takes before its peer reads
+		cut  bool
+	}{
+		{"half a frame", 100, true},
+		{"no byte", 0, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			bubble(t, func(t *testing.T, nw *memNet) {
+				id := uuid.New()
+				ctrls := make(chan net.Conn, 4)
+				var conns atomic.Int32
+				stop := make(chan struct{})
+				ln := serveFake(t, nw, func(c net.Conn) {
+					var hs [hsSize]byte
+					if _, err := io.ReadFull(c, hs[:]); err != nil {
+						return
+					}
+					in, err := getHandshake(hs[:])
+					if err != nil {
+						return
+					}
+					n := conns.Add(1)
+					(&handshake{status: stOK, self: id, timeout: time.Hour}).put(hs[:])
+					if _, err := c.Write(hs[:]); err != nil {
+						return
+					}
+					if in.stream == 0 { // the data stream: takes requests, answers none
+						_, _ = io.Copy(io.Discard, c)
+						return
+					}
+					if n == 2 { // the first control connection
+						c.(*memConn).setReadBuffer(tc.room)
+					}
+					ctrls <- c
+					<-stop // the test reads it
+				})
+				t.Cleanup(func() { close(stop) }) // before serveFake's
+				peer := peerAt(id, ln.Addr())
+				a, b := newAgent(t, nw, WithStreams(1), WithKeepalive(time.Minute, 10*time.Minute))
+
+				x := postFake(t, a, agent.OpRead, peer, make([]byte, 4096)) // in flight: never answered
+				ctrl := <-ctrls
+				msg := bytes.Repeat([]byte{7}, 1000)
+				ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+				err := b.Notify(ctx, peer, agent.NewKey(), msg)
+				cancel()
+				require.ErrorIs(t, err, context.DeadlineExceeded)
+				synctest.Wait()
+
+				if tc.cut {
+					require.True(t, a13Returned(x.Done()), "the transfer in flight outlived its connections")
+					require.ErrorIs(t, x.Err(), errNotifyCut)
+					got, err := io.ReadAll(ctrl) // what it took, then the end: the connection is closed
+					require.NoError(t, err)
+					assert.Len(t, got, tc.room)
+				} else {
+					assert.False(t, a13Returned(x.Done()), "the transfer failed: a Notify that sent nothing closed the connection")
+					ctrl.(*memConn).setReadBuffer(memBuf)
+				}
+
+				key := agent.NewKey()
+				require.NoError(t, b.Notify(context.Background(), peer, key, msg))
+				if tc.cut {
+					ctrl = <-ctrls
+					assert.EqualValues(t, 4, conns.Load(), "the peer is dialled afresh")
+				} else {
+					assert.EqualValues(t, 2, conns.Load(), "the connection is kept")
+				}
+				var hb [hdrSize]byte
+				_, err = io.ReadFull(ctrl, hb[:])
+				require.NoError(t, err)
+				var h header
+				h.get(hb[:])
+				require.Equal(t, header{typ: tNotify, length: uint64(len(msg)), key: key}, h, "the next frame on the control connection")
+				got := make([]byte, len(msg))
+				_, err = io.ReadFull(ctrl, got)
+				require.NoError(t, err)
+				assert.Equal(t, msg, got)
+			})
+		})
+	}
 }
 
 // a13Listener wraps the backend's TCP listener (config.testListen): once
@@ -363,7 +467,6 @@ func (l *a13Listener) Close() error {
 // agent refusal. Before serve, admit checked closed and used the gate under
 // one lock, so a closing backend counted nothing.
 func TestAttack13AdmitAfterStopEvictsAndCounts(t *testing.T) {
-	t.Skip("defect: admit checks Stopping, then evicts from the gate and counts it, after Close stopped the Set (passive.go admit)")
 	b := New(WithMaxHandshakes(1))
 	ln := &a13Listener{b: b, armed: make(chan struct{}, 1)}
 	b.cfg.testListen = func(addr string) (net.Listener, error) {

@@ -25,33 +25,37 @@ const readBuf = 16 << 10
 // connection whose address already holds WithMaxConnsPerIP, and lets the
 // others into the gate of WithMaxHandshakes, which closes the oldest
 // handshake when it is full: a legitimate handshake takes one round trip,
-// so the oldest is the likeliest to be a slow-loris.
+// so the oldest is the likeliest to be a slow-loris. Entering the gate and
+// serving are one step that Close's stopping of b.conns is ordered against
+// (serve.Set.Admit): a backend that is closing evicts and counts nothing.
+// It reports false once the backend is closing: the loop ends.
 func (b *Backend) admit(c net.Conn) bool {
-	if b.conns.Stopping() {
-		_ = c.Close()
-		return false
-	}
-	w := newWconn(c)
 	ip := remoteIP(c)
 	if !b.byIP.Acquire(ip) {
 		_ = c.Close()
+		if b.conns.Stopping() || b.stopping() {
+			return false // refused, but by a backend that is closing: not the peer's doing
+		}
 		b.stats.Drop(serve.LimitRejected)
 		b.host.Refused()
 		b.log.Debug("refused a connection: its address holds WithMaxConnsPerIP connections", "remote", c.RemoteAddr().String())
 		return true
 	}
+	w := newWconn(c)
 	w.ip = ip
-	var evicted bool
-	w.pass, evicted = b.gate.Enter(c)
+	evicted, ok := b.conns.Admit(b.gate, w, c, func(w *wconn, pass *serve.Pass) {
+		w.pass = pass
+		b.serve(w)
+	})
+	if !ok {
+		b.byIP.Release(ip)
+		_ = c.Close()
+		return false
+	}
 	if evicted { // its goroutine returns, uncounted: counted here
 		b.stats.Drop(serve.LimitRejected)
 		b.host.Refused()
 		b.log.Debug("closed the oldest handshake to make room (WithMaxHandshakes)")
-	}
-	if !b.conns.Serve(w, b.serve) {
-		b.untrack(w)
-		_ = c.Close()
-		return false
 	}
 	return true
 }
@@ -98,7 +102,7 @@ type server struct {
 }
 
 // serve serves an accepted connection, on a goroutine of its own
-// (serve.Set.Serve), until it ends.
+// (serve.Set.Admit), until it ends.
 func (b *Backend) serve(w *wconn) {
 	defer b.untrack(w)
 	defer w.c.Close()
@@ -352,7 +356,7 @@ func (s *server) access(h *header) error {
 		defer s.dropLease()
 		for i := 0; i < n; i += pieceSize {
 			mem, err := lease.Slice(binary.LittleEndian.Uint64(table[i:]), binary.LittleEndian.Uint64(table[i+8:]))
-			if err == nil && mem == nil {
+			if err == nil && mem == nil { // the agent stages device memory for tcp: never nil
 				err = fmt.Errorf("%w: device memory cannot be served over tcp", agent.ErrAccessDenied)
 			}
 			if err != nil {
@@ -397,7 +401,13 @@ func (s *server) access(h *header) error {
 			}
 		}
 		s.pc.renew = nil
+		// Staged device memory reaches the device before the ack: a
+		// failure is the peer's to hear, and the ack never overtakes it.
+		flushErr := s.lease.Flush()
 		s.dropLease()
+		if flushErr != nil {
+			return s.answer(tWriteAck, h.id, flushErr, nil)
+		}
 		return s.answer(tWriteAck, h.id, nil, nil)
 	}
 	if denied != nil {

@@ -13,7 +13,9 @@
 //     one finds the gate full, the oldest is closed to make room.
 //   - Set tracks the connections and goroutines a backend must end on
 //     Close: it refuses new ones once stopped, hands back the members to
-//     close, and waits for the goroutines.
+//     close, and waits for the goroutines. Its Admit lets an accepted
+//     connection into a Gate and serves it, in one step that its Stop is
+//     ordered against: a backend that is closing evicts nothing.
 //   - Counters are the counters behind agent.BackendStats, with each
 //     dropped connection counted in exactly one kind and in Disconnected.
 //   - CheckHandshake is the identity check every handshake makes.
@@ -25,39 +27,43 @@
 // (agent.Host.Refused, LinkLost).
 //
 // A listening side puts the parts together in its accept handler, in this
-// order (the order both backends followed before this package):
+// order:
 //
 //	serve.Accept(ctx, ln, log, func(c net.Conn) bool {
-//		if set.Stopping() {
-//			_ = c.Close()
-//			return false
-//		}
 //		k := keyOf(c) // remote address, peer process, …
 //		if !perKey.Acquire(k) {
 //			_ = c.Close()
-//			stats.Drop(serve.LimitRejected)
+//			if set.Stopping() { // refused while closing: not the peer's fault
+//				return false
+//			}
+//			stats.Drop(serve.LimitRejected) // refused before any Stop: counted
 //			host.Refused()
 //			return true
 //		}
-//		pass, evicted := gate.Enter(c) // closes the oldest handshake if full
-//		if evicted {
-//			stats.Drop(serve.LimitRejected)
-//			host.Refused()
-//		}
-//		if !set.Serve(c, func(c net.Conn) {
+//		evicted, ok := set.Admit(gate, c, c, func(c net.Conn, pass *serve.Pass) {
 //			defer perKey.Release(k)
 //			defer pass.Done()
 //			defer c.Close()
 //			handshake(c, pass) // reads the hello, then: if !pass.Done() { return } (evicted, counted already)
 //			…
-//		}) {
-//			pass.Done()
+//		})
+//		if !ok { // the set is stopped: the backend is closing
 //			perKey.Release(k)
 //			_ = c.Close()
 //			return false
 //		}
+//		if evicted { // the oldest handshake, closed to make room
+//			stats.Drop(serve.LimitRejected)
+//			host.Refused()
+//		}
 //		return true
 //	})
+//
+// Admit checks that the set is not stopped, enters the gate and starts the
+// goroutine under the lock Stop takes: checking Stopping first and then
+// entering the gate would let a connection that arrives as Close begins
+// evict a handshake that Close is closing anyway, and count that against
+// its peer.
 //
 // Nothing in the package starts a goroutine that outlives the calls that
 // start it, except the ones a Set runs for its caller, and none waits on a

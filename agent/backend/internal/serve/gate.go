@@ -70,9 +70,24 @@ const (
 // allows). The eviction is the caller's to count (Counters.Drop with
 // LimitRejected, in both backends) and to report (agent.Host.Refused). The
 // connection that enters is never the one evicted.
+//
+// A listening side admits connections with Set.Admit instead, which enters
+// the gate only while its Set is not stopped: a backend that is closing
+// must not evict, nor count, anything.
 func (g *Gate) Enter(c io.Closer) (p *Pass, evictedOne bool) {
+	p, victim := g.enter(c)
+	if victim != nil {
+		_ = victim.Close()
+	}
+	return p, victim != nil
+}
+
+// enter lets c in and returns its pass, and the connection it evicted to
+// make room, if any, which the caller closes once it holds no lock.
+func (g *Gate) enter(c io.Closer) (p *Pass, victim io.Closer) {
 	p = &Pass{g: g, c: c}
 	g.mu.Lock()
+	defer g.mu.Unlock()
 	p.prev = g.tail
 	if g.tail != nil {
 		g.tail.next = p
@@ -81,17 +96,13 @@ func (g *Gate) Enter(c io.Closer) (p *Pass, evictedOne bool) {
 	}
 	g.tail = p
 	g.n++
-	var victim *Pass
 	if g.n > g.limit {
-		victim = g.head
-		g.unlink(victim)
-		victim.state = evicted
+		v := g.head
+		g.unlink(v)
+		v.state = evicted
+		victim = v.c
 	}
-	g.mu.Unlock()
-	if victim != nil {
-		_ = victim.c.Close()
-	}
-	return p, victim != nil
+	return p, victim
 }
 
 // unlink removes p, which is inside, from the list. The caller holds g.mu.

@@ -45,27 +45,25 @@ func startPassive(ln net.Listener, handshakes, perKey int, timeout time.Duration
 }
 
 func (p *passive) handle(c net.Conn) bool {
-	if p.set.Stopping() {
-		_ = c.Close()
-		return false
-	}
 	k := c.RemoteAddr().String()
 	if !p.perKey.Acquire(k) {
 		_ = c.Close()
+		if p.set.Stopping() {
+			return false
+		}
 		p.stats.Drop(LimitRejected)
 		p.refused.Add(1)
 		return true
 	}
-	pass, evicted := p.gate.Enter(c)
-	if evicted {
-		p.stats.Drop(LimitRejected)
-		p.refused.Add(1)
-	}
-	if !p.set.Serve(c, func(c net.Conn) { p.serve(c, k, pass) }) {
-		pass.Done()
+	evicted, ok := p.set.Admit(p.gate, c, c, func(c net.Conn, pass *Pass) { p.serve(c, k, pass) })
+	if !ok {
 		p.perKey.Release(k)
 		_ = c.Close()
 		return false
+	}
+	if evicted {
+		p.stats.Drop(LimitRejected)
+		p.refused.Add(1)
 	}
 	return true
 }

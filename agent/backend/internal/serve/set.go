@@ -1,11 +1,14 @@
 package serve
 
-import "sync"
+import (
+	"io"
+	"sync"
+)
 
 // Set tracks what a backend's Close must end: its live connections (of any
 // comparable type: a net.Conn, or the backend's own wrapper of one) and the
-// goroutines that serve them. Until Stop, Add, Serve and Go take new ones;
-// from Stop on they refuse them, Stop hands back the members for the caller
+// goroutines that serve them. Until Stop, Add, Serve, Admit and Go take new
+// ones; from Stop on they refuse them, Stop hands back the members for the caller
 // to close (its own way: a goodbye first, say), and Wait waits for the
 // goroutines.
 //
@@ -23,7 +26,8 @@ import "sync"
 //
 // The zero Set is empty and ready to use. A Set must not be copied after
 // first use. Safe for concurrent use; its methods never call out while they
-// hold its lock, so a caller may use it under a lock of its own.
+// hold its lock, so a caller may use it under a lock of its own. (Admit
+// takes a Gate's lock under the Set's; a Gate never takes a Set's.)
 type Set[C comparable] struct {
 	mu      sync.Mutex
 	members map[C]struct{}
@@ -98,6 +102,39 @@ func (s *Set[C]) Serve(c C, f func(C)) bool {
 	return true
 }
 
+// Admit admits an accepted connection c in one step that Stop is ordered
+// against: unless the set is stopped, c enters the handshake gate g (conn
+// is what g closes to evict it: c itself, or the connection c wraps), and
+// f(c, pass) runs on a goroutine of its own, c tracked meanwhile, as Serve
+// does. If g was full, the oldest connection inside is evicted to make room
+// (Gate.Enter), which Admit closes before it returns and reports: the
+// eviction is the caller's to count and report, as Enter's is.
+//
+// If the set is stopped, Admit does nothing, reports !ok, and c is still
+// the caller's to close. So once Stop has returned, no admission evicts a
+// connection, nor is counted against its peer: the connections in their
+// handshake are the closing backend's to close (Stop hands them back), and
+// an eviction Admit reports happened before Stop.
+func (s *Set[C]) Admit(g *Gate, c C, conn io.Closer, f func(C, *Pass)) (evicted, ok bool) {
+	s.mu.Lock()
+	if s.stopped {
+		s.mu.Unlock()
+		return false, false
+	}
+	p, victim := g.enter(conn)
+	s.addLocked(c)
+	s.running++
+	go func() {
+		defer s.exitMember(c)
+		f(c, p)
+	}()
+	s.mu.Unlock()
+	if victim != nil {
+		_ = victim.Close()
+	}
+	return victim != nil, true
+}
+
 func (s *Set[C]) exitMember(c C) {
 	s.mu.Lock()
 	delete(s.members, c)
@@ -151,8 +188,8 @@ func (s *Set[C]) Members() []C {
 	return out
 }
 
-// Stop stops the set: from now on Add, Serve and Go refuse, Stopping reports
-// true and Done is closed. It returns the members at that instant, for the
+// Stop stops the set: from now on Add, Serve, Admit and Go refuse, Stopping
+// reports true and Done is closed. It returns the members at that instant, for the
 // caller to close, and whether this call stopped the set; a later call
 // returns no members and false. The members stay tracked until they are
 // removed or their goroutines return.
@@ -176,7 +213,11 @@ func (s *Set[C]) Stop() (members []C, first bool) {
 
 // Stopping reports whether Stop was called: a connection that ends from then
 // on ends because the backend is closing, not by its peer's fault, and is
-// counted nowhere.
+// counted nowhere. It is a snapshot: Stop may be called just after it
+// reported false, so a caller that must not act once the set is stopped
+// acts through Admit, Serve, Add or Go, which check under the same lock as
+// Stop; a count of something that happened before the call, though, may
+// rest on it (the set was not stopped then either).
 func (s *Set[C]) Stopping() bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()

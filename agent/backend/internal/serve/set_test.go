@@ -181,3 +181,106 @@ func TestSetConcurrent(t *testing.T) {
 		assert.Zero(t, s.Len())
 	}
 }
+
+// Admit enters the gate and serves the connection until Stop; from Stop on
+// it refuses, and a refused admission evicts nothing: the connections in
+// their handshake are the stopping backend's to close, not a newcomer's to
+// evict and count.
+func TestSetAdmit(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var s Set[*closeConn]
+		g := NewGate(1)
+		release := make(chan struct{})
+		passes := make(chan *Pass, 2)
+		serve := func(c *closeConn, p *Pass) {
+			passes <- p
+			<-release
+		}
+		a, b, c := &closeConn{}, &closeConn{}, &closeConn{}
+
+		evicted, ok := s.Admit(g, a, a, serve)
+		require.True(t, ok)
+		assert.False(t, evicted)
+		pa := <-passes
+		assert.Equal(t, 1, g.Len())
+
+		evicted, ok = s.Admit(g, b, b, serve)
+		require.True(t, ok)
+		assert.True(t, evicted, "the gate of one was full")
+		pb := <-passes
+		assert.Equal(t, 1, a.closes(), "the oldest handshake is closed by Admit")
+		assert.False(t, pa.Done(), "and its pass says so")
+		assert.Zero(t, b.closes())
+		assert.Equal(t, 1, g.Len(), "b is inside")
+
+		m, _ := s.Stop()
+		assert.ElementsMatch(t, []*closeConn{a, b}, m, "served while their goroutines run")
+
+		evicted, ok = s.Admit(g, c, c, func(*closeConn, *Pass) { t.Error("served after Stop") })
+		assert.False(t, ok, "admitted after Stop")
+		assert.False(t, evicted, "a refused admission evicted a handshake")
+		assert.Zero(t, b.closes(), "the handshake inside was closed by a refused admission")
+		assert.Zero(t, c.closes(), "a refused connection stays the caller's to close")
+		assert.Equal(t, 1, g.Len(), "a refused admission entered the gate")
+		assert.True(t, pb.Done(), "b is still inside, never evicted")
+		assert.Equal(t, 2, s.Len(), "a refused connection is not tracked")
+
+		close(release)
+		s.Wait()
+		assert.Zero(t, s.Len())
+		assert.Zero(t, g.Len())
+	})
+}
+
+// Admit racing Stop: every connection admitted is handed back by Stop (none
+// escapes it, served by nobody), every one refused evicted nothing, and
+// each eviction closed exactly one connection.
+func TestSetAdmitRacingStop(t *testing.T) {
+	for range 50 {
+		var s Set[*closeConn]
+		g := NewGate(4)
+		release := make(chan struct{})
+		var mu sync.Mutex
+		admitted := map[*closeConn]bool{}
+		var all []*closeConn
+		evictions := 0
+		var wg sync.WaitGroup
+		for range 8 {
+			wg.Go(func() {
+				for range 20 {
+					c := &closeConn{}
+					evicted, ok := s.Admit(g, c, c, func(*closeConn, *Pass) { <-release })
+					mu.Lock()
+					all = append(all, c)
+					if ok {
+						admitted[c] = true
+					}
+					if evicted {
+						evictions++
+					}
+					mu.Unlock()
+					if !ok && evicted {
+						t.Error("a refused admission evicted a connection")
+					}
+				}
+			})
+		}
+		var members []*closeConn
+		wg.Go(func() { members, _ = s.Stop() })
+		wg.Wait()
+		assert.Len(t, members, len(admitted), "Stop did not hand back every admitted connection")
+		for _, c := range members {
+			assert.True(t, admitted[c], "Stop handed back a connection never admitted")
+		}
+		closes := 0
+		for _, c := range all {
+			closes += c.closes()
+			if !admitted[c] {
+				assert.Zero(t, c.closes(), "a refused connection was closed by Admit")
+			}
+		}
+		assert.Equal(t, evictions, closes, "each eviction closes one connection")
+		close(release)
+		s.Wait()
+	}
+}
