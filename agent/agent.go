@@ -262,6 +262,9 @@ func (a *Agent) Stats() Stats {
 	a.stageMu.Lock()
 	if p := a.dev.pool; p != nil {
 		st.StagingBytes, st.StagingBuffers = p.stats()
+		lb, ln := a.dev.leasePool.stats()
+		st.StagingBytes += lb
+		st.StagingBuffers += ln
 	}
 	a.stageMu.Unlock()
 	for _, b := range a.backends {

@@ -268,11 +268,11 @@ func (l *Lease) stage(addr, n uint64, dev int) ([]byte, error) {
 		for _, b := range st.bufs {
 			held += uint64(cap(b))
 		}
-		if lim := uint64(st.ds.pool.limit); held+n > lim {
+		if lim := uint64(st.ds.leasePool.limit); held+n > lim {
 			// Waiting would wait for this lease's own buffers.
 			return nil, fmt.Errorf("%w: a lease staging %d bytes of GPU memory needs more than the %d-byte staging pool; use smaller frames or a larger pool (WithStaging)", ErrStaging, held+n, lim)
 		}
-		b, err := st.ds.pool.get(max(n, leaseStageMin), nil, stageWait)
+		b, err := st.ds.leasePool.get(max(n, leaseStageMin), nil, stageWait)
 		if err != nil {
 			return nil, err
 		}
@@ -343,7 +343,7 @@ func (st *leaseStage) unstage(acc Access, log func(error)) {
 		log(err)
 	}
 	for _, b := range st.bufs {
-		st.ds.pool.put(b)
+		st.ds.leasePool.put(b)
 	}
 	st.items, st.bufs, st.cur = nil, nil, nil
 }

@@ -43,9 +43,10 @@ func WithDevice(d devmem.Driver) Option {
 // for backends that cannot reach it directly: chunk is the most one staged
 // piece of a transfer moves at a time (each transfer keeps up to four in
 // flight, so that copying one overlaps sending another), pool the most
-// pinned host memory the agent holds for staging, for all its transfers
-// and its peers' accesses together. Defaults: 4 MiB chunks, a 64 MiB
-// pool. chunk must lie in [64 KiB, 256 MiB] and pool hold two chunks.
+// pinned host memory the agent holds for staging: half for its own
+// transfers, half for its peers' accesses to its device memory, so that
+// neither can starve the other. Defaults: 4 MiB chunks, a 64 MiB pool.
+// chunk must lie in [64 KiB, 256 MiB] and half the pool hold a chunk.
 func WithStaging(chunk, pool int) Option {
 	return optionFunc(func(o *options) error {
 		if chunk < stageMinClass || chunk > 256<<20 {
@@ -67,8 +68,11 @@ type devState struct {
 	drv   devmem.Driver
 	err   error
 
-	pool    *stagePool
-	chunk   uint64
+	// Transfers and peers' leases stage from separate halves of the pool,
+	// so that two agents staging toward each other never wait for buffers
+	// their own waits hold.
+	pool, leasePool *stagePool
+	chunk           uint64
 	streams streamPool
 }
 
@@ -320,7 +324,8 @@ func (a *Agent) staging() (*devState, error) {
 		return nil, fmt.Errorf("%w: agent %s is closing", ErrRemoteLost, a.id)
 	}
 	if a.dev.pool == nil {
-		a.dev.pool = newStagePool(drv, a.stagePool)
+		a.dev.pool = newStagePool(drv, a.stagePool/2)
+		a.dev.leasePool = newStagePool(drv, a.stagePool/2)
 		a.dev.chunk = uint64(a.stageChunk)
 	}
 	return &a.dev, nil
@@ -332,6 +337,7 @@ func (a *Agent) stopStaging() {
 	defer a.stageMu.Unlock()
 	if a.dev.pool != nil {
 		a.dev.pool.close()
+		a.dev.leasePool.close()
 	}
 }
 
