@@ -485,7 +485,7 @@ func (a *Agent) deliver(l Link, key Key, msg []byte) bool {
 	// after this notification began to be delivered is queued after it.
 	e.mu.Lock()
 	e.bind(l)
-	a.send(e, Event{Kind: EventNotify, From: l.Peer, Msg: msg})
+	a.send(e, Event{Kind: EventNotify, From: l.Peer, Msg: msg, Err: e.stageErr})
 	e.mu.Unlock()
 	return true
 }

@@ -45,7 +45,12 @@ type Event struct {
 	Kind EventKind
 	From uuid.UUID // the sending or lost peer
 	Msg  []byte    // the notification, for EventNotify; owned by the receiver
-	Err  error     // the cause, for EventPeerLost
+	// Err is the cause, for EventPeerLost. For EventNotify it is nil,
+	// unless a peer's WRITE into the exposure's device memory could not be
+	// copied from its staging buffer into the device (it wraps
+	// [ErrStaging]): the notification then vouches for bytes that are not
+	// all in place.
+	Err error
 }
 
 // Exposure is registered memory made accessible to remote agents under a
@@ -63,7 +68,10 @@ type Exposure struct {
 	drained sync.Cond // signalled when leases drops to zero
 	leases  int
 	revoked bool
-	peer    uuid.UUID // first peer that opened a lease or sent a notification
+	// stageErr is the first failure to copy a peer's staged WRITE into
+	// device memory; notifications delivered afterwards carry it.
+	stageErr error
+	peer     uuid.UUID // first peer that opened a lease or sent a notification
 	// links are the channels through which peer presented the key: only
 	// their loss is the loss of the peer using this exposure. A channel
 	// that never presented the key, whatever agent ID it claims, is not
@@ -306,7 +314,16 @@ func (l *Lease) Flush() error {
 	if l.st == nil || l.e.access != AccessWrite {
 		return nil
 	}
-	return l.st.flush()
+	err := l.st.flush()
+	if err != nil {
+		e := l.e
+		e.mu.Lock()
+		if e.stageErr == nil {
+			e.stageErr = err
+		}
+		e.mu.Unlock()
+	}
+	return err
 }
 
 func (st *leaseStage) flush() error {
@@ -362,12 +379,19 @@ func (l *Lease) Release() {
 	}
 	l.done = true
 	e := l.e
+	var stageErr error
 	if l.st != nil {
 		l.st.unstage(e.access, func(err error) {
 			e.a.log.Warn("goxfer: staging a peer's WRITE into GPU memory failed", "err", err)
+			if stageErr == nil {
+				stageErr = err
+			}
 		})
 	}
 	e.mu.Lock()
+	if stageErr != nil && e.stageErr == nil {
+		e.stageErr = stageErr
+	}
 	if e.leases--; e.leases == 0 && e.revoked {
 		e.drained.Broadcast()
 	}

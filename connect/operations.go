@@ -364,6 +364,10 @@ func (o *passiveOp) handle(ev agent.Event) {
 		}
 		switch code {
 		case noticeDone:
+			if ev.Err != nil { // the peer's WRITE did not all reach GPU memory
+				o.finish(StatusErrored, fail(ev.Err))
+				return
+			}
 			o.finish(StatusComplete, nil)
 		case noticeCancelled:
 			o.finish(StatusCancelled, fail(fmt.Errorf("%w by the peer: %q", ErrCancelled, reason)))
