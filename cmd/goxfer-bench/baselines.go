@@ -3,11 +3,15 @@ package main
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"io"
 	"net"
+	"strings"
 	"sync"
 	"time"
+
+	"github.com/goxfer/goxfer/agent/devmem"
 )
 
 // Baseline names.
@@ -19,7 +23,80 @@ const (
 	basePVM      = "process_vm"
 	basePingPong = "raw-tcp-pingpong"
 	baseUCX      = "ucx_perftest" // the better of its UCX_TLS settings
+	baseCopy     = "cuMemcpy"     // pinned host memory to and from GPU memory; ops D2H, H2D
 )
+
+// copyBaselines measures, for each size, what staging GPU memory through
+// pinned host memory is compared with: copies from GPU memory into pinned
+// host memory (D2H) and back (H2D) on one stream of the driver, each
+// enqueued and synced before the next, as many as a goxfer point of that
+// size runs.
+func (in *initiator) copyBaselines(sizes []int) (out []Result, err error) {
+	d, gpu := in.drv, in.cfg.gpu
+	st, err := d.NewStream(gpu)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { err = errors.Join(err, st.Close()) }()
+	for _, size := range sizes {
+		rs, err := in.copyBaseline(st, size)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", fmtSize(float64(size)), err)
+		}
+		out = append(out, rs...)
+	}
+	return out, nil
+}
+
+func (in *initiator) copyBaseline(st devmem.Stream, size int) (_ []Result, err error) {
+	d, gpu := in.drv, in.cfg.gpu
+	host, err := d.HostAlloc(size)
+	if err != nil {
+		return nil, fmt.Errorf("pinned host memory: %w", err)
+	}
+	defer func() { err = errors.Join(err, d.HostFree(host)) }()
+	dev, err := d.Alloc(gpu, size)
+	if err != nil {
+		return nil, fmt.Errorf("GPU memory on GPU %d: %w", gpu, err)
+	}
+	defer func() { err = errors.Join(err, d.Free(dev)) }()
+	poison(host)
+	iters, warmup := in.cfg.itersFor(int64(size))
+	note := fmt.Sprintf("pinned host memory, one %s stream on GPU %d, a copy and a Sync each", d.Name(), gpu)
+	if d.Name() == "sim" {
+		note = "SIMULATED GPU: " + note
+	}
+	var out []Result
+	for _, dir := range []string{"D2H", "H2D"} {
+		lat, elapsed, err := timeCalls(warmup, iters, func() error {
+			var err error
+			if dir == "D2H" {
+				err = st.ToHost(host, dev)
+			} else {
+				err = st.ToDevice(dev, host)
+			}
+			return errors.Join(err, st.Sync())
+		})
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", dir, err)
+		}
+		r := Result{Kind: "baseline", Name: baseCopy, Op: dir, Block: size, Descs: 1, Bytes: int64(size), Inflight: 1, Iters: iters,
+			Device: d.Name(), Note: note}
+		r.setThroughput(int64(size), iters, elapsed)
+		r.P50, r.P99 = percentiles(lat)
+		out = append(out, r)
+	}
+	return out, nil
+}
+
+// fmtSizes lists sizes in binary units.
+func fmtSizes(sizes []int) string {
+	s := make([]string, len(sizes))
+	for i, n := range sizes {
+		s[i] = fmtSize(float64(n))
+	}
+	return strings.Join(s, ", ")
+}
 
 // baselines measures, for the bytes of one operation of shape sh, what the
 // backends are compared with: raw TCP over 1 and 4 connections to the

@@ -58,6 +58,12 @@ func drawChart(name string, rs []Result, ri runInfo) error {
 				continue
 			}
 			key := r.Kind + "|" + r.Name
+			if r.InitiatorMem == memVRAM.String() || r.TargetMem == memVRAM.String() {
+				key += " " + r.InitiatorMem + "/" + r.TargetMem
+			}
+			if r.Device == "sim" {
+				key += " [sim]"
+			}
 			if _, ok := series[key]; !ok {
 				order = append(order, key)
 			}

@@ -22,6 +22,24 @@
 //	goxfer-bench -preset model -model llama3-70b -tokens 4096
 //	goxfer-bench -check                           # verify every byte of every transfer
 //	goxfer-bench -runs 3 -o out.csv,out.json -chart bw.png
+//	goxfer-bench -backends tcp -blocks 4K,1M,64M -initiator-mem vram -target-mem vram
+//	goxfer-bench -backends tcp -preset kv -initiator-mem vram -target-mem vram  # or -shapes 64Kx4096,256Mx1
+//
+// GPU memory. -initiator-mem and -target-mem (dram, vram; nixlbench's
+// segment types) place the initiator's local buffers and the target's
+// exposed buffers in GPU memory (-gpu N), allocated in each process through
+// the device driver (agent/devmem: CUDA, or the simulator with
+// GOXFER_DEVICE=sim) and freed at the end; -check fills and verifies them
+// through the driver's copies, every byte. With vram on either side each
+// point is also measured dram/dram, beside pinned cuMemcpy D2H and H2D of
+// the operation's bytes and of one staging chunk (-staging), so that every
+// VRAM row carries, from the same run: the path the bytes took
+// ("tcp+staging"), GB/s over the DRAM row, and the rate of its staging
+// copies over pinned cuMemcpy. Rows of several descriptors carry their ratio
+// to one descriptor of the same bytes (the KV hand-off against one region).
+// On the simulator every such row, and the run, says SIMULATED GPU: its
+// figures say nothing about a GPU. Without a driver, asking for vram fails
+// before anything starts, saying what is missing.
 //
 // What a figure includes. For each point the target allocates one buffer
 // per operation in flight and creates one passive operation per iteration

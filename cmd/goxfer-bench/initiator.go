@@ -14,6 +14,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/devmem"
 	"github.com/goxfer/goxfer/connect"
 )
 
@@ -38,11 +39,25 @@ type initiator struct {
 	tokenBytes     map[int]int
 	childExited    chan error
 	baselineNotice map[string]string // why a baseline is missing
+	// GPU memory (-initiator-mem or -target-mem vram): the bare driver,
+	// the meter on the connectors' staging copies, and the sizes whose
+	// pinned copy baselines this run has measured.
+	drv       devmem.Driver
+	meter     meter
+	copySizes map[int]bool
+	noVRAM    map[string]string // backends that cannot move GPU memory, and why
 }
 
 func runInitiator(ctx context.Context, cfg *config, stdout, stderr io.Writer) error {
 	stderr = &lockedWriter{w: stderr} // the target child writes to it too
 	in := &initiator{cfg: cfg, stderr: stderr, conns: map[string]*connect.Connector{}, insts: map[string]agent.Backend{}, createNs: map[int]float64{}, tokenBytes: map[int]int{}, baselineNotice: map[string]string{}}
+	if cfg.mem.vram() {
+		// No driver, no GPU: fail before anything starts.
+		var err error
+		if in.drv, err = gpuDriver(cfg.gpu); err != nil {
+			return fmt.Errorf("-initiator-mem %s -target-mem %s: %w", cfg.mem.init, cfg.mem.target, err)
+		}
+	}
 	var cleanup undo // NATS, then the targets, then the connections: undone in reverse
 	defer cleanup.run()
 	if err := in.connectNATS(&cleanup); err != nil {
@@ -59,7 +74,7 @@ func runInitiator(ctx context.Context, cfg *config, stdout, stderr io.Writer) er
 	in.prog = newProgress(cfg.progress, stderr, cfg.runs*in.countSteps(len(ucxRuns)))
 	var runs [][]Result
 	for range cfg.runs {
-		in.results = nil
+		in.results, in.copySizes, in.noVRAM = nil, map[int]bool{}, map[string]string{}
 		if err := in.sweep(ctx); err != nil {
 			in.prog.finish()
 			return err
@@ -99,6 +114,13 @@ func (in *initiator) runInfo() runInfo {
 	ri := runInfo{Host: host, Runs: in.cfg.runs, Backends: builtNames(), Args: os.Args[1:], Check: in.cfg.check, Time: time.Now().UTC().Format(time.RFC3339)}
 	if in.proc != nil {
 		ri.TargetHost, ri.TargetPID, ri.SameHost = in.proc.hello.Host, in.proc.hello.PID, in.proc.sameClock
+	}
+	ri.InitiatorMem, ri.TargetMem = in.cfg.mem.init.String(), in.cfg.mem.target.String()
+	if in.cfg.mem.vram() {
+		ri.Device, ri.GPU, ri.StageChunk, ri.StagePool = in.drv.Name(), in.cfg.gpu, in.cfg.stageChunk, in.cfg.stagePool
+		if ri.Device == "sim" {
+			ri.Notes = append(ri.Notes, simNotice)
+		}
 	}
 	for k, v := range in.baselineNotice {
 		ri.Notes = append(ri.Notes, k+": "+v)

@@ -50,6 +50,12 @@ type config struct {
 	progress string
 	preset   string
 	from     string
+	// GPU memory: where each side's buffers live, on which GPU, and how
+	// the connectors stage it through host memory.
+	mem                   mems
+	gpu                   int
+	stageChunk, stagePool int
+	staging               string // -staging as given, passed on to a spawned target
 }
 
 // shape is one transfer: descs descriptors of block bytes.
@@ -110,7 +116,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 		fs.PrintDefaults()
 	}
 	c := &config{}
-	var backends, ops, blocks, descs, inflight, outputs, ucxTLS, model string
+	var backends, ops, blocks, descs, inflight, outputs, ucxTLS, model, shapes, initMem, targetMem string
 	var step, tokens int
 	fs.StringVar(&c.role, "role", "both", "both: spawn the target as a child process; initiator or target: run one side (two hosts: same -nats and -session)")
 	fs.StringVar(&c.natsURL, "nats", "", "NATS server URL; empty: an embedded server (with -role initiator it listens on -listen's host)")
@@ -123,6 +129,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.IntVar(&step, "step", 4, "factor between block sizes of a range")
 	fs.StringVar(&descs, "descs", "1", "descriptors per operation (comma-separated list)")
 	fs.StringVar(&inflight, "inflight", "1", "operations in flight (comma-separated list)")
+	fs.StringVar(&shapes, "shapes", "", "explicit shapes BLOCKxDESCS, comma-separated, e.g. 64Kx4096,256Mx1 (replaces -blocks and -descs)")
 	fs.StringVar(&c.preset, "preset", "", "kv: 4096 × 64 KiB, one KV hand-off, beside 1 × 256 MiB; model: one prompt's KV cache for -model and -tokens (replaces -blocks and -descs)")
 	fs.StringVar(&model, "model", "llama3-8b", "model of -preset model: "+strings.Join(slices.Sorted(maps.Keys(models)), ", "))
 	fs.IntVar(&tokens, "tokens", 2048, "prompt tokens of -preset model (blocks of 16 tokens)")
@@ -140,6 +147,10 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.StringVar(&c.ucxAlloc, "ucx-alloc", "both", "buffers of the ucx rows, on both sides: on: allocated by UCX (ucp_mem_map ALLOCATE, as ucx_perftest's); off: Go heap; both: a row of each")
 	fs.IntVar(&c.latIters, "latency-iters", 2000, "round trips of the 4 KiB ping-pong and the control-plane measurements")
 	fs.StringVar(&c.progress, "progress", "auto", "auto: a progress bar on a terminal, one line per point otherwise; on; off")
+	fs.StringVar(&initMem, "initiator-mem", "dram", "where the initiator's local buffers live: dram, or vram (GPU memory, via the CUDA driver, or the simulator with GOXFER_DEVICE=sim); with vram on either side each point is also measured dram/dram, beside pinned cuMemcpy D2H and H2D baselines")
+	fs.StringVar(&targetMem, "target-mem", "dram", "where the target's exposed buffers live: dram or vram (allocated by the target process)")
+	fs.IntVar(&c.gpu, "gpu", 0, "the GPU of vram buffers, on both sides")
+	fs.StringVar(&c.staging, "staging", "4M,64M", "CHUNK,POOL: how the connectors stage GPU memory through pinned host memory (connect.WithStaging); pass the same to a target started by hand")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
@@ -167,6 +178,9 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	if c.backends, err = selectBackends(backends); err != nil {
 		return nil, err
 	}
+	if c.stageChunk, c.stagePool, err = parseStaging(c.staging); err != nil {
+		return nil, err
+	}
 	if c.role == "target" {
 		return c, nil
 	}
@@ -180,8 +194,28 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	if c.inflight, err = parseInts("-inflight", inflight, 1, 1024); err != nil {
 		return nil, err
 	}
+	if c.mem.init, err = parseMem(initMem); err != nil {
+		return nil, fmt.Errorf("-initiator-mem: %w", err)
+	}
+	if c.mem.target, err = parseMem(targetMem); err != nil {
+		return nil, fmt.Errorf("-target-mem: %w", err)
+	}
+	if c.gpu < 0 {
+		return nil, fmt.Errorf("-gpu %d: want a GPU ordinal, 0 or more", c.gpu)
+	}
+	switch {
+	case shapes != "" && c.preset != "":
+		return nil, fmt.Errorf("-shapes and -preset %s: give one of them", c.preset)
+	case shapes != "":
+		if c.shapes, err = parseShapes(shapes); err != nil {
+			return nil, err
+		}
+	}
 	switch c.preset {
 	case "":
+		if c.shapes != nil {
+			break
+		}
 		if step < 2 {
 			return nil, fmt.Errorf("-step %d: want at least 2", step)
 		}
@@ -289,6 +323,42 @@ func checkMemory(block, descs, slots, sides int, avail uint64) error {
 		what += fmt.Sprintf(" × %d sides", sides)
 	}
 	return fmt.Errorf("%s = %s does not fit in memory: MemAvailable is %s (/proc/meminfo)", what, fmtSize(need), fmtSize(float64(avail)))
+}
+
+// parseShapes parses -shapes: "64Kx4096,256Mx1,1M" (no count: one
+// descriptor).
+func parseShapes(s string) ([]shape, error) {
+	var out []shape
+	for _, f := range strings.Split(s, ",") {
+		bs, ds, ok := strings.Cut(strings.ToLower(strings.TrimSpace(f)), "x")
+		b, err := parseSize(bs)
+		if err != nil {
+			return nil, fmt.Errorf("-shapes: %w", err)
+		}
+		d := 1
+		if ok {
+			if d, err = strconv.Atoi(ds); err != nil || d < 1 || d > 1<<20 {
+				return nil, fmt.Errorf("-shapes %q: the descriptor count %q is not an integer in [1, %d]", f, ds, 1<<20)
+			}
+		}
+		out = append(out, shape{Block: b, Descs: d})
+	}
+	return out, nil
+}
+
+// parseStaging parses -staging: "CHUNK,POOL" in sizes.
+func parseStaging(s string) (chunk, pool int, err error) {
+	cs, ps, ok := strings.Cut(s, ",")
+	if !ok {
+		return 0, 0, fmt.Errorf("-staging %q: want CHUNK,POOL such as 4M,64M", s)
+	}
+	if chunk, err = parseSize(cs); err != nil {
+		return 0, 0, fmt.Errorf("-staging: chunk: %w", err)
+	}
+	if pool, err = parseSize(ps); err != nil {
+		return 0, 0, fmt.Errorf("-staging: pool: %w", err)
+	}
+	return chunk, pool, nil
 }
 
 func parseInts(name, s string, lo, hi int) ([]int, error) {

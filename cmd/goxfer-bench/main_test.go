@@ -5,8 +5,11 @@ import (
 	"context"
 	"encoding/csv"
 	"encoding/json"
+	"errors"
+	"fmt"
 	"image/png"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -17,6 +20,9 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
+
+	"github.com/goxfer/goxfer/agent/devmem"
+	"github.com/goxfer/goxfer/connect"
 )
 
 // asMainEnv makes the test binary act as the command: the initiator under
@@ -247,4 +253,292 @@ func TestDirection(t *testing.T) {
 	assert.Error(t, json.Unmarshal([]byte(`{"op":"COPY"}`), &req))
 	_, err = json.Marshal(roundReq{})
 	assert.Error(t, err, "no direction")
+}
+
+// benchChild runs the command as a child process (this test binary acting
+// as main) with env added to the environment: the device driver is chosen
+// once per process (devmem.Default), so every choice gets its own.
+func benchChild(t *testing.T, env []string, args ...string) (code int, stdout, stderr string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, os.Args[0], args...)
+	cmd.Env = append(os.Environ(), asMainEnv+"=1")
+	cmd.Env = append(cmd.Env, env...)
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	err := cmd.Run()
+	var ee *exec.ExitError
+	switch {
+	case errors.As(err, &ee):
+		code = ee.ExitCode()
+	case err != nil:
+		t.Fatalf("run %v: %v", args, err)
+	}
+	return code, out.String(), errb.String()
+}
+
+func readResults(t *testing.T, path string) (runInfo, []Result) {
+	t.Helper()
+	var doc struct {
+		Run     runInfo  `json:"run"`
+		Results []Result `json:"results"`
+	}
+	b, err := os.ReadFile(path)
+	require.NoError(t, err)
+	require.NoError(t, json.Unmarshal(b, &doc))
+	return doc.Run, doc.Results
+}
+
+// TestGPUMemory runs -initiator-mem and -target-mem on the simulated device
+// (GOXFER_DEVICE=sim in the child's environment), with VRAM on either side
+// and both, every byte checked: each VRAM row reports its path, is labelled
+// simulated, and carries its ratios to the DRAM row and the pinned copies
+// measured in the same run.
+func TestGPUMemory(t *testing.T) {
+	for _, tc := range []struct{ init, target string }{{"vram", "dram"}, {"dram", "vram"}, {"vram", "vram"}} {
+		t.Run(tc.init+"/"+tc.target, func(t *testing.T) {
+			jsonPath, csvPath := filepath.Join(t.TempDir(), "r.json"), filepath.Join(t.TempDir(), "r.csv")
+			code, stdout, stderr := benchChild(t, []string{"GOXFER_DEVICE=sim"}, "-backends", "tcp,mem", "-blocks", "4K,1M", "-descs", "1,3",
+				"-inflight", "1,2", "-iters", "4", "-warmup", "1", "-check", "-ucx", "off", "-control=false", "-latency-iters", "20",
+				"-progress", "off", "-initiator-mem", tc.init, "-target-mem", tc.target, "-o", jsonPath+","+csvPath, "-timeout", "20s")
+			require.Equal(t, 0, code, "stderr:\n%s", stderr)
+			assert.Contains(t, stdout, "SIMULATED GPU")
+			assert.Contains(t, stdout, "ratios from this run")
+
+			run, rs := readResults(t, jsonPath)
+			assert.Equal(t, "sim", run.Device)
+			assert.Equal(t, tc.init, run.InitiatorMem)
+			assert.Equal(t, tc.target, run.TargetMem)
+			copies := map[string]bool{}
+			vramRows, dramRows := 0, 0
+			for _, r := range rs {
+				if r.Kind == "baseline" && r.Name == baseCopy {
+					copies[r.Op+" "+strconv.FormatInt(r.Bytes, 10)] = true
+					assert.Equal(t, "sim", r.Device)
+					assert.Positive(t, r.GBps)
+				}
+				if r.Kind != "goxfer" {
+					continue
+				}
+				// Every byte of the 5 operations (1 warm-up): READ checked at
+				// the initiator, WRITE at the target.
+				assert.Contains(t, r.Note, fmt.Sprintf("checked %s", fmtSize(float64(5*r.Bytes))), r)
+				if r.InitiatorMem == "dram" && r.TargetMem == "dram" {
+					dramRows++
+					assert.Equal(t, r.Name, r.Path, "a DRAM row moves its bytes directly")
+					assert.Empty(t, r.Device)
+					continue
+				}
+				vramRows++
+				assert.Equal(t, tc.init, r.InitiatorMem)
+				assert.Equal(t, tc.target, r.TargetMem)
+				assert.Equal(t, r.Name+"+staging", r.Path, r)
+				assert.Equal(t, "sim", r.Device)
+				assert.Contains(t, r.Note, "SIMULATED GPU")
+				assert.Positive(t, r.DRAMRatio, "ratio to the DRAM row: %+v", r)
+				assert.InDelta(t, r.GBps/r.DRAMGBps, r.DRAMRatio, 1e-9)
+				assert.Equal(t, min(int(r.Bytes), 4<<20), r.StageChunk)
+				// Which side stages what: READ lands in the initiator (H2D)
+				// from the target (D2H); WRITE the other way round.
+				d2h := tc.target == "vram" && r.Op == "READ" || tc.init == "vram" && r.Op == "WRITE"
+				h2d := tc.init == "vram" && r.Op == "READ" || tc.target == "vram" && r.Op == "WRITE"
+				if d2h {
+					assert.Positive(t, r.StageD2HRatio, "D2H staging over pinned copies: %+v", r)
+				} else {
+					assert.Zero(t, r.StageD2HGBps, r)
+				}
+				if h2d {
+					assert.Positive(t, r.StageH2DRatio, "H2D staging over pinned copies: %+v", r)
+				} else {
+					assert.Zero(t, r.StageH2DGBps, r)
+				}
+				if r.Descs > 1 {
+					assert.Zero(t, r.OneRegionRatio, "no row of one descriptor has the same bytes here")
+				}
+			}
+			// 2 backends × 2 operations × 2 blocks × 2 descriptor counts × 2 depths
+			assert.Equal(t, 32, vramRows)
+			assert.Equal(t, 32, dramRows)
+			for _, n := range []int{4 << 10, 12 << 10, 1 << 20, 3 << 20} {
+				for _, op := range []string{"D2H", "H2D"} {
+					assert.True(t, copies[op+" "+strconv.Itoa(n)], "pinned %s baseline of %d bytes", op, n)
+				}
+			}
+
+			f, err := os.Open(csvPath)
+			require.NoError(t, err)
+			defer f.Close()
+			rows, err := csv.NewReader(f).ReadAll()
+			require.NoError(t, err)
+			require.Equal(t, csvHeader, rows[0])
+			assert.Len(t, rows, len(rs)+1)
+		})
+	}
+}
+
+// TestKVShapeVRAM: the KV hand-off shape against one region of the same
+// bytes, both in simulated GPU memory, gives the ratio of the two.
+func TestKVShapeVRAM(t *testing.T) {
+	jsonPath := filepath.Join(t.TempDir(), "r.json")
+	code, _, stderr := benchChild(t, []string{"GOXFER_DEVICE=sim"}, "-backends", "tcp", "-shapes", "4Mx1,64Kx64", "-ops", "read",
+		"-iters", "4", "-warmup", "1", "-check", "-ucx", "off", "-control=false", "-baselines=false", "-progress", "off",
+		"-initiator-mem", "vram", "-target-mem", "vram", "-o", jsonPath)
+	require.Equal(t, 0, code, "stderr:\n%s", stderr)
+	_, rs := readResults(t, jsonPath)
+	var kv []Result
+	for _, r := range rs {
+		if r.Kind == "goxfer" && r.Descs == 64 {
+			kv = append(kv, r)
+		}
+	}
+	require.Len(t, kv, 2, "dram/dram and vram/vram")
+	for _, r := range kv {
+		assert.Positive(t, r.OneRegionRatio, r)
+		assert.InDelta(t, r.GBps/r.OneRegionGBps, r.OneRegionRatio, 1e-9)
+	}
+}
+
+// TestVRAMWithoutDriver: asking for GPU memory where no driver can be had
+// fails before anything starts, saying what is missing.
+func TestVRAMWithoutDriver(t *testing.T) {
+	code, _, stderr := benchChild(t, []string{"GOXFER_DEVICE=bogus"}, "-backends", "tcp", "-blocks", "4K", "-ucx", "off", "-target-mem", "vram")
+	assert.Equal(t, 1, code)
+	assert.Contains(t, stderr, `GPU memory needs a device driver: devmem: GOXFER_DEVICE="bogus"`)
+	assert.NotContains(t, stderr, "panic")
+
+	if d := devmem.CUDA(); d != nil {
+		if n, err := d.Devices(); err == nil && n > 0 {
+			t.Skip("a CUDA driver with GPUs is here")
+		}
+	}
+	code, _, stderr = benchChild(t, []string{"GOXFER_DEVICE="}, "-backends", "tcp", "-blocks", "4K", "-ucx", "off", "-initiator-mem", "vram")
+	assert.Equal(t, 1, code)
+	assert.Contains(t, stderr, "GPU memory needs a device driver")
+	assert.Contains(t, stderr, "set GOXFER_DEVICE=sim")
+	assert.NotContains(t, stderr, "panic")
+
+	code, _, stderr = benchChild(t, []string{"GOXFER_DEVICE=sim"}, "-backends", "tcp", "-blocks", "4K", "-ucx", "off", "-target-mem", "vram", "-gpu", "7")
+	assert.Equal(t, 1, code)
+	assert.Contains(t, stderr, "-gpu 7: the sim driver sees 2 GPU(s)")
+}
+
+// TestRegion fills, checks and poisons simulated GPU memory through its
+// copies: every byte is compared, and a wrong byte past the first piece is
+// named by its offset.
+func TestRegion(t *testing.T) {
+	sim := devmem.NewSim(1)
+	size := scratchMax + 13
+	r, err := newRegion(memVRAM, sim, 0, size, nil)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, r.release()) }()
+	require.NoError(t, r.fill(7))
+	require.NoError(t, r.verify(7))
+	assert.ErrorContains(t, r.verify(8), "byte 0:")
+
+	// Flip one byte in the tail, beyond the first piece.
+	off := scratchMax + 11
+	b := make([]byte, 1)
+	require.NoError(t, devmem.CopyToHost(sim, 0, b, r.ptr+uintptr(off)))
+	b[0] ^= 0x40
+	require.NoError(t, devmem.CopyToDevice(sim, 0, r.ptr+uintptr(off), b))
+	assert.ErrorContains(t, r.verify(7), fmt.Sprintf("byte %d:", off))
+
+	require.NoError(t, r.poison())
+	assert.ErrorContains(t, r.verify(7), "byte 0:")
+	host := make([]byte, size)
+	require.NoError(t, devmem.CopyToHost(sim, 0, host, r.ptr))
+	assert.Equal(t, bytes.Repeat([]byte{0xA5}, size), host, "poison reaches every byte")
+
+	ds := r.descriptors(1<<20, 4)
+	require.Len(t, ds, 4)
+	assert.Equal(t, connect.CUDA(0), ds[3].Device())
+	assert.Nil(t, ds[3].Bytes(), "GPU memory has no host bytes")
+	assert.Zero(t, r.addr())
+}
+
+// TestMeter: the metered driver counts each batch of copies up to its Sync,
+// by direction.
+func TestMeter(t *testing.T) {
+	sim := devmem.NewSim(1)
+	var m meter
+	d := meteredDriver{Driver: sim, m: &m}
+	p, err := sim.Alloc(0, 1<<20)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, sim.Free(p)) }()
+	st, err := d.NewStream(0)
+	require.NoError(t, err)
+	host := make([]byte, 1<<20)
+	require.NoError(t, st.ToHost(host[:4096], p))
+	require.NoError(t, st.ToHost(host[4096:8192], p))
+	require.NoError(t, st.Sync())
+	require.NoError(t, st.Sync(), "an empty batch counts nothing")
+	require.NoError(t, st.ToDevice(p, host))
+	require.NoError(t, st.ToHost(host[:1<<19], p))
+	require.NoError(t, st.Close())
+	s := m.read()
+	assert.Equal(t, int64(8192+1<<19), s.D2H.Bytes)
+	assert.Equal(t, int64(2), s.D2H.Batches)
+	assert.Equal(t, int64(1<<20), s.H2D.Bytes)
+	assert.Equal(t, int64(1), s.H2D.Batches)
+	assert.Positive(t, s.D2H.Ns)
+	assert.Positive(t, s.H2D.Ns)
+	assert.Positive(t, s.D2H.gbps())
+}
+
+// TestGPURatios: the ratios of a VRAM row come from the rows of the same
+// run that match it.
+func TestGPURatios(t *testing.T) {
+	rs := []Result{
+		{Kind: "goxfer", Name: "tcp", Op: "READ", Block: 64 << 20, Descs: 1, Bytes: 64 << 20, Inflight: 1, GBps: 4, InitiatorMem: "dram", TargetMem: "dram"},
+		{Kind: "goxfer", Name: "tcp", Op: "READ", Block: 64 << 20, Descs: 1, Bytes: 64 << 20, Inflight: 1, GBps: 3.6, InitiatorMem: "vram", TargetMem: "vram",
+			StageChunk: 4 << 20, StageD2HGBps: 9, StageH2DGBps: 10},
+		{Kind: "goxfer", Name: "tcp", Op: "READ", Block: 16 << 10, Descs: 4096, Bytes: 64 << 20, Inflight: 1, GBps: 2.7, InitiatorMem: "vram", TargetMem: "vram"},
+		{Kind: "goxfer", Name: "tcp", Op: "WRITE", Block: 64 << 20, Descs: 1, Bytes: 64 << 20, Inflight: 1, GBps: 1, InitiatorMem: "dram", TargetMem: "dram"},
+		{Kind: "baseline", Name: baseCopy, Op: "D2H", Block: 4 << 20, Descs: 1, Bytes: 4 << 20, GBps: 10},
+		{Kind: "baseline", Name: baseCopy, Op: "H2D", Block: 4 << 20, Descs: 1, Bytes: 4 << 20, GBps: 20},
+		{Kind: "baseline", Name: baseCopy, Op: "D2H", Block: 64 << 20, Descs: 1, Bytes: 64 << 20, GBps: 99},
+	}
+	setRatios(rs)
+	v := rs[1]
+	assert.InDelta(t, 4, v.DRAMGBps, 1e-12)
+	assert.InDelta(t, 0.9, v.DRAMRatio, 1e-12)
+	assert.InDelta(t, 10, v.CopyD2HGBps, 1e-12, "the copy of one staging chunk, not of the whole operation")
+	assert.InDelta(t, 0.9, v.StageD2HRatio, 1e-12)
+	assert.InDelta(t, 0.5, v.StageH2DRatio, 1e-12)
+	kv := rs[2]
+	assert.InDelta(t, 3.6, kv.OneRegionGBps, 1e-12, "one region in the same memory")
+	assert.InDelta(t, 0.75, kv.OneRegionRatio, 1e-12)
+	assert.Zero(t, kv.DRAMRatio, "no DRAM row of that shape")
+	assert.Zero(t, rs[0].DRAMRatio, "a DRAM row has no DRAM ratio")
+}
+
+func TestGPUFlags(t *testing.T) {
+	cfg, err := parseFlags([]string{"-shapes", "64Kx4096,256Mx1,1M", "-initiator-mem", "VRAM", "-gpu", "1", "-staging", "8M,128M"}, &bytes.Buffer{})
+	require.NoError(t, err)
+	assert.Equal(t, []shape{{Block: 64 << 10, Descs: 4096}, {Block: 256 << 20, Descs: 1}, {Block: 1 << 20, Descs: 1}}, cfg.shapes)
+	assert.Equal(t, mems{memVRAM, memDRAM}, cfg.mem)
+	assert.Equal(t, 1, cfg.gpu)
+	assert.Equal(t, [2]int{8 << 20, 128 << 20}, [2]int{cfg.stageChunk, cfg.stagePool})
+
+	b, err := json.Marshal(roundReq{Op: dirRead, Mem: memVRAM})
+	require.NoError(t, err)
+	assert.Contains(t, string(b), `"mem":"vram"`)
+	b, err = json.Marshal(roundReq{Op: dirRead})
+	require.NoError(t, err)
+	assert.NotContains(t, string(b), `"mem"`, "DRAM rounds read as before")
+
+	for _, tc := range []struct{ args []string }{
+		{[]string{"-initiator-mem", "hbm"}},
+		{[]string{"-target-mem", "gpu"}},
+		{[]string{"-shapes", "64Kx0"}},
+		{[]string{"-shapes", "64Kx4096", "-preset", "kv"}},
+		{[]string{"-staging", "4M"}},
+		{[]string{"-gpu", "-1"}},
+	} {
+		_, err := parseFlags(tc.args, &bytes.Buffer{})
+		assert.Error(t, err, "%v", tc.args)
+	}
+	_, err = parseFlags([]string{"-initiator-mem", "hbm"}, &bytes.Buffer{})
+	assert.ErrorContains(t, err, `-initiator-mem: unknown memory "hbm": want dram or vram`)
 }

@@ -41,6 +41,17 @@ type hello struct {
 	GOMAXPROCS int      `json:"gomaxprocs"`
 	MemAvail   uint64   `json:"mem_available"`
 	Token1     string   `json:"token1"` // subject of the one-token-per-request service
+	// Device is the target's device driver ("cuda", "sim"), when the hello
+	// asked about GPU memory; DeviceErr why it cannot allocate any.
+	Device    string `json:"device,omitempty"`
+	DeviceErr string `json:"device_err,omitempty"`
+}
+
+// helloReq is the initiator's "hello": with Device set, the target also
+// checks that it can allocate GPU memory on GPU GPU.
+type helloReq struct {
+	Device bool `json:"device,omitempty"`
+	GPU    int  `json:"gpu,omitempty"`
 }
 
 // roundReq asks the target to prepare one point.
@@ -56,15 +67,18 @@ type roundReq struct {
 	RawBuf   bool      `json:"raw_buf"`         // the raw TCP server serves from slot 0
 	WaitMsec int64     `json:"wait_ms"`         // how long finish waits for passive completions
 	Alloc    string    `json:"alloc,omitempty"` // the backend whose allocator holds the slots; "": Go heap
+	Mem      memKind   `json:"mem,omitempty"`   // where the slots live: dram (omitted) or vram
+	GPU      int       `json:"gpu,omitempty"`   // the GPU of vram slots
 }
 
 // roundReady is the target's answer to "round".
 type roundReady struct {
 	Tokens   int      `json:"tokens"`
 	Pages    int      `json:"pages"`
-	Slots    []uint64 `json:"slots"`     // slot addresses in the target, for process_vm_readv
-	CreateNs int64    `json:"create_ns"` // CreateReadable/Writable + Metadata, all operations
-	TokenLen int      `json:"token_len"` // binary token size of one operation
+	Slots    []uint64 `json:"slots"`         // slot addresses in the target, for process_vm_readv
+	CreateNs int64    `json:"create_ns"`     // CreateReadable/Writable + Metadata, all operations
+	TokenLen int      `json:"token_len"`     // binary token size of one operation
+	Mem      memKind  `json:"mem,omitempty"` // where the slots are: a target that ignored roundReq.Mem says dram
 	Err      string   `json:"err,omitempty"`
 }
 
@@ -81,7 +95,10 @@ type roundResult struct {
 	Failed   int      `json:"failed"`
 	Errors   []string `json:"errors,omitempty"` // the first few
 	Verified int64    `json:"verified"`         // bytes verified at the target (WRITE -check)
-	Err      string   `json:"err,omitempty"`
+	// Stage is what the target's connector staged between GPU memory and
+	// host memory during the round.
+	Stage stageStats `json:"stage"`
+	Err   string     `json:"err,omitempty"`
 }
 
 // ack reports one verified WRITE in check mode.

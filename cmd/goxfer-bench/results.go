@@ -37,6 +37,36 @@ type Result struct {
 	InProcess bool    `json:"in_process"`
 	Checked   bool    `json:"checked"`
 	Note      string  `json:"note,omitempty"`
+
+	// Where a goxfer row's buffers lived (dram, vram: initiator's local
+	// ones, target's exposed ones) and how the bytes moved (the operations'
+	// Path: "tcp", "tcp+staging").
+	InitiatorMem string `json:"initiator_mem,omitempty"`
+	TargetMem    string `json:"target_mem,omitempty"`
+	Path         string `json:"path,omitempty"`
+	// Device is the driver of a row that touched GPU memory: "cuda", or
+	// "sim" for the simulator, whose figures say nothing about a GPU.
+	Device string `json:"device,omitempty"`
+
+	// Ratios of a row with GPU memory, each of figures from the same run:
+	// GB/s over the same backend's dram/dram row of the same shape (DRAM),
+	// and the staging copies' rate (bytes over the time from enqueueing a
+	// batch of copies to its Sync, both sides, warm-up included) over the
+	// pinned cuMemcpy baseline of one staging chunk (StageChunk bytes).
+	DRAMGBps      float64 `json:"dram_gbps,omitempty"`
+	DRAMRatio     float64 `json:"dram_ratio,omitempty"`
+	StageChunk    int     `json:"stage_chunk,omitempty"`
+	StageD2HGBps  float64 `json:"stage_d2h_gbps,omitempty"`
+	CopyD2HGBps   float64 `json:"cumemcpy_d2h_gbps,omitempty"`
+	StageD2HRatio float64 `json:"stage_d2h_ratio,omitempty"`
+	StageH2DGBps  float64 `json:"stage_h2d_gbps,omitempty"`
+	CopyH2DGBps   float64 `json:"cumemcpy_h2d_gbps,omitempty"`
+	StageH2DRatio float64 `json:"stage_h2d_ratio,omitempty"`
+	// For a row of several descriptors: GB/s over the row of one
+	// descriptor of the same bytes (same backend, operation, depth and
+	// memory), as the KV hand-off against one region.
+	OneRegionGBps  float64 `json:"one_region_gbps,omitempty"`
+	OneRegionRatio float64 `json:"one_region_ratio,omitempty"`
 }
 
 // runInfo describes the run in the JSON output and the table's header.
@@ -51,7 +81,18 @@ type runInfo struct {
 	Check      bool     `json:"check"`
 	Runs       int      `json:"runs"`
 	Notes      []string `json:"notes,omitempty"`
+	// GPU memory: each side's memory kind, and with vram on either side
+	// the device driver ("cuda", "sim"), the GPU and the staging settings.
+	InitiatorMem string `json:"initiator_mem,omitempty"`
+	TargetMem    string `json:"target_mem,omitempty"`
+	Device       string `json:"device,omitempty"`
+	GPU          int    `json:"gpu,omitempty"`
+	StageChunk   int    `json:"stage_chunk,omitempty"`
+	StagePool    int    `json:"stage_pool,omitempty"`
 }
+
+// simNotice heads every output of a run on the simulated device.
+const simNotice = "SIMULATED GPU (GOXFER_DEVICE=sim): GPU memory is host memory behind the simulator's copies; its figures and ratios say nothing about a real GPU"
 
 func (r *Result) setThroughput(bytes int64, iters int, elapsed time.Duration) {
 	if elapsed <= 0 {
@@ -130,6 +171,50 @@ func setRatios(rs []Result) {
 			}
 		}
 	}
+	setGPURatios(rs)
+}
+
+// setGPURatios sets the ratios of rows with GPU memory (over the DRAM row
+// and over pinned copies) and of rows of several descriptors (over one
+// region of the same bytes), from rows of the same run.
+func setGPURatios(rs []Result) {
+	ratio := func(a, b float64) float64 {
+		if a <= 0 || b <= 0 {
+			return 0
+		}
+		return a / b
+	}
+	for i := range rs {
+		r := &rs[i]
+		if r.Kind != "goxfer" {
+			continue
+		}
+		vram := r.InitiatorMem == memVRAM.String() || r.TargetMem == memVRAM.String()
+		for _, b := range rs {
+			switch {
+			case b.Kind == "goxfer" && vram && b.InitiatorMem == memDRAM.String() && b.TargetMem == memDRAM.String() &&
+				strings.TrimSuffix(b.Name, heapSuffix) == r.Name && b.Op == r.Op && b.Block == r.Block && b.Descs == r.Descs && b.Inflight == r.Inflight:
+				// The DRAM figure of the same backend: on the Go heap where
+				// the backend's allocator was measured too.
+				if r.DRAMGBps == 0 || strings.HasSuffix(b.Name, heapSuffix) {
+					r.DRAMGBps = b.GBps
+				}
+			case b.Kind == "goxfer" && r.Descs > 1 && b.Descs == 1 && b.Name == r.Name && b.Op == r.Op && b.Bytes == r.Bytes &&
+				b.Inflight == r.Inflight && b.InitiatorMem == r.InitiatorMem && b.TargetMem == r.TargetMem:
+				r.OneRegionGBps = b.GBps
+			case b.Kind == "baseline" && b.Name == baseCopy && vram && b.Bytes == int64(r.StageChunk):
+				if b.Op == "D2H" {
+					r.CopyD2HGBps = b.GBps
+				} else {
+					r.CopyH2DGBps = b.GBps
+				}
+			}
+		}
+		r.DRAMRatio = ratio(r.GBps, r.DRAMGBps)
+		r.OneRegionRatio = ratio(r.GBps, r.OneRegionGBps)
+		r.StageD2HRatio = ratio(r.StageD2HGBps, r.CopyD2HGBps)
+		r.StageH2DRatio = ratio(r.StageH2DGBps, r.CopyH2DGBps)
+	}
 }
 
 func fmtF(v float64, prec int) string {
@@ -157,6 +242,13 @@ func writeTable(w io.Writer, rs []Result, ri runInfo) {
 		fmt.Fprintf(w, "  target pid %d (%s)", ri.TargetPID, where)
 	}
 	fmt.Fprintf(w, "  built backends: %s\n", strings.Join(ri.Backends, ", "))
+	if ri.Device != "" {
+		fmt.Fprintf(w, "GPU memory: initiator %s, target %s, GPU %d, %s driver; staging through pinned host memory in %s chunks, %s pool per side\n",
+			ri.InitiatorMem, ri.TargetMem, ri.GPU, ri.Device, fmtSize(float64(ri.StageChunk)), fmtSize(float64(ri.StagePool)))
+	}
+	if ri.Device == "sim" {
+		fmt.Fprintln(w, "*** "+simNotice+" ***")
+	}
 	fmt.Fprintln(w, "GB/s = 10^9 B/s; p50/p99: Begin to the active Wait; done: Begin to the target's passive Wait (same host only); ratio: GB/s over the baseline's, same run")
 	if ri.Runs > 1 {
 		fmt.Fprintf(w, "every figure is the median of %d runs; ratios are medians of each run's own ratio\n", ri.Runs)
@@ -165,22 +257,32 @@ func writeTable(w io.Writer, rs []Result, ri runInfo) {
 		fmt.Fprintln(w, "-check: every byte verified; timings include the verification and are not meaningful")
 	}
 	fmt.Fprintln(w)
+	gpu := slices.ContainsFunc(rs, func(r Result) bool { return r.Device != "" })
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "backend\top\tblock\tdescs\tin flight\tGB/s\tops/s\tp50 µs\tp99 µs\tdone p50 µs\tdone p99 µs\tbaseline\tbase GB/s\tratio\t  note")
+	head := "backend\top\t"
+	if gpu {
+		head += "mem (init/target)\tpath\t"
+	}
+	fmt.Fprintln(tw, head+"block\tdescs\tin flight\tGB/s\tops/s\tp50 µs\tp99 µs\tdone p50 µs\tdone p99 µs\tbaseline\tbase GB/s\tratio\t  note")
 	for _, r := range rs {
 		if r.Kind == "control" || r.Op == "PINGPONG" {
 			continue
 		}
-		name := r.Name
-		if r.Kind != "goxfer" {
-			name = "· " + name
+		cells := []string{rowName(r), r.Op}
+		if gpu {
+			m := ""
+			if r.InitiatorMem != "" {
+				m = r.InitiatorMem + "/" + r.TargetMem
+			}
+			cells = append(cells, m, r.Path)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t  %s\n",
-			name, r.Op, fmtSize(float64(r.Block)), r.Descs, intOrBlank(r.Inflight),
+		cells = append(cells, fmtSize(float64(r.Block)), strconv.Itoa(r.Descs), intOrBlank(r.Inflight),
 			fmtF(r.GBps, 2), fmtOps(r.OpsPerSec), fmtF(r.P50, 1), fmtF(r.P99, 1), fmtF(r.DoneP50, 1), fmtF(r.DoneP99, 1),
-			r.Baseline, fmtF(r.BaseGBps, 2), fmtF(r.Ratio, 2), r.Note)
+			r.Baseline, fmtF(r.BaseGBps, 2), fmtF(r.Ratio, 2), "  "+r.Note)
+		fmt.Fprintln(tw, strings.Join(cells, "\t"))
 	}
 	_ = tw.Flush()
+	writeRatioTable(w, rs)
 
 	var lat []Result
 	for _, r := range rs {
@@ -201,6 +303,50 @@ func writeTable(w io.Writer, rs []Result, ri runInfo) {
 	for _, n := range ri.Notes {
 		fmt.Fprintln(w, "note:", n)
 	}
+}
+
+// rowName is a row's name in the table: baselines marked, rows of the
+// simulated device labelled.
+func rowName(r Result) string {
+	name := r.Name
+	if r.Kind != "goxfer" {
+		name = "· " + name
+	}
+	if r.Device == "sim" {
+		name += " [sim]"
+	}
+	return name
+}
+
+// writeRatioTable prints the ratios of rows with GPU memory and of rows of
+// several descriptors, if any: each of two figures from the same run.
+func writeRatioTable(w io.Writer, rs []Result) {
+	var rows []Result
+	for _, r := range rs {
+		if r.Kind == "goxfer" && (r.DRAMGBps > 0 || r.OneRegionGBps > 0 || r.StageD2HGBps > 0 || r.StageH2DGBps > 0) {
+			rows = append(rows, r)
+		}
+	}
+	if len(rows) == 0 {
+		return
+	}
+	fmt.Fprintln(w)
+	fmt.Fprintln(w, "ratios from this run: ×DRAM: GB/s over the same backend's dram/dram row; ×1 region: over one descriptor of the same bytes;")
+	fmt.Fprintln(w, "staging: copy rate of the staging copies (enqueue to Sync, both sides) over pinned cuMemcpy of one staging chunk")
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "backend\top\tmem (init/target)\tpath\tblock\tdescs\tin flight\tGB/s\tDRAM GB/s\t×DRAM\t1 region GB/s\t×1 region\tchunk\tstage D2H GB/s\tcuMemcpy D2H\t×\tstage H2D GB/s\tcuMemcpy H2D\t×\t")
+	for _, r := range rows {
+		chunk := ""
+		if r.StageChunk > 0 {
+			chunk = fmtSize(float64(r.StageChunk))
+		}
+		fmt.Fprintln(tw, strings.Join([]string{rowName(r), r.Op, r.InitiatorMem + "/" + r.TargetMem, r.Path,
+			fmtSize(float64(r.Block)), strconv.Itoa(r.Descs), intOrBlank(r.Inflight), fmtF(r.GBps, 2),
+			fmtF(r.DRAMGBps, 2), fmtF(r.DRAMRatio, 2), fmtF(r.OneRegionGBps, 2), fmtF(r.OneRegionRatio, 2), chunk,
+			fmtF(r.StageD2HGBps, 2), fmtF(r.CopyD2HGBps, 2), fmtF(r.StageD2HRatio, 2),
+			fmtF(r.StageH2DGBps, 2), fmtF(r.CopyH2DGBps, 2), fmtF(r.StageH2DRatio, 2), ""}, "\t"))
+	}
+	_ = tw.Flush()
 }
 
 func intOrBlank(n int) string {
@@ -237,7 +383,10 @@ func writeFile(name string, rs []Result, ri runInfo) error {
 }
 
 var csvHeader = []string{"kind", "name", "op", "shape", "block", "descs", "bytes", "inflight", "iters", "gbps", "ops_per_sec",
-	"p50_us", "p99_us", "done_p50_us", "done_p99_us", "baseline", "baseline_gbps", "ratio", "in_process", "checked", "note"}
+	"p50_us", "p99_us", "done_p50_us", "done_p99_us", "baseline", "baseline_gbps", "ratio", "in_process", "checked", "note",
+	"initiator_mem", "target_mem", "path", "device", "dram_gbps", "dram_ratio", "stage_chunk",
+	"stage_d2h_gbps", "cumemcpy_d2h_gbps", "stage_d2h_ratio", "stage_h2d_gbps", "cumemcpy_h2d_gbps", "stage_h2d_ratio",
+	"one_region_gbps", "one_region_ratio"}
 
 func writeCSV(w io.Writer, rs []Result) error {
 	cw := csv.NewWriter(w)
@@ -246,7 +395,10 @@ func writeCSV(w io.Writer, rs []Result) error {
 	for _, r := range rs {
 		_ = cw.Write([]string{r.Kind, r.Name, r.Op, r.Shape, strconv.Itoa(r.Block), strconv.Itoa(r.Descs), strconv.FormatInt(r.Bytes, 10),
 			strconv.Itoa(r.Inflight), strconv.Itoa(r.Iters), f(r.GBps), f(r.OpsPerSec), f(r.P50), f(r.P99), f(r.DoneP50), f(r.DoneP99),
-			r.Baseline, f(r.BaseGBps), f(r.Ratio), strconv.FormatBool(r.InProcess), strconv.FormatBool(r.Checked), r.Note})
+			r.Baseline, f(r.BaseGBps), f(r.Ratio), strconv.FormatBool(r.InProcess), strconv.FormatBool(r.Checked), r.Note,
+			r.InitiatorMem, r.TargetMem, r.Path, r.Device, f(r.DRAMGBps), f(r.DRAMRatio), strconv.Itoa(r.StageChunk),
+			f(r.StageD2HGBps), f(r.CopyD2HGBps), f(r.StageD2HRatio), f(r.StageH2DGBps), f(r.CopyH2DGBps), f(r.StageH2DRatio),
+			f(r.OneRegionGBps), f(r.OneRegionRatio)})
 	}
 	cw.Flush()
 	return cw.Error()
@@ -260,10 +412,12 @@ func mergeRuns(runs [][]Result) []Result {
 		return runs[0]
 	}
 	type key struct {
-		kind, name, op, shape  string
-		block, descs, inflight int
+		kind, name, op, shape, imem, tmem string
+		block, descs, inflight            int
 	}
-	keyOf := func(r Result) key { return key{r.Kind, r.Name, r.Op, r.Shape, r.Block, r.Descs, r.Inflight} }
+	keyOf := func(r Result) key {
+		return key{r.Kind, r.Name, r.Op, r.Shape, r.InitiatorMem, r.TargetMem, r.Block, r.Descs, r.Inflight}
+	}
 	rows := map[key][]Result{}
 	for _, run := range runs {
 		for _, r := range run {
@@ -297,6 +451,9 @@ func mergeRuns(runs [][]Result) []Result {
 		m.DoneP99 = median(rs, func(r Result) float64 { return r.DoneP99 })
 		m.BaseGBps = median(rs, func(r Result) float64 { return r.BaseGBps })
 		m.Ratio = median(rs, func(r Result) float64 { return r.Ratio })
+		for _, f := range gpuFigures {
+			*f(&m) = median(rs, func(r Result) float64 { return *f(&r) })
+		}
 		for _, o := range rs {
 			if o.Baseline != m.Baseline {
 				m.Baseline = baseTCP // the better of ×1 and ×4 varied between runs
@@ -305,6 +462,21 @@ func mergeRuns(runs [][]Result) []Result {
 		out = append(out, m)
 	}
 	return out
+}
+
+// gpuFigures are the GPU memory figures and ratios of a row, for
+// mergeRuns.
+var gpuFigures = []func(*Result) *float64{
+	func(r *Result) *float64 { return &r.DRAMGBps },
+	func(r *Result) *float64 { return &r.DRAMRatio },
+	func(r *Result) *float64 { return &r.StageD2HGBps },
+	func(r *Result) *float64 { return &r.CopyD2HGBps },
+	func(r *Result) *float64 { return &r.StageD2HRatio },
+	func(r *Result) *float64 { return &r.StageH2DGBps },
+	func(r *Result) *float64 { return &r.CopyH2DGBps },
+	func(r *Result) *float64 { return &r.StageH2DRatio },
+	func(r *Result) *float64 { return &r.OneRegionGBps },
+	func(r *Result) *float64 { return &r.OneRegionRatio },
 }
 
 // render prints and writes the results of a previous run's JSON file.

@@ -24,32 +24,35 @@ type opsRun struct {
 	lat      []time.Duration // Begin to the active Wait's return
 	elapsed  time.Duration   // first measured Begin to last measured completion
 	verified int64
+	paths    []string // how the operations moved their bytes (Path), sorted
 }
 
 // runOps runs operations [0, total), the first warmup of them unmeasured,
-// with n in flight: goroutine s runs operations s, s+n, ... on slot s.
+// with n in flight: goroutine s runs operations s, s+n, ... on slot s,
+// whose buffer lives in mem (GPU memory: on -gpu).
 func (in *initiator) runOps(ctx context.Context, c *connect.Connector, p *prepared, op direction, sh shape, n, warmup, total int,
-	alloc func(int) ([]byte, func() error, error)) (_ *opsRun, err error) {
+	mem memKind, alloc func(int) ([]byte, func() error, error)) (_ *opsRun, err error) {
 	size := int(sh.bytes())
-	slots := make([][]byte, n)
+	slots := make([]*region, n)
 	descs := make([][]connect.Descriptor, n)
-	for s := range slots {
-		if alloc == nil {
-			slots[s] = make([]byte, size)
-		} else {
-			buf, free, aerr := alloc(size)
-			if aerr != nil {
-				return nil, aerr
+	defer func() {
+		for _, slot := range slots {
+			if slot == nil {
+				continue
 			}
-			defer func() {
-				if ferr := free(); ferr != nil && err == nil {
-					err = ferr
-				}
-			}()
-			slots[s] = buf
+			if ferr := slot.release(); ferr != nil && err == nil {
+				err = ferr
+			}
 		}
-		poison(slots[s]) // fault the pages in before the clock starts
-		descs[s] = descriptors(slots[s], sh.Block, sh.Descs)
+	}()
+	for s := range slots {
+		if slots[s], err = newRegion(mem, in.drv, in.cfg.gpu, size, alloc); err != nil {
+			return nil, err
+		}
+		if err := slots[s].poison(); err != nil { // fault the pages in before the clock starts
+			return nil, err
+		}
+		descs[s] = slots[s].descriptors(sh.Block, sh.Descs)
 	}
 	check := in.cfg.check
 	var acks []chan error
@@ -85,9 +88,17 @@ func (in *initiator) runOps(ctx context.Context, c *connect.Connector, p *prepar
 	var (
 		mu       sync.Mutex
 		firstErr error
+		paths    []string
 		verified atomic.Int64
 		ends     = make([]int64, total)
 	)
+	addPath := func(path string) {
+		mu.Lock()
+		if !slices.Contains(paths, path) {
+			paths = append(paths, path)
+		}
+		mu.Unlock()
+	}
 	fail := func(err error) {
 		mu.Lock()
 		if firstErr == nil {
@@ -100,7 +111,9 @@ func (in *initiator) runOps(ctx context.Context, c *connect.Connector, p *prepar
 		s := i % n
 		if check {
 			if op == dirRead {
-				poison(slots[s])
+				if err := slots[s].poison(); err != nil {
+					return err
+				}
 			} else {
 				if i >= n {
 					select { // the target has verified the slot's previous write
@@ -114,22 +127,27 @@ func (in *initiator) runOps(ctx context.Context, c *connect.Connector, p *prepar
 						return ctx.Err()
 					}
 				}
-				fill(slots[s], writeSeed(p.id, i))
+				if err := slots[s].fill(writeSeed(p.id, i)); err != nil {
+					return err
+				}
 			}
 		}
 		wctx, wcancel := context.WithTimeout(ctx, in.cfg.timeout)
 		defer wcancel()
 		t0 := monoNow()
 		var err error
+		var path string
 		if op == dirRead {
 			var x *connect.ReadOperation
 			if x, err = c.BeginRead(wctx, p.mds[i], descs[s]...); err == nil {
 				err = x.Wait(wctx)
+				path = x.Path()
 			}
 		} else {
 			var x *connect.WriteOperation
 			if x, err = c.BeginWrite(wctx, p.mds[i], descs[s]...); err == nil {
 				err = x.Wait(wctx)
+				path = x.Path()
 			}
 		}
 		t1 := monoNow()
@@ -140,8 +158,9 @@ func (in *initiator) runOps(ctx context.Context, c *connect.Connector, p *prepar
 			return fmt.Errorf("operation %d: %w", i, err)
 		}
 		run.begin[i], run.lat[i], ends[i] = t0, time.Duration(t1-t0), t1
+		addPath(path)
 		if check && op == dirRead {
-			if err := verify(slots[s], readSeed(p.id, s)); err != nil {
+			if err := slots[s].verify(readSeed(p.id, s)); err != nil {
 				return fmt.Errorf("check of operation %d: %w", i, err)
 			}
 			verified.Add(int64(size))
@@ -185,5 +204,7 @@ func (in *initiator) runOps(ctx context.Context, c *connect.Connector, p *prepar
 	first, last := slices.Min(run.begin[warmup:]), slices.Max(ends[warmup:])
 	run.elapsed = time.Duration(last - first)
 	run.verified = verified.Load()
+	slices.Sort(paths)
+	run.paths = paths
 	return run, nil
 }

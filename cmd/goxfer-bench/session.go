@@ -131,7 +131,7 @@ func (in *initiator) spawn() (stop func(), err error) {
 		return nil, err
 	}
 	cmd := exec.Command(exe, "-role", "target", "-nats", in.natsURL, "-session", in.cfg.session,
-		"-listen", in.cfg.listen, "-timeout", in.cfg.timeout.String(), "-backends", "all")
+		"-listen", in.cfg.listen, "-timeout", in.cfg.timeout.String(), "-backends", "all", "-staging", in.cfg.staging)
 	cmd.Env = append(os.Environ(), childEnv+"=1")
 	cmd.Stdout = in.stderr
 	cmd.Stderr = in.stderr
@@ -168,9 +168,12 @@ func (in *initiator) await(ctx context.Context, name string) (*remote, error) {
 	for {
 		var h hello
 		actx, acancel := context.WithTimeout(ctx, time.Second)
-		err := call(actx, in.nc, subj, struct{}{}, &h)
+		err := call(actx, in.nc, subj, helloReq{Device: in.cfg.mem.target == memVRAM, GPU: in.cfg.gpu}, &h)
 		acancel()
 		if err == nil {
+			if h.DeviceErr != "" {
+				return nil, fmt.Errorf("-target-mem vram: the target (pid %d on %s) cannot allocate GPU memory: %s", h.PID, h.Host, h.DeviceErr)
+			}
 			return &remote{name: name, hello: h, sameClock: h.BootID != "" && h.BootID == bootID()}, nil
 		}
 		select {
@@ -200,7 +203,8 @@ func (in *initiator) openConnections(ctx context.Context, u *undo) (err error) {
 	bcfg.listen = anyPort(cfg.listen)
 	for _, b := range cfg.backends {
 		bs := agentBackends(&bcfg)
-		c, err := connect.NewConnector(connect.WithBackends(bs...), connect.WithBackend(b.name), connect.WithLogger(quiet))
+		opts := append([]connect.Option{connect.WithBackends(bs...), connect.WithBackend(b.name), connect.WithLogger(quiet)}, deviceOptions(cfg, &in.meter)...)
+		c, err := connect.NewConnector(opts...)
 		if err != nil {
 			return fmt.Errorf("start a connector for %s: %w", b.name, err)
 		}

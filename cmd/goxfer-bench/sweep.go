@@ -2,8 +2,12 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"strings"
 	"time"
+
+	"github.com/goxfer/goxfer/connect"
 )
 
 // The goxfer points of a sweep: which there are, and how one is measured.
@@ -20,14 +24,57 @@ func (in *initiator) memories(b backendDef) []bool {
 	return []bool{true, false}
 }
 
+// memPairs returns the memory kinds every point is measured with: dram/dram
+// alone, or, when either side is vram, dram/dram (the same backend's DRAM
+// figure) then the kinds asked for, side by side.
+func (in *initiator) memPairs() []mems {
+	if !in.cfg.mem.vram() {
+		return []mems{dramOnly}
+	}
+	return []mems{dramOnly, in.cfg.mem}
+}
+
+// allocsFor is memories for host buffers on both sides; a point with GPU
+// memory uses no backend's allocator.
+func (in *initiator) allocsFor(b backendDef, m mems) []bool {
+	if m.vram() {
+		return []bool{false}
+	}
+	return in.memories(b)
+}
+
+// newCopySizes returns the sizes of the pinned copy baselines that a shape
+// needs and seen does not hold yet, and adds them to seen: the bytes of an
+// operation, and those of one staging chunk when that is smaller (what the
+// staging copies are compared with).
+func (in *initiator) newCopySizes(sh shape, seen map[int]bool) []int {
+	if !in.cfg.mem.vram() {
+		return nil
+	}
+	var out []int
+	for _, n := range []int{int(sh.bytes()), min(int(sh.bytes()), in.cfg.stageChunk)} {
+		if !seen[n] {
+			seen[n] = true
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
 func (in *initiator) countSteps(ucx int) int {
 	n := 0
+	seen := map[int]bool{}
 	for range in.cfg.ops {
-		for range in.cfg.shapes {
+		for _, sh := range in.cfg.shapes {
 			for _, b := range in.cfg.backends {
-				n += len(in.cfg.inflight) * len(in.memories(b))
+				for _, m := range in.memPairs() {
+					n += len(in.cfg.inflight) * len(in.allocsFor(b, m))
+				}
 			}
 			if in.cfg.baseline {
+				n++
+			}
+			if len(in.newCopySizes(sh, seen)) > 0 {
 				n++
 			}
 		}
@@ -42,20 +89,39 @@ func (in *initiator) countSteps(ucx int) int {
 }
 
 // sweep measures every point: per operation and shape, each backend at each
-// depth, then the raw baselines for the same bytes.
+// depth, then the raw baselines for the same bytes, and with GPU memory the
+// pinned copies of those bytes.
 func (in *initiator) sweep(ctx context.Context) error {
 	for _, op := range in.cfg.ops {
 		for _, sh := range in.cfg.shapes {
 			for _, n := range in.cfg.inflight {
 				for _, b := range in.cfg.backends {
-					for _, alloc := range in.memories(b) {
-						in.prog.step(fmt.Sprintf("%s %s %s ×%d, %d in flight", b.name, op, fmtSize(float64(sh.Block)), sh.Descs, n))
-						r, err := in.measure(ctx, b, op, sh, n, alloc)
-						if err != nil {
-							return fmt.Errorf("%s %s of %d × %s, %d in flight: %w", b.name, op, sh.Descs, fmtSize(float64(sh.Block)), n, err)
+					for _, m := range in.memPairs() {
+						for _, alloc := range in.allocsFor(b, m) {
+							what := fmt.Sprintf("%s %s %s ×%d, %d in flight", b.name, op, fmtSize(float64(sh.Block)), sh.Descs, n)
+							if in.cfg.mem.vram() {
+								what += ", " + m.String()
+							}
+							in.prog.step(what)
+							if m.vram() && in.noVRAM[b.name] != "" {
+								in.prog.done("skipped: " + in.noVRAM[b.name])
+								continue
+							}
+							r, err := in.measure(ctx, b, op, sh, n, alloc, m)
+							if m.vram() && errors.Is(err, connect.ErrNoBackend) {
+								// A backend that cannot move GPU memory yet is
+								// a finding, not a failed run.
+								in.noVRAM[b.name] = err.Error()
+								in.baselineNotice[b.name+" "+m.String()] = "not measured: " + err.Error()
+								in.prog.done("skipped: " + err.Error())
+								continue
+							}
+							if err != nil {
+								return fmt.Errorf("%s: %w", what, err)
+							}
+							in.results = append(in.results, r)
+							in.prog.done(r.summary())
 						}
-						in.results = append(in.results, r)
-						in.prog.done(r.summary())
 					}
 				}
 			}
@@ -68,6 +134,15 @@ func (in *initiator) sweep(ctx context.Context) error {
 				in.results = append(in.results, rs...)
 				in.prog.done(fmt.Sprintf("%d baselines", len(rs)))
 			}
+			if sizes := in.newCopySizes(sh, in.copySizes); len(sizes) > 0 {
+				in.prog.step(fmt.Sprintf("pinned %s D2H and H2D of %s", baseCopy, fmtSizes(sizes)))
+				rs, err := in.copyBaselines(sizes)
+				if err != nil {
+					return fmt.Errorf("pinned copy baselines of %s: %w", fmtSizes(sizes), err)
+				}
+				in.results = append(in.results, rs...)
+				in.prog.done(fmt.Sprintf("%d baselines", len(rs)))
+			}
 		}
 	}
 	return nil
@@ -75,25 +150,32 @@ func (in *initiator) sweep(ctx context.Context) error {
 
 // measure runs one goxfer point: warm-up then measured operations, n in
 // flight, each on a fresh passive operation whose token was fetched before
-// the clock started.
-func (in *initiator) measure(ctx context.Context, b backendDef, op direction, sh shape, n int, alloc bool) (Result, error) {
+// the clock started, the initiator's buffers in m.init and the target's in
+// m.target.
+func (in *initiator) measure(ctx context.Context, b backendDef, op direction, sh shape, n int, alloc bool, m mems) (Result, error) {
 	t := in.targetFor(b)
 	iters, warmup := in.cfg.itersFor(sh.bytes())
 	total := warmup + iters
-	req := roundReq{Op: op, Block: sh.Block, Descs: sh.Descs, Slots: n, Ops: total, Check: in.cfg.check, WaitMsec: millis(in.cfg.timeout)}
+	req := roundReq{Op: op, Block: sh.Block, Descs: sh.Descs, Slots: n, Ops: total, Check: in.cfg.check, WaitMsec: millis(in.cfg.timeout),
+		Mem: m.target, GPU: in.cfg.gpu}
 	var allocFn func(int) ([]byte, func() error, error)
 	if alloc {
 		req.Alloc = b.name
 		inst := in.insts[b.name]
 		allocFn = func(size int) ([]byte, func() error, error) { return b.alloc(inst, size) }
 	}
+	staged := in.meter.read()
 	p, err := in.prepare(ctx, t, req)
 	if err != nil {
 		return Result{}, err
 	}
+	if p.ready.Mem != m.target {
+		_, _ = in.finish(ctx, p)
+		return Result{}, fmt.Errorf("the target prepared %s buffers where %s was asked for: it is a goxfer-bench of an older build", p.ready.Mem, m.target)
+	}
 	in.createNs[sh.Descs] = float64(p.ready.CreateNs) / float64(total)
 	in.tokenBytes[sh.Descs] = p.ready.TokenLen
-	res, runErr := in.runOps(ctx, in.conns[b.name], p, op, sh, n, warmup, total, allocFn)
+	res, runErr := in.runOps(ctx, in.conns[b.name], p, op, sh, n, warmup, total, m.init, allocFn)
 	fin, ferr := in.finish(ctx, p)
 	if runErr != nil {
 		return Result{}, runErr
@@ -107,6 +189,7 @@ func (in *initiator) measure(ctx context.Context, b backendDef, op direction, sh
 	r := Result{
 		Kind: "goxfer", Name: b.name, Op: op.String(), Block: sh.Block, Descs: sh.Descs, Bytes: sh.bytes(), Inflight: n,
 		Iters: iters, InProcess: b.inProcess, Shape: sh.Label, Checked: in.cfg.check,
+		InitiatorMem: m.init.String(), TargetMem: m.target.String(), Path: strings.Join(res.paths, ","),
 	}
 	r.setThroughput(sh.bytes(), iters, res.elapsed)
 	r.P50, r.P99 = percentiles(res.lat[warmup:])
@@ -127,8 +210,26 @@ func (in *initiator) measure(ctx context.Context, b backendDef, op direction, sh
 	switch {
 	case alloc:
 		r.Note = joinNote(r.Note, "buffers from the backend's allocator")
-	case b.alloc != nil && in.cfg.ucxAlloc != "off":
+	case b.alloc != nil && in.cfg.ucxAlloc != "off" && !m.vram():
 		r.Name += heapSuffix
+	}
+	if m.vram() {
+		// Both sides' staging copies, warm-up included: a rate, not a total.
+		stage := in.meter.read().sub(staged).add(fin.Stage)
+		r.Device = in.drv.Name()
+		r.StageChunk = min(int(sh.bytes()), in.cfg.stageChunk)
+		r.StageD2HGBps, r.StageH2DGBps = stage.D2H.gbps(), stage.H2D.gbps()
+		for _, d := range []struct {
+			name string
+			c    copyStat
+		}{{"D2H", stage.D2H}, {"H2D", stage.H2D}} {
+			if d.c.Batches > 0 {
+				r.Note = joinNote(r.Note, fmt.Sprintf("staged %s %s per sync", d.name, fmtSize(float64(d.c.Bytes/d.c.Batches))))
+			}
+		}
+		if r.Device == "sim" {
+			r.Note = joinNote(r.Note, "SIMULATED GPU")
+		}
 	}
 	if in.cfg.check {
 		r.Note = joinNote(r.Note, fmt.Sprintf("checked %s", fmtSize(float64(res.verified+fin.Verified))))

@@ -18,6 +18,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/devmem"
 	"github.com/goxfer/goxfer/connect"
 	gxnats "github.com/goxfer/goxfer/transport/nats"
 )
@@ -38,6 +39,7 @@ type target struct {
 	conn *connect.Connector
 	// insts: the connector's backends by name, for their allocators
 	insts map[string]agent.Backend
+	meter meter // the connector's staging copies
 
 	raw, ping net.Listener
 	rawBuf    atomic.Pointer[[]byte] // what the raw TCP server sends from and reads into
@@ -60,8 +62,8 @@ type target struct {
 
 type round struct {
 	req   roundReq
-	slots [][]byte
-	frees []func() error // slots from a backend's allocator
+	slots []*region
+	stage stageStats // the meter when the round was prepared
 	ops   []passive
 	pages [][]byte
 	done  []int64
@@ -103,7 +105,8 @@ func startTarget(cfg *config, nc *nats.Conn, name string) (_ *target, err error)
 	for _, b := range bs {
 		t.insts[b.Name()] = b
 	}
-	t.conn, err = connect.NewConnector(connect.WithBackends(bs...), connect.WithLogger(quiet))
+	opts := append([]connect.Option{connect.WithBackends(bs...), connect.WithLogger(quiet)}, deviceOptions(cfg, &t.meter)...)
+	t.conn, err = connect.NewConnector(opts...)
 	if err != nil {
 		return nil, err
 	}
@@ -185,12 +188,22 @@ func (t *target) Close() {
 }
 
 func (t *target) onHello(msg *nats.Msg) {
+	var req helloReq
+	_ = json.Unmarshal(msg.Data, &req) // an empty request asks nothing about GPUs
 	host, _ := os.Hostname()
-	respond(msg, hello{
+	h := hello{
 		PID: os.Getpid(), BootID: bootID(), Host: host, Backends: t.conn.AgentInfo().Backends(),
 		Raw: t.raw.Addr().String(), Ping: t.ping.Addr().String(), GOMAXPROCS: runtime.GOMAXPROCS(0),
 		MemAvail: memAvailable(), Token1: t.tok.Subject(),
-	})
+	}
+	if req.Device {
+		if d, err := gpuDriver(req.GPU); err != nil {
+			h.DeviceErr = err.Error()
+		} else {
+			h.Device = d.Name()
+		}
+	}
+	respond(msg, h)
 }
 
 func (t *target) onQuit(msg *nats.Msg) {
@@ -220,7 +233,7 @@ func (t *target) prepare(req roundReq) (roundReady, error) {
 	if err := checkMemory(req.Block, req.Descs, req.Slots, 1, memAvailable()); err != nil {
 		return roundReady{}, err
 	}
-	r := &round{req: req, slots: make([][]byte, req.Slots), done: make([]int64, req.Ops)}
+	r := &round{req: req, slots: make([]*region, req.Slots), done: make([]int64, req.Ops), stage: t.meter.read()}
 	r.ctx, r.cancel = context.WithCancel(context.Background())
 	ready, err := t.build(r)
 	if err != nil {
@@ -235,7 +248,7 @@ func (t *target) prepare(req roundReq) (roundReady, error) {
 	}
 	t.rounds[req.ID] = r
 	if req.RawBuf {
-		t.rawBuf.Store(&r.slots[0])
+		t.rawBuf.Store(&r.slots[0].host)
 	}
 	return ready, nil
 }
@@ -244,34 +257,43 @@ func (t *target) build(r *round) (roundReady, error) {
 	req := r.req
 	size := req.Block * req.Descs
 	addrs := make([]uint64, req.Slots)
-	var def backendDef
+	var alloc func(int) ([]byte, func() error, error)
 	if req.Alloc != "" {
-		var ok bool
-		if def, ok = allocDef(req.Alloc); !ok || t.insts[req.Alloc] == nil {
+		def, ok := allocDef(req.Alloc)
+		if !ok || t.insts[req.Alloc] == nil {
 			return roundReady{}, fmt.Errorf("no allocator for backend %q here", req.Alloc)
+		}
+		alloc = func(n int) ([]byte, func() error, error) { return def.alloc(t.insts[req.Alloc], n) }
+	}
+	var drv devmem.Driver
+	if req.Mem == memVRAM {
+		if req.RawBuf || req.Alloc != "" {
+			return roundReady{}, errors.New("a round in GPU memory serves no raw baseline and uses no backend's allocator")
+		}
+		var err error
+		if drv, err = gpuDriver(req.GPU); err != nil {
+			return roundReady{}, err
 		}
 	}
 	for s := range r.slots {
-		if def.alloc == nil {
-			r.slots[s] = make([]byte, size)
-		} else {
-			buf, free, err := def.alloc(t.insts[req.Alloc], size)
-			if err != nil {
-				return roundReady{}, err
-			}
-			r.slots[s] = buf
-			r.frees = append(r.frees, free)
+		slot, err := newRegion(req.Mem, drv, req.GPU, size, alloc)
+		if err != nil {
+			return roundReady{}, err
 		}
+		r.slots[s] = slot
 		if req.Op == dirRead {
-			fill(r.slots[s], readSeed(req.ID, s))
+			err = slot.fill(readSeed(req.ID, s))
 		} else {
-			poison(r.slots[s]) // fault the pages in: WRITE should not pay for that
+			err = slot.poison() // fault the pages in: WRITE should not pay for that
 		}
-		addrs[s] = sliceAddr(r.slots[s])
+		if err != nil {
+			return roundReady{}, fmt.Errorf("prepare slot %d: %w", s, err)
+		}
+		addrs[s] = slot.addr()
 	}
 	descs := make([][]connect.Descriptor, req.Slots)
 	for s := range descs {
-		descs[s] = descriptors(r.slots[s], req.Block, req.Descs)
+		descs[s] = r.slots[s].descriptors(req.Block, req.Descs)
 	}
 	mds := make([]connect.Metadata, req.Ops)
 	start := time.Now()
@@ -309,11 +331,11 @@ func (t *target) build(r *round) (roundReady, error) {
 			if req.Check && req.Op == dirWrite {
 				a := ack{I: i}
 				slot := r.slots[i%req.Slots]
-				if err := verify(slot, writeSeed(req.ID, i)); err != nil {
+				if err := slot.verify(writeSeed(req.ID, i)); err != nil {
 					r.fail(i, fmt.Errorf("check: %w", err))
 					a.Err = err.Error()
 				} else {
-					r.verified.Add(int64(len(slot)))
+					r.verified.Add(int64(slot.size))
 				}
 				b, _ := json.Marshal(a)
 				_ = t.nc.Publish(ackSubj, b)
@@ -325,7 +347,7 @@ func (t *target) build(r *round) (roundReady, error) {
 		return roundReady{}, err
 	}
 	r.pages = pages
-	ready := roundReady{Tokens: len(mds), Pages: len(pages), Slots: addrs, CreateNs: created.Nanoseconds()}
+	ready := roundReady{Tokens: len(mds), Pages: len(pages), Slots: addrs, CreateNs: created.Nanoseconds(), Mem: req.Mem}
 	if len(mds) > 0 {
 		b, _ := mds[0].MarshalBinary()
 		ready.TokenLen = len(b)
@@ -368,11 +390,11 @@ func (t *target) onFinish(msg *nats.Msg) {
 	case <-waited:
 	case <-time.After(time.Duration(r.req.WaitMsec) * time.Millisecond):
 	}
-	r.end()
 	if r.req.RawBuf {
-		t.rawBuf.CompareAndSwap(&r.slots[0], nil)
+		t.rawBuf.CompareAndSwap(&r.slots[0].host, nil)
 	}
-	res := roundResult{Done: r.done, Failed: int(r.failed.Load()), Errors: r.errs, Verified: r.verified.Load()}
+	r.end()
+	res := roundResult{Done: r.done, Failed: int(r.failed.Load()), Errors: r.errs, Verified: r.verified.Load(), Stage: t.meter.read().sub(r.stage)}
 	respond(msg, res)
 }
 
@@ -385,10 +407,11 @@ func (r *round) end() {
 		_ = op.Close()
 	}
 	r.ops = nil
-	for _, free := range r.frees { // no operation can touch the slots any more
-		_ = free()
+	for _, slot := range r.slots { // no operation can touch the slots any more
+		if slot != nil {
+			_ = slot.release()
+		}
 	}
-	r.frees = nil
 }
 
 // serveToken is the per-operation token service measured by the control

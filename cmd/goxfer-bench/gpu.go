@@ -1,0 +1,369 @@
+package main
+
+import (
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/goxfer/goxfer/agent/devmem"
+	"github.com/goxfer/goxfer/connect"
+)
+
+// GPU memory: where a side's buffers live (-initiator-mem, -target-mem), the
+// buffers themselves, and a meter on the device driver the connectors stage
+// through, so that a row can report how fast its staging copies ran.
+
+// memKind is where one side's buffers live, as nixlbench's segment types:
+// host memory (dram) or the memory of a GPU (vram).
+type memKind uint8
+
+const (
+	memDRAM memKind = iota
+	memVRAM
+)
+
+// String is the kind as the flags, results and the protocol spell it.
+func (k memKind) String() string {
+	if k == memVRAM {
+		return "vram"
+	}
+	return "dram"
+}
+
+func parseMem(s string) (memKind, error) {
+	switch strings.ToLower(strings.TrimSpace(s)) {
+	case "dram", "":
+		return memDRAM, nil
+	case "vram":
+		return memVRAM, nil
+	}
+	return 0, fmt.Errorf("unknown memory %q: want dram or vram", s)
+}
+
+// MarshalText keeps the protocol's "mem" a word, so that a target of
+// another build that does not know it fails instead of measuring DRAM.
+func (k memKind) MarshalText() ([]byte, error) { return []byte(k.String()), nil }
+
+func (k *memKind) UnmarshalText(b []byte) error {
+	v, err := parseMem(string(b))
+	if err != nil {
+		return err
+	}
+	*k = v
+	return nil
+}
+
+// mems are the memory kinds of a point: the initiator's local buffers and
+// the target's exposed buffers.
+type mems struct{ init, target memKind }
+
+func (m mems) vram() bool { return m.init == memVRAM || m.target == memVRAM }
+
+// String is "dram/vram": initiator, then target.
+func (m mems) String() string { return m.init.String() + "/" + m.target.String() }
+
+var dramOnly = mems{memDRAM, memDRAM}
+
+// deviceDriver returns the process's device driver ([devmem.Default]), or
+// nil when there is none (the CUDA driver is loaded lazily: a driver
+// returned here may still fail at its first call).
+func deviceDriver() devmem.Driver {
+	d, err := devmem.Default()
+	if err != nil {
+		return nil
+	}
+	return d
+}
+
+// gpuDriver returns the process's device driver, checked to see GPU gpu,
+// or an error saying what is missing.
+func gpuDriver(gpu int) (devmem.Driver, error) {
+	d, err := devmem.Default()
+	if err == nil && d == nil {
+		err = devmem.ErrUnavailable
+	}
+	if err != nil {
+		return nil, fmt.Errorf("GPU memory needs a device driver: %w (on a machine without a GPU, set %s=sim to run with a simulated one)", err, devmem.EnvDevice)
+	}
+	n, err := d.Devices()
+	if err != nil {
+		return nil, fmt.Errorf("GPU memory needs a device driver: the %s driver: %w (on a machine without a GPU, set %s=sim to run with a simulated one)", d.Name(), err, devmem.EnvDevice)
+	}
+	if gpu >= n {
+		return nil, fmt.Errorf("-gpu %d: the %s driver sees %d GPU(s), numbered from 0", gpu, d.Name(), n)
+	}
+	return d, nil
+}
+
+// region is one buffer of a point: host memory, or device memory reached
+// only through the driver's copies. Used by one goroutine at a time.
+type region struct {
+	kind memKind
+	size int
+	host []byte  // dram: the memory
+	ptr  uintptr // vram: the device pointer
+	gpu  int
+	// drv copies the pattern in and out of device memory: the bare
+	// driver, never the meter, so that filling and checking do not count
+	// as staging.
+	drv     devmem.Driver
+	scratch []byte // vram: host bytes for fill and verify, made at first use
+	free    func() error
+}
+
+// scratchMax bounds the host memory a device region fills and verifies
+// through: the pattern goes in and out in pieces of this size.
+const scratchMax = 4 << 20
+
+// newRegion allocates size bytes of kind: device memory on gpu through
+// drv, or host memory from alloc (a backend's allocator), or the Go heap.
+func newRegion(kind memKind, drv devmem.Driver, gpu, size int, alloc func(int) ([]byte, func() error, error)) (*region, error) {
+	r := &region{kind: kind, size: size, gpu: gpu, drv: drv}
+	switch {
+	case kind == memVRAM:
+		if drv == nil {
+			return nil, fmt.Errorf("GPU memory of %d bytes: no device driver", size)
+		}
+		p, err := drv.Alloc(gpu, size)
+		if err != nil {
+			return nil, fmt.Errorf("allocate %s on GPU %d (%s driver): %w", fmtSize(float64(size)), gpu, drv.Name(), err)
+		}
+		r.ptr, r.free = p, func() error { return drv.Free(p) }
+	case alloc != nil:
+		buf, free, err := alloc(size)
+		if err != nil {
+			return nil, err
+		}
+		r.host, r.free = buf, free
+	default:
+		r.host = make([]byte, size)
+	}
+	return r, nil
+}
+
+// descriptors cuts the region into n descriptors of block bytes.
+func (r *region) descriptors(block, n int) []connect.Descriptor {
+	if r.kind != memVRAM {
+		return descriptors(r.host, block, n)
+	}
+	ds := make([]connect.Descriptor, n)
+	for i := range ds {
+		ds[i] = connect.NewDeviceDescriptor(r.ptr+uintptr(i*block), block, connect.CUDA(r.gpu))
+	}
+	return ds
+}
+
+// addr is the host address for process_vm_readv, 0 for device memory.
+func (r *region) addr() uint64 {
+	if r.kind == memVRAM {
+		return 0
+	}
+	return sliceAddr(r.host)
+}
+
+// pieces calls f for each piece of the region of at most scratchMax bytes,
+// with the scratch buffer cut to its length (device memory only).
+func (r *region) pieces(f func(off int, buf []byte) error) error {
+	if r.scratch == nil {
+		r.scratch = make([]byte, min(r.size, scratchMax))
+	}
+	for off := 0; off < r.size; off += len(r.scratch) {
+		if err := f(off, r.scratch[:min(len(r.scratch), r.size-off)]); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// fill writes fill's pattern of seed over the whole region.
+func (r *region) fill(seed uint64) error {
+	if r.kind != memVRAM {
+		fill(r.host, seed)
+		return nil
+	}
+	return r.pieces(func(off int, buf []byte) error {
+		fillFrom(buf, seed, off)
+		return devmem.CopyToDevice(r.drv, r.gpu, r.ptr+uintptr(off), buf)
+	})
+}
+
+// poison overwrites the region (and so faults its pages in).
+func (r *region) poison() error {
+	if r.kind != memVRAM {
+		poison(r.host)
+		return nil
+	}
+	first := true
+	return r.pieces(func(off int, buf []byte) error {
+		if first {
+			poison(buf)
+			first = false
+		}
+		return devmem.CopyToDevice(r.drv, r.gpu, r.ptr+uintptr(off), buf)
+	})
+}
+
+// verify reports the first byte of the region that differs from fill's
+// pattern of seed; every byte is checked, device memory through copies.
+func (r *region) verify(seed uint64) error {
+	if r.kind != memVRAM {
+		return verify(r.host, seed)
+	}
+	return r.pieces(func(off int, buf []byte) error {
+		if err := devmem.CopyToHost(r.drv, r.gpu, buf, r.ptr+uintptr(off)); err != nil {
+			return err
+		}
+		return verifyFrom(buf, seed, off)
+	})
+}
+
+// release frees the region's memory; no operation may use it any more.
+func (r *region) release() error {
+	if r.free == nil {
+		return nil
+	}
+	err := r.free()
+	r.free = nil
+	return err
+}
+
+// copyStat is what a meter saw of one direction of staging copies: bytes,
+// the time from the first copy of a batch being enqueued to the stream's
+// Sync returning, summed over batches, and the batches.
+type copyStat struct {
+	Bytes   int64 `json:"bytes"`
+	Ns      int64 `json:"ns"`
+	Batches int64 `json:"batches"`
+}
+
+func (c copyStat) sub(o copyStat) copyStat {
+	return copyStat{c.Bytes - o.Bytes, c.Ns - o.Ns, c.Batches - o.Batches}
+}
+
+func (c copyStat) add(o copyStat) copyStat {
+	return copyStat{c.Bytes + o.Bytes, c.Ns + o.Ns, c.Batches + o.Batches}
+}
+
+// gbps is the copy rate in 10^9 bytes per second, 0 if nothing was copied.
+func (c copyStat) gbps() float64 {
+	if c.Ns <= 0 || c.Bytes <= 0 {
+		return 0
+	}
+	return float64(c.Bytes) / float64(c.Ns)
+}
+
+// stageStats is a meter's reading: device to host, host to device.
+type stageStats struct {
+	D2H copyStat `json:"d2h"`
+	H2D copyStat `json:"h2d"`
+}
+
+func (s stageStats) sub(o stageStats) stageStats {
+	return stageStats{s.D2H.sub(o.D2H), s.H2D.sub(o.H2D)}
+}
+func (s stageStats) add(o stageStats) stageStats {
+	return stageStats{s.D2H.add(o.D2H), s.H2D.add(o.H2D)}
+}
+
+// meter counts the staging copies of the connectors whose driver it wraps
+// (meteredDriver). Safe for concurrent use.
+type meter struct {
+	mu sync.Mutex
+	s  stageStats
+}
+
+func (m *meter) read() stageStats {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.s
+}
+
+func (m *meter) batch(d2h, h2d int64, ns int64) {
+	if d2h+h2d == 0 {
+		return
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	// A batch of both directions shares its time by bytes.
+	share := func(n int64) int64 { return int64(float64(ns) * float64(n) / float64(d2h+h2d)) }
+	if d2h > 0 {
+		m.s.D2H = m.s.D2H.add(copyStat{d2h, share(d2h), 1})
+	}
+	if h2d > 0 {
+		m.s.H2D = m.s.H2D.add(copyStat{h2d, share(h2d), 1})
+	}
+}
+
+// meteredDriver is the driver the connectors get (connect.WithDevice): it
+// passes everything to the real driver and times their streams' copies.
+// The agent enqueues a chunk's copies and syncs at once, so the time from
+// a batch's first enqueue to its Sync is the copy time.
+type meteredDriver struct {
+	devmem.Driver
+	m *meter
+}
+
+// NewStream returns a metered stream of the real driver's.
+func (d meteredDriver) NewStream(dev int) (devmem.Stream, error) {
+	s, err := d.Driver.NewStream(dev)
+	if err != nil {
+		return nil, err
+	}
+	return &meteredStream{Stream: s, m: d.m}, nil
+}
+
+type meteredStream struct {
+	devmem.Stream
+	m        *meter
+	start    time.Time // zero: nothing enqueued since the last Sync
+	d2h, h2d int64
+}
+
+func (s *meteredStream) begin() {
+	if s.start.IsZero() {
+		s.start = time.Now()
+	}
+}
+
+func (s *meteredStream) ToHost(dst []byte, src uintptr) error {
+	s.begin()
+	err := s.Stream.ToHost(dst, src)
+	if err == nil {
+		s.d2h += int64(len(dst))
+	}
+	return err
+}
+
+func (s *meteredStream) ToDevice(dst uintptr, src []byte) error {
+	s.begin()
+	err := s.Stream.ToDevice(dst, src)
+	if err == nil {
+		s.h2d += int64(len(src))
+	}
+	return err
+}
+
+func (s *meteredStream) end(err error) error {
+	if !s.start.IsZero() {
+		if err == nil {
+			s.m.batch(s.d2h, s.h2d, time.Since(s.start).Nanoseconds())
+		}
+		s.start, s.d2h, s.h2d = time.Time{}, 0, 0
+	}
+	return err
+}
+
+func (s *meteredStream) Sync() error { return s.end(s.Stream.Sync()) }
+
+func (s *meteredStream) Close() error { return s.end(s.Stream.Close()) }
+
+// deviceOptions are the connector options of a side: the metered driver
+// (when the process has one) and the staging chunk and pool.
+func deviceOptions(cfg *config, m *meter) []connect.Option {
+	opts := []connect.Option{connect.WithStaging(cfg.stageChunk, cfg.stagePool)}
+	if d := deviceDriver(); d != nil {
+		opts = append(opts, connect.WithDevice(meteredDriver{Driver: d, m: m}))
+	}
+	return opts
+}
