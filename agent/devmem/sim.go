@@ -8,8 +8,6 @@ import (
 	"sync"
 	"time"
 	"unsafe"
-
-	"golang.org/x/sys/unix"
 )
 
 // Sim is a simulated device driver for machines without a GPU. Its device
@@ -118,14 +116,14 @@ func (s *Sim) Alloc(dev int, n int) (uintptr, error) {
 	if n <= 0 {
 		return 0, fmt.Errorf("devmem: sim: allocation of %d bytes", n)
 	}
-	size := (n + unix.Getpagesize() - 1) &^ (unix.Getpagesize() - 1)
-	view, err := unix.Mmap(-1, 0, size, unix.PROT_NONE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_NORESERVE)
+	size := (n + pageSize() - 1) &^ (pageSize() - 1)
+	view, err := mapMem(size, false)
 	if err != nil {
 		return 0, fmt.Errorf("devmem: sim: reserve %d bytes: %w", size, err)
 	}
-	back, err := unix.Mmap(-1, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	back, err := mapMem(size, true)
 	if err != nil {
-		_ = unix.Munmap(view)
+		_ = unmapMem(view)
 		return 0, fmt.Errorf("devmem: sim: map %d bytes: %w", size, err)
 	}
 	a := simAlloc{base: uintptr(unsafe.Pointer(&view[0])), size: uint64(n), dev: dev, view: view, back: back}
@@ -156,7 +154,7 @@ func (s *Sim) Free(ptr uintptr) error {
 	a := s.allocs[i]
 	s.allocs = slices.Delete(s.allocs, i, i+1)
 	s.mu.Unlock()
-	return errors.Join(unix.Munmap(a.view), unix.Munmap(a.back))
+	return errors.Join(unmapMem(a.view), unmapMem(a.back))
 }
 
 // find returns the allocation holding [ptr, ptr+n). The caller holds s.mu.
@@ -203,7 +201,7 @@ func (s *Sim) HostAlloc(n int) ([]byte, error) {
 	if n <= 0 {
 		return nil, fmt.Errorf("devmem: sim: host allocation of %d bytes", n)
 	}
-	b, err := unix.Mmap(-1, 0, n, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	b, err := mapMem(n, true)
 	if err != nil {
 		return nil, fmt.Errorf("devmem: sim: map %d bytes of host memory: %w", n, err)
 	}
@@ -226,7 +224,7 @@ func (s *Sim) HostFree(b []byte) error {
 	if !ok {
 		return fmt.Errorf("devmem: sim: free of host memory at 0x%x, which HostAlloc did not return", p)
 	}
-	return unix.Munmap(unsafe.Slice(&b[0], n))
+	return unmapMem(unsafe.Slice(&b[0], n))
 }
 
 // NewStream returns a stream on GPU dev. Its copies run on a goroutine
