@@ -371,6 +371,32 @@ func (l *Lease) Region(addr, n uint64) (Region, bool) {
 	return r.Region, ok
 }
 
+// Renew checks a lease held for long against revocation, as a fresh
+// [Host.Open] would: nil while the exposure is open; once it is revoked,
+// or the agent is closing, the lease is released and the error says why
+// ([ErrAccessDenied], or [ErrRemoteLost] when closing). Backends renew a
+// lease they hold across a slow peer (a frame trickling in) so that a
+// revocation waits for at most one renewal period. Unlike opening a new
+// lease and releasing the old one, Renew keeps what the lease staged: the
+// staging buffers a backend is filling stay the lease's.
+func (l *Lease) Renew() error {
+	e := l.e
+	if e == nil || l.done {
+		return fmt.Errorf("%w: lease already released", ErrAccessDenied)
+	}
+	e.mu.Lock()
+	revoked := e.revoked
+	e.mu.Unlock()
+	if !revoked {
+		return nil
+	}
+	l.Release()
+	if e.a.isClosed() {
+		return fmt.Errorf("%w: agent %s is closing", ErrRemoteLost, e.a.id)
+	}
+	return fmt.Errorf("%w: exposure %v revoked", ErrAccessDenied, e.key)
+}
+
 // Release ends the lease. Releasing it again, or releasing the zero Lease,
 // does nothing.
 func (l *Lease) Release() {

@@ -46,7 +46,7 @@ type cudaAPI struct {
 func loadCUDA() (*cudaAPI, error) {
 	lib, err := purego.Dlopen(libcuda, purego.RTLD_NOW|purego.RTLD_LOCAL)
 	if err != nil {
-		return nil, fmt.Errorf("load %s: %w", libcuda, err)
+		return nil, err // dlerror's text names the library
 	}
 	a := &cudaAPI{}
 	var cuInit uintptr

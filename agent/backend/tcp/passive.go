@@ -467,13 +467,11 @@ func (s *server) answer(typ uint8, id uint64, denied error, data [][]byte) error
 // each timeout a slow frame is granted: a revoked exposure grants none, and
 // the frame ends (errRevoked) without touching the memory again.
 func (s *server) renew() bool {
-	l, err := s.b.host.Open(s.link, s.key, s.acc)
-	if err != nil {
+	// Renew, not a fresh lease: the frame's staging buffers stay valid.
+	if err := s.lease.Renew(); err != nil {
 		s.dropLease()
 		return false
 	}
-	s.lease.Release()
-	s.lease = l
 	return true
 }
 
