@@ -24,6 +24,19 @@
 // drops the references. Transfers and exposures do not check registration:
 // backends prepare unregistered memory per transfer, which costs time.
 //
+// # Device memory
+//
+// GPU memory ([Device] with [KindVRAM]) is checked through the agent's
+// device driver ([WithDevice]; by default the CUDA driver, bound without
+// cgo by package devmem) when it is posted or exposed: device memory of
+// the GPU named, inside one allocation. Every backend moves it. One that
+// supports VRAM itself (ucx with a CUDA-enabled UCX) is given it as it
+// is; for the others the agent stages it through a bounded pool of pinned
+// host buffers ([WithStaging]): local device memory in chunks, pipelined,
+// each posted to the backend as host memory; a peer's access to this
+// agent's device memory through the lease the backend holds for it
+// ([DeviceStager]). [Xfer.Path] says which ("tcp+staging").
+//
 // # Exposing memory
 //
 // The passive side of a transfer calls [Agent.Expose] with the access it
