@@ -39,7 +39,7 @@ func (d *cudaDriver) load() (*cudaAPI, error) {
 	d.once.Do(func() {
 		d.api, d.err = loadCUDA()
 		if d.err != nil {
-			d.err = fmt.Errorf("%w: %w (install the NVIDIA driver; tests and benchmarks without a GPU can set %s=sim)", ErrUnavailable, d.err, EnvDevice)
+			d.err = fmt.Errorf("%w: %w (tests and benchmarks without a GPU can set %s=sim)", ErrUnavailable, d.err, EnvDevice)
 		}
 	})
 	return d.api, d.err

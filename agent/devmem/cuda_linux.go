@@ -17,7 +17,7 @@ var libcuda = "libcuda.so.1"
 // CUDA driver API constants, from cuda.h.
 const (
 	cuSuccess          = 0
-	cuErrNotReady      = 600
+	cuErrInvalidValue  = 1    // CUDA_ERROR_INVALID_VALUE
 	cuMemHostPortable  = 0x01 // CU_MEMHOSTALLOC_PORTABLE
 	cuStreamNonBlock   = 0x01 // CU_STREAM_NON_BLOCKING
 	cuMemTypeHost      = 1    // CU_MEMORYTYPE_HOST
@@ -46,7 +46,7 @@ type cudaAPI struct {
 func loadCUDA() (*cudaAPI, error) {
 	lib, err := purego.Dlopen(libcuda, purego.RTLD_NOW|purego.RTLD_LOCAL)
 	if err != nil {
-		return nil, err // dlerror's text names the library
+		return nil, fmt.Errorf("%w; install the NVIDIA driver", err) // dlerror's text names the library
 	}
 	a := &cudaAPI{}
 	var cuInit uintptr
@@ -78,23 +78,41 @@ func loadCUDA() (*cudaAPI, error) {
 		}
 	}
 	if err := a.check("cuInit", call(cuInit, 0)); err != nil {
-		return nil, err
+		return nil, a.initError(err, "the library loaded but the driver found no usable GPU: see nvidia-smi, dmesg and CUDA_VISIBLE_DEVICES")
 	}
 	var v, n int32
 	if err := a.check("cuDriverGetVersion", call(a.driverGetVersion, uintptr(unsafe.Pointer(&v)))); err != nil {
-		return nil, err
+		return nil, a.initError(err, "")
 	}
 	if v < cudaMinimumVersion {
-		return nil, fmt.Errorf("the CUDA driver is version %d.%d; goxfer needs 10.2 or later", v/1000, v%1000/10)
+		return nil, fmt.Errorf("%s is CUDA driver version %d.%d; goxfer needs 10.2 or later", libcuda, v/1000, v%1000/10)
 	}
 	if err := a.check("cuDeviceGetCount", call(a.deviceGetCount, uintptr(unsafe.Pointer(&n)))); err != nil {
-		return nil, err
+		return nil, a.initError(err, "")
 	}
 	a.version, a.devices = int(v), int(n)
 	return a, nil
 }
 
+// initError rewords a failed call of loading, whose error [cudaDriver.load]
+// wraps in ErrUnavailable, without a second "devmem:" and with a hint.
+func (a *cudaAPI) initError(err error, hint string) error {
+	ce := err.(*cudaError)
+	if hint != "" {
+		hint = "; " + hint
+	}
+	return fmt.Errorf("%s: %s: %s (CUresult %d)%s", libcuda, ce.fn, ce.name, ce.code, hint)
+}
+
 // call calls a driver function and returns its CUresult.
+//
+// Arguments are often addresses of Go variables converted to uintptr.
+// uintptrescapes moves those variables to the heap and keeps them alive
+// for the call: without it they could stay on the goroutine's stack, which
+// the runtime may move (growing it on the way into this function) while
+// the driver still writes to the old address.
+//
+//go:uintptrescapes
 func call(fn uintptr, args ...uintptr) int32 {
 	r, _, _ := purego.SyscallN(fn, args...)
 	return int32(r)
@@ -127,7 +145,7 @@ func (a *cudaAPI) check(fn string, r int32) error {
 // cString copies a NUL-terminated C string that the driver owns.
 func cString(p *byte) string {
 	n := 0
-	for *(*byte)(unsafe.Add(unsafe.Pointer(p), n)) != 0 && n < 256 {
+	for n < 256 && *(*byte)(unsafe.Add(unsafe.Pointer(p), n)) != 0 {
 		n++
 	}
 	return string(unsafe.Slice(p, n))
@@ -173,6 +191,18 @@ func (d *cudaDriver) primary(dev int) (*cudaAPI, uintptr, error) {
 
 // inContext runs f on a locked OS thread with GPU dev's primary context
 // current, then restores the thread's previous context.
+//
+// The driver keeps the current context per OS thread, while the Go
+// scheduler moves goroutines between threads at any call, so a context
+// made current by one call may be gone, or someone else's, at the next.
+// Hence every call that needs a context is made inside inContext: the
+// goroutine is locked to its thread for the duration, the context the
+// thread had (none, or one PyTorch or UCX made current there) is read
+// with cuCtxGetCurrent, the GPU's primary context is set with
+// cuCtxSetCurrent if it is not already current, and the previous one is
+// set back before the thread is unlocked. Nothing outlives the call on
+// the thread, so goxfer neither depends on nor disturbs what other code
+// keeps current.
 func (d *cudaDriver) inContext(dev int, f func(a *cudaAPI) error) error {
 	a, c, err := d.primary(dev)
 	if err != nil {
@@ -193,38 +223,60 @@ func (d *cudaDriver) inContext(dev int, f func(a *cudaAPI) error) error {
 	return f(a)
 }
 
-// Check verifies through cuPointerGetAttributes that [ptr, ptr+n) is
-// device memory of GPU dev, inside one allocation.
-func (d *cudaDriver) Check(ptr uintptr, n uint64, dev int) error {
-	var (
-		memType, managed uint32
-		ordinal          int32
-		start            uintptr
-		size             uint64
-	)
+// pointerInfo is what cuPointerGetAttributes says of a pointer. A pointer
+// the driver does not know reads as memory type 0.
+type pointerInfo struct {
+	// memType and managed are read wider than the driver writes (an enum,
+	// a boolean) and zeroed first, so any width up to 8 reads correctly.
+	memType, managed uint64
+	ordinal          int32
+	start            uintptr
+	size             uint64
+	unknown          error // the driver's refusal of a pointer it never saw, if it refused
+}
+
+// pointerInfo queries ptr's memory type, managedness, GPU and allocation
+// range in GPU dev's primary context.
+func (d *cudaDriver) pointerInfo(dev int, ptr uintptr) (*pointerInfo, error) {
+	pi := &pointerInfo{}
 	attrs := [...]uint32{cuAttrMemoryType, cuAttrIsManaged, cuAttrDevOrdinal, cuAttrRangeStart, cuAttrRangeSize}
-	data := [...]unsafe.Pointer{unsafe.Pointer(&memType), unsafe.Pointer(&managed), unsafe.Pointer(&ordinal), unsafe.Pointer(&start), unsafe.Pointer(&size)}
+	data := [...]unsafe.Pointer{unsafe.Pointer(&pi.memType), unsafe.Pointer(&pi.managed), unsafe.Pointer(&pi.ordinal), unsafe.Pointer(&pi.start), unsafe.Pointer(&pi.size)}
 	err := d.inContext(dev, func(a *cudaAPI) error {
 		return a.check("cuPointerGetAttributes", call(a.pointerGetAttributes, uintptr(len(attrs)),
 			uintptr(unsafe.Pointer(&attrs[0])), uintptr(unsafe.Pointer(&data[0])), ptr))
 	})
 	runtime.KeepAlive(&data)
-	var ce *cudaError
+	// Since CUDA 11 an unknown pointer reads as memory type 0; older
+	// drivers refuse it with CUDA_ERROR_INVALID_VALUE.
+	if ce := (*cudaError)(nil); errors.As(err, &ce) && ce.code == cuErrInvalidValue {
+		return &pointerInfo{unknown: err}, nil
+	}
+	return pi, err
+}
+
+// Check verifies through cuPointerGetAttributes that [ptr, ptr+n) is
+// device memory of GPU dev, inside one allocation. Managed (unified)
+// memory is refused: it is not what a KV cache is allocated with, and its
+// pages may live on the host.
+func (d *cudaDriver) Check(ptr uintptr, n uint64, dev int) error {
+	pi, err := d.pointerInfo(dev, ptr)
 	switch {
-	case errors.As(err, &ce) && ce.code == 1: // CUDA_ERROR_INVALID_VALUE: a pointer CUDA never saw
-		return fmt.Errorf("%w: 0x%x is not memory CUDA knows (%v)", ErrNotDevice, ptr, err)
 	case err != nil:
 		return err
-	case memType == cuMemTypeHost:
-		return fmt.Errorf("%w: 0x%x is host memory registered with CUDA, not device memory", ErrNotDevice, ptr)
-	case memType != cuMemTypeDevice:
-		return fmt.Errorf("%w: 0x%x is not memory CUDA knows (memory type %d)", ErrNotDevice, ptr, memType)
-	case managed != 0:
+	case pi.unknown != nil:
+		return fmt.Errorf("%w: 0x%x is not memory CUDA knows: an unregistered or unknown pointer (%v)", ErrNotDevice, ptr, pi.unknown)
+	case pi.memType == 0:
+		return fmt.Errorf("%w: 0x%x is not memory CUDA knows: an unregistered or unknown pointer", ErrNotDevice, ptr)
+	case pi.memType == cuMemTypeHost:
+		return fmt.Errorf("%w: 0x%x is host memory (pinned or registered with CUDA), not device memory", ErrNotDevice, ptr)
+	case pi.memType != cuMemTypeDevice:
+		return fmt.Errorf("%w: 0x%x is CUDA memory of type %d, not device memory (type %d)", ErrNotDevice, ptr, pi.memType, cuMemTypeDevice)
+	case pi.managed != 0:
 		return fmt.Errorf("%w: 0x%x is managed (unified) memory; goxfer moves device memory from cuMemAlloc or a caching allocator", ErrNotDevice, ptr)
-	case int(ordinal) != dev:
-		return fmt.Errorf("%w: 0x%x is memory of GPU %d, not of GPU %d", ErrNotDevice, ptr, ordinal, dev)
-	case uint64(ptr-start) > size || n > size-uint64(ptr-start):
-		return fmt.Errorf("%w: [0x%x, +%d) runs past the end of its allocation [0x%x, +%d)", ErrNotDevice, ptr, n, start, size)
+	case int(pi.ordinal) != dev:
+		return fmt.Errorf("%w: 0x%x is memory of GPU %d, not of GPU %d", ErrNotDevice, ptr, pi.ordinal, dev)
+	case ptr < pi.start || uint64(ptr-pi.start) > pi.size || n > pi.size-uint64(ptr-pi.start):
+		return fmt.Errorf("%w: [0x%x, +%d) runs past the end of its allocation [0x%x, +%d)", ErrNotDevice, ptr, n, pi.start, pi.size)
 	}
 	return nil
 }
@@ -242,37 +294,22 @@ func (d *cudaDriver) Alloc(dev int, n int) (uintptr, error) {
 	return p, err
 }
 
-// Free frees memory from Alloc.
+// Free frees memory from Alloc with cuMemFree, in the primary context of
+// the GPU it belongs to.
 func (d *cudaDriver) Free(ptr uintptr) error {
-	dev, err := d.ownerOf(ptr)
+	pi, err := d.pointerInfo(0, ptr)
 	if err != nil {
 		return err
 	}
-	return d.inContext(dev, func(a *cudaAPI) error { return a.check("cuMemFree_v2", call(a.memFree, ptr)) })
-}
-
-// ownerOf returns the GPU that device memory at ptr belongs to.
-func (d *cudaDriver) ownerOf(ptr uintptr) (int, error) {
-	a, err := d.load()
-	if err != nil {
-		return 0, err
+	if pi.unknown != nil || pi.memType != cuMemTypeDevice {
+		return fmt.Errorf("%w: cuda: free of 0x%x, which is not device memory CUDA knows", ErrNotDevice, ptr)
 	}
-	var ordinal int32 = -1
-	attr := uint32(cuAttrDevOrdinal)
-	data := unsafe.Pointer(&ordinal)
-	if err := d.inContext(0, func(a *cudaAPI) error {
-		return a.check("cuPointerGetAttributes", call(a.pointerGetAttributes, 1, uintptr(unsafe.Pointer(&attr)), uintptr(unsafe.Pointer(&data)), ptr))
-	}); err != nil {
-		return 0, err
-	}
-	if ordinal < 0 || int(ordinal) >= a.devices {
-		return 0, fmt.Errorf("%w: 0x%x is not memory of any GPU", ErrNotDevice, ptr)
-	}
-	return int(ordinal), nil
+	return d.inContext(int(pi.ordinal), func(a *cudaAPI) error { return a.check("cuMemFree_v2", call(a.memFree, ptr)) })
 }
 
 // HostAlloc allocates pinned host memory with cuMemHostAlloc, portable to
-// every context.
+// every context. The memory is outside the Go heap; goxfer never pins Go
+// memory.
 func (d *cudaDriver) HostAlloc(n int) ([]byte, error) {
 	if n <= 0 {
 		return nil, fmt.Errorf("devmem: cuda: host allocation of %d bytes", n)
@@ -287,7 +324,7 @@ func (d *cudaDriver) HostAlloc(n int) ([]byte, error) {
 	return unsafe.Slice((*byte)(p), n), nil
 }
 
-// HostFree frees memory from HostAlloc.
+// HostFree frees memory from HostAlloc with cuMemFreeHost.
 func (d *cudaDriver) HostFree(b []byte) error {
 	if len(b) == 0 {
 		return fmt.Errorf("devmem: cuda: free of empty host memory")
@@ -297,7 +334,9 @@ func (d *cudaDriver) HostFree(b []byte) error {
 	})
 }
 
-// NewStream creates a non-blocking stream in GPU dev's primary context.
+// NewStream creates a non-blocking stream (it does not wait for the
+// legacy default stream, which other code in the process may use) in GPU
+// dev's primary context.
 func (d *cudaDriver) NewStream(dev int) (Stream, error) {
 	var s uintptr
 	err := d.inContext(dev, func(a *cudaAPI) error {
@@ -309,53 +348,79 @@ func (d *cudaDriver) NewStream(dev int) (Stream, error) {
 	return &cudaStream{d: d, dev: dev, s: s}, nil
 }
 
-// cudaStream is a CUDA stream. It keeps the host memory of the copies it
-// queued alive until Sync.
+// errStreamClosed is the error of a stream used after Close.
+var errStreamClosed = errors.New("devmem: cuda: stream used after Close")
+
+// cudaStream is a CUDA stream. The driver reads and writes the host
+// memory of a queued copy after the call that queued it returns, so the
+// stream holds a reference to it until Sync: the Go heap does not move,
+// and held memory is not freed.
 type cudaStream struct {
 	d    *cudaDriver
 	dev  int
-	s    uintptr
+	s    uintptr // CUstream; 0 once closed
 	held [][]byte
-	err  error
 }
 
+// ToHost queues cuMemcpyDtoHAsync from src into dst.
 func (st *cudaStream) ToHost(dst []byte, src uintptr) error {
+	if st.s == 0 {
+		return errStreamClosed
+	}
 	if len(dst) == 0 {
 		return nil
 	}
-	st.held = append(st.held, dst)
-	return st.d.inContext(st.dev, func(a *cudaAPI) error {
+	err := st.d.inContext(st.dev, func(a *cudaAPI) error {
 		return a.check("cuMemcpyDtoHAsync_v2", call(a.memcpyDtoHAsync, uintptr(unsafe.Pointer(unsafe.SliceData(dst))), src, uintptr(len(dst)), st.s))
 	})
+	if err == nil {
+		st.held = append(st.held, dst)
+	}
+	return err
 }
 
+// ToDevice queues cuMemcpyHtoDAsync from src into dst.
 func (st *cudaStream) ToDevice(dst uintptr, src []byte) error {
+	if st.s == 0 {
+		return errStreamClosed
+	}
 	if len(src) == 0 {
 		return nil
 	}
-	st.held = append(st.held, src)
-	return st.d.inContext(st.dev, func(a *cudaAPI) error {
+	err := st.d.inContext(st.dev, func(a *cudaAPI) error {
 		return a.check("cuMemcpyHtoDAsync_v2", call(a.memcpyHtoDAsync, dst, uintptr(unsafe.Pointer(unsafe.SliceData(src))), uintptr(len(src)), st.s))
 	})
+	if err == nil {
+		st.held = append(st.held, src)
+	}
+	return err
 }
 
+// Sync waits with cuStreamSynchronize for the copies queued, then lets go
+// of their host memory. After Close it has nothing to wait for.
 func (st *cudaStream) Sync() error {
+	if st.s == 0 {
+		return nil
+	}
 	err := st.d.inContext(st.dev, func(a *cudaAPI) error {
 		return a.check("cuStreamSynchronize", call(a.streamSynchronize, st.s))
 	})
+	runtime.KeepAlive(st.held)
 	clear(st.held)
 	st.held = st.held[:0]
 	return err
 }
 
+// Close waits for the stream's copies and destroys it with
+// cuStreamDestroy. A second Close does nothing.
 func (st *cudaStream) Close() error {
-	err := st.Sync()
-	if st.s != 0 {
-		derr := st.d.inContext(st.dev, func(a *cudaAPI) error {
-			return a.check("cuStreamDestroy_v2", call(a.streamDestroy, st.s))
-		})
-		st.s = 0
-		err = errors.Join(err, derr)
+	if st.s == 0 {
+		return nil
 	}
-	return err
+	err := st.Sync()
+	derr := st.d.inContext(st.dev, func(a *cudaAPI) error {
+		return a.check("cuStreamDestroy_v2", call(a.streamDestroy, st.s))
+	})
+	st.s, st.held = 0, nil
+	return errors.Join(err, derr)
 }

@@ -2,6 +2,10 @@ package devmem
 
 import (
 	"bytes"
+	"fmt"
+	"runtime"
+	"strings"
+	"sync"
 	"testing"
 	"unsafe"
 
@@ -11,7 +15,7 @@ import (
 
 // realCUDA returns the process's CUDA driver, skipping the test on a
 // machine where it does not load: these tests run on GPU machines, from
-// a test binary built here with CGO_ENABLED=0.
+// a test binary built with CGO_ENABLED=0.
 func realCUDA(t *testing.T) Driver {
 	t.Helper()
 	d := CUDA()
@@ -22,30 +26,84 @@ func realCUDA(t *testing.T) Driver {
 	return d
 }
 
+// TestCUDAProcessDriverUnavailable checks what the process's driver says
+// on a machine without the NVIDIA driver.
+func TestCUDAProcessDriverUnavailable(t *testing.T) {
+	d := CUDA()
+	require.Same(t, d, CUDA(), "one driver per process")
+	_, err := d.Devices()
+	if err == nil {
+		t.Skip("this machine has a CUDA driver")
+	}
+	require.ErrorIs(t, err, ErrUnavailable)
+	if runtime.GOOS == "linux" && (runtime.GOARCH == "amd64" || runtime.GOARCH == "arm64") {
+		assert.Contains(t, err.Error(), "libcuda.so.1")
+	} else {
+		assert.Contains(t, err.Error(), runtime.GOOS+"/"+runtime.GOARCH)
+	}
+	assert.Contains(t, err.Error(), EnvDevice+"=sim")
+	_, err = d.NewStream(0)
+	require.ErrorIs(t, err, ErrUnavailable)
+	require.ErrorIs(t, d.Check(0x10000, 1, 0), ErrUnavailable)
+}
+
 func TestCUDAAllocCheck(t *testing.T) {
 	d := realCUDA(t)
-	p, err := d.Alloc(0, 1<<20)
+	devices, err := d.Devices()
+	require.NoError(t, err)
+	// A multiple of 2 MiB, so that the allocation's range is the size
+	// asked for whatever granularity the driver rounds to.
+	const size = 4 << 20
+	p, err := d.Alloc(0, size)
 	require.NoError(t, err)
 	defer func() { require.NoError(t, d.Free(p)) }()
-	require.NoError(t, d.Check(p, 1<<20, 0))
+	require.NoError(t, d.Check(p, size, 0))
 	require.NoError(t, d.Check(p+4096, 4096, 0))
-	err = d.Check(p+1, 1<<20, 0)
-	require.ErrorIs(t, err, ErrNotDevice)
-	assert.Contains(t, err.Error(), "past the end")
-	if n, _ := d.Devices(); n > 1 {
-		err = d.Check(p, 16, 1)
-		require.ErrorIs(t, err, ErrNotDevice)
-		assert.Contains(t, err.Error(), "GPU 0, not of GPU 1")
-	}
-	host := make([]byte, 64)
-	err = d.Check(uintptr(unsafePointer(host)), 64, 0)
-	require.ErrorIs(t, err, ErrNotDevice, "Go memory is not device memory")
+	require.NoError(t, d.Check(p+size-1, 1, 0))
+
 	pinned, err := d.HostAlloc(4096)
 	require.NoError(t, err)
 	defer func() { require.NoError(t, d.HostFree(pinned)) }()
-	require.ErrorIs(t, d.Check(uintptr(unsafePointer(pinned)), 4096, 0), ErrNotDevice, "pinned host memory is not device memory")
-	_, err = d.Alloc(1<<20, 16)
+	pinned[4095] = 1 // host memory, addressable
+	goMem := make([]byte, 64)
+	wrong := "GPU 1 does not exist"
+	if devices > 1 {
+		wrong = "is memory of GPU 0, not of GPU 1"
+	}
+	for _, c := range []struct {
+		ptr  uintptr
+		n    uint64
+		dev  int
+		want string
+	}{
+		{p + 1, size, 0, fmt.Sprintf("runs past the end of its allocation [0x%x, +%d)", p, size)},
+		{p + size - 1, 2, 0, "runs past the end of its allocation"},
+		{p, 16, 1, wrong},
+		{p, 16, devices, fmt.Sprintf("GPU %d does not exist", devices)},
+		{uintptr(unsafePointer(pinned)), 16, 0, "is host memory"},
+	} {
+		err := d.Check(c.ptr, c.n, c.dev)
+		require.ErrorIs(t, err, ErrNotDevice, "0x%x+%d on GPU %d", c.ptr, c.n, c.dev)
+		assert.Contains(t, err.Error(), c.want)
+	}
+	// Go memory is unknown to CUDA, or host memory where the system
+	// manages pageable memory for the GPU (HMM).
+	err = d.Check(uintptr(unsafePointer(goMem)), 16, 0)
+	require.ErrorIs(t, err, ErrNotDevice)
+	assert.True(t, strings.Contains(err.Error(), "unregistered or unknown pointer") || strings.Contains(err.Error(), "is host memory"), "%v", err)
+	runtime.KeepAlive(goMem)
+	_, err = d.Alloc(devices, 16)
 	require.ErrorIs(t, err, ErrNotDevice, "a GPU that does not exist")
+	require.ErrorIs(t, d.Free(uintptr(unsafePointer(pinned))), ErrNotDevice, "Free of host memory")
+	if devices > 1 {
+		q, err := d.Alloc(1, 4096)
+		require.NoError(t, err)
+		require.NoError(t, d.Check(q, 4096, 1))
+		err = d.Check(q, 4096, 0)
+		require.ErrorIs(t, err, ErrNotDevice)
+		assert.Contains(t, err.Error(), "is memory of GPU 1, not of GPU 0")
+		require.NoError(t, d.Free(q), "Free of GPU 1's memory")
+	}
 }
 
 func TestCUDARoundTrip(t *testing.T) {
@@ -67,17 +125,88 @@ func TestCUDARoundTrip(t *testing.T) {
 	require.NoError(t, st.ToHost(out, p))
 	require.NoError(t, st.Sync())
 	require.True(t, bytes.Equal(src, out))
-	// Many small copies, one Sync.
+
+	// Many small copies each way, one Sync each.
+	src2 := randomBytes(n)
+	for off := 0; off < n; off += 4096 {
+		require.NoError(t, st.ToDevice(p+uintptr(off), src2[off:min(off+4096, n)]))
+	}
+	require.NoError(t, st.Sync())
 	clear(pinned)
 	for off := 0; off < n; off += 64 << 10 {
 		end := min(off+64<<10, n)
 		require.NoError(t, st.ToHost(pinned[off:end], p+uintptr(off)))
 	}
 	require.NoError(t, st.Close())
-	require.True(t, bytes.Equal(src, pinned[:n]))
-	err = CopyToHost(d, 0, out[:16], 0x10)
+	require.True(t, bytes.Equal(src2, pinned))
+	require.NoError(t, st.Close(), "a second Close")
+	require.Error(t, st.ToHost(pinned[:1], p), "a closed stream refuses copies")
+}
+
+// TestCUDAConcurrent round-trips bytes from many goroutines at once, each
+// on its own stream, on every GPU.
+func TestCUDAConcurrent(t *testing.T) {
+	d := realCUDA(t)
+	devices, err := d.Devices()
+	require.NoError(t, err)
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for g := range 8 {
+		wg.Go(func() {
+			dev := g % devices
+			const n = 1 << 20
+			p, err := d.Alloc(dev, n)
+			if err != nil {
+				errs <- err
+				return
+			}
+			defer func() { _ = d.Free(p) }()
+			st, err := d.NewStream(dev)
+			if err != nil {
+				errs <- err
+				return
+			}
+			defer func() { _ = st.Close() }()
+			for range 10 {
+				src, out := randomBytes(n), make([]byte, n)
+				for off := 0; off < n && err == nil; off += 16 << 10 {
+					err = st.ToDevice(p+uintptr(off), src[off:off+16<<10])
+				}
+				for off := 0; off < n && err == nil; off += 16 << 10 {
+					err = st.ToHost(out[off:off+16<<10], p+uintptr(off))
+				}
+				if err == nil {
+					err = st.Sync()
+				}
+				if err == nil && !bytes.Equal(src, out) {
+					err = fmt.Errorf("GPU %d: the bytes read back differ from those written", dev)
+				}
+				if err != nil {
+					errs <- err
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		require.NoError(t, err)
+	}
+}
+
+// TestCUDABadPointer comes last of the real-GPU tests: a copy from an
+// address CUDA never allocated must fail with an error that names the
+// call that failed.
+func TestCUDABadPointer(t *testing.T) {
+	d := realCUDA(t)
+	out := make([]byte, 16)
+	err := CopyToHost(d, 0, out, 0x10)
 	require.Error(t, err)
-	assert.Contains(t, err.Error(), "cuMemcpyDtoHAsync_v2", "a bad pointer names the failed call")
+	msg := err.Error()
+	assert.True(t, strings.Contains(msg, "cuMemcpyDtoHAsync_v2") || strings.Contains(msg, "cuStreamSynchronize"),
+		"the error names the copy, refused when queued, or the Sync that met it: %v", err)
+	assert.Contains(t, msg, "CUresult")
 }
 
 func unsafePointer(b []byte) unsafe.Pointer { return unsafe.Pointer(unsafe.SliceData(b)) }

@@ -3,10 +3,11 @@ package devmem
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"os"
 	"os/exec"
-	"strings"
+	"regexp"
 	"testing"
 	"time"
 	"unsafe"
@@ -141,8 +142,8 @@ func TestSimDeviceMemoryIsNotAddressable(t *testing.T) {
 			os.Exit(3)
 		}
 		b := unsafe.Slice((*byte)(*(*unsafe.Pointer)(unsafe.Pointer(&p))), 4096)
-		os.Stdout.WriteString("touching\n")
-		b[0] = 1 // must fault
+		fmt.Printf("touching 0x%x\n", p+100)
+		b[100] = 1 // must fault
 		os.Exit(0)
 	}
 	cmd := exec.Command(os.Args[0], "-test.run=^TestSimDeviceMemoryIsNotAddressable$", "-test.count=1")
@@ -150,6 +151,45 @@ func TestSimDeviceMemoryIsNotAddressable(t *testing.T) {
 	out, err := cmd.CombinedOutput()
 	var ee *exec.ExitError
 	require.True(t, errors.As(err, &ee), "the child exited cleanly after writing device memory: %s", out)
-	require.Contains(t, string(out), "touching", "the child got as far as the write")
-	require.True(t, strings.Contains(string(out), "SIGSEGV") || strings.Contains(string(out), "fault"), "the child died of the fault: %s", out)
+	m := regexp.MustCompile(`touching (0x[0-9a-f]+)`).FindSubmatch(out)
+	require.NotNil(t, m, "the child got as far as the write: %s", out)
+	require.True(t, bytes.Contains(out, []byte("SIGSEGV")) || bytes.Contains(out, []byte("SIGBUS")), "the child died of a memory fault: %s", out)
+	require.Contains(t, string(out), "fault address "+string(m[1]), "at the device address it wrote: %s", out)
+}
+
+func TestSimFree(t *testing.T) {
+	s := NewSim(2)
+	p, err := s.Alloc(0, 100)
+	require.NoError(t, err)
+	q, err := s.Alloc(1, 100)
+	require.NoError(t, err)
+	require.NoError(t, CopyToDevice(s, 1, q, []byte("still here")))
+	require.NoError(t, s.Free(p))
+	err = s.Check(p, 1, 0)
+	require.ErrorIs(t, err, ErrNotDevice, "freed memory")
+	assert.Contains(t, err.Error(), "not memory of any simulated GPU")
+	require.ErrorIs(t, s.Free(p), ErrNotDevice, "a second Free")
+	st, err := s.NewStream(0)
+	require.NoError(t, err)
+	require.ErrorIs(t, st.ToHost(make([]byte, 1), p), ErrNotDevice, "a copy from freed memory")
+	require.NoError(t, st.Close())
+	out := make([]byte, 10)
+	require.NoError(t, CopyToHost(s, 1, out, q), "another allocation outlives the Free")
+	require.Equal(t, "still here", string(out))
+	require.NoError(t, s.Free(q))
+}
+
+// TestSimStreamOnOtherGPU checks that a stream copies only memory of its
+// own GPU, as the agent's staging expects of CUDA.
+func TestSimStreamOnOtherGPU(t *testing.T) {
+	s := NewSim(2)
+	p, err := s.Alloc(1, 64)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, s.Free(p)) }()
+	st, err := s.NewStream(0)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, st.Close()) }()
+	err = st.ToDevice(p, make([]byte, 8))
+	require.ErrorIs(t, err, ErrNotDevice)
+	assert.Contains(t, err.Error(), "memory of GPU 1, not of GPU 0")
 }
