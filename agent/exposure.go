@@ -61,7 +61,8 @@ type Exposure struct {
 	key    Key
 	access Access
 	set    regionSet
-	devs   bool // some regions are VRAM
+	devs   bool          // some regions are VRAM
+	gone   chan struct{} // closed by Revoke: waits for staging buffers end
 	events chan Event
 
 	mu      sync.Mutex
@@ -105,7 +106,7 @@ func (a *Agent) Expose(acc Access, regions []Local) (*Exposure, error) {
 			return nil, err
 		}
 	}
-	e := &Exposure{a: a, key: NewKey(), access: acc, set: newRegionSet(regions), devs: devs, events: make(chan Event, eventBuffer)}
+	e := &Exposure{a: a, key: NewKey(), access: acc, set: newRegionSet(regions), devs: devs, gone: make(chan struct{}), events: make(chan Event, eventBuffer)}
 	e.drained.L = &e.mu
 	a.expMu.Lock()
 	defer a.expMu.Unlock()
@@ -148,6 +149,9 @@ func (e *Exposure) Revoke() {
 	e.a.expMu.Unlock()
 
 	e.mu.Lock()
+	if !e.revoked {
+		close(e.gone)
+	}
 	e.revoked = true
 	for e.leases > 0 {
 		e.drained.Wait()
@@ -216,27 +220,6 @@ type Lease struct {
 	done bool
 }
 
-// leaseStage is what a lease staged: the pinned host buffers standing in
-// for device memory, and the streams that copy them.
-type leaseStage struct {
-	ds    *devState
-	bufs  [][]byte // taken from the pool
-	cur   []byte   // what is left of the last buffer
-	items []stageItem
-	ss    streams
-}
-
-// leaseStageMin is the least a lease takes from the staging pool at a
-// time: a frame of many small pieces shares a buffer.
-const leaseStageMin = 256 << 10
-
-type stageItem struct {
-	buf     []byte
-	addr    uint64
-	dev     int
-	flushed bool
-}
-
 // Access returns the access kind the lease grants.
 func (l *Lease) Access() Access { return l.e.access }
 
@@ -247,10 +230,10 @@ func (l *Lease) Access() Access { return l.e.access }
 //
 // For VRAM regions: a backend that stages device memory ([DeviceStager])
 // gets a pinned host buffer standing in for the device bytes: for a READ
-// lease it holds a copy of them when Slice returns; for a WRITE lease the
-// backend fills it and Release copies it into the device before it
-// returns. Staging failures wrap [ErrStaging]. Other backends get a nil
-// slice and no error.
+// lease it holds a copy of them when Slice returns (after [Lease.Ready]
+// once [Lease.Prepare] was called); for a WRITE lease the backend fills it
+// and [Lease.Flush] copies it into the device. Staging failures wrap
+// [ErrStaging]. Other backends get a nil slice and no error.
 func (l *Lease) Slice(addr, n uint64) ([]byte, error) {
 	r, ok := l.e.set.find(addr, n)
 	if !ok {
@@ -265,104 +248,6 @@ func (l *Lease) Slice(addr, n uint64) ([]byte, error) {
 	}
 	off := addr - r.Addr
 	return r.Mem[off : off+n : off+n], nil
-}
-
-// stage takes a staging buffer for n device bytes at addr, filled from the
-// device for a READ lease.
-func (l *Lease) stage(addr, n uint64, dev int) ([]byte, error) {
-	st := l.st
-	if uint64(len(st.cur)) < n {
-		var held uint64
-		for _, b := range st.bufs {
-			held += uint64(cap(b))
-		}
-		if lim := uint64(st.ds.leasePool.limit); held+n > lim {
-			// Waiting would wait for this lease's own buffers.
-			return nil, fmt.Errorf("%w: a lease staging %d bytes of GPU memory needs more than the %d-byte staging pool; use smaller frames or a larger pool (WithStaging)", ErrStaging, held+n, lim)
-		}
-		b, err := st.ds.leasePool.get(max(n, leaseStageMin), nil, stageWait)
-		if err != nil {
-			return nil, err
-		}
-		st.bufs = append(st.bufs, b)
-		st.cur = b
-	}
-	buf := st.cur[:n:n]
-	st.cur = st.cur[n:]
-	st.items = append(st.items, stageItem{buf: buf, addr: addr, dev: dev})
-	if l.e.access == AccessRead {
-		s, err := st.ss.get(dev)
-		if err == nil {
-			err = s.ToHost(buf, uintptr(addr))
-		}
-		if serr := st.ss.sync(); err == nil {
-			err = serr
-		}
-		if err != nil {
-			return nil, fmt.Errorf("%w: GPU %d [0x%x, +%d) to host: %w", ErrStaging, dev, addr, n, err)
-		}
-	}
-	return buf, nil
-}
-
-// Flush copies what a WRITE lease staged so far into device memory and
-// waits for the copies: a backend calls it once the bytes have arrived and
-// before it acknowledges the WRITE, so that a failure reaches the peer.
-// Release flushes whatever is left and can only log a failure. For leases
-// that staged nothing it does nothing.
-func (l *Lease) Flush() error {
-	if l.st == nil || l.e.access != AccessWrite {
-		return nil
-	}
-	err := l.st.flush()
-	if err != nil {
-		e := l.e
-		e.mu.Lock()
-		if e.stageErr == nil {
-			e.stageErr = err
-		}
-		e.mu.Unlock()
-	}
-	return err
-}
-
-func (st *leaseStage) flush() error {
-	var err error
-	for i, it := range st.items {
-		if it.flushed {
-			continue
-		}
-		st.items[i].flushed = true
-		s, gerr := st.ss.get(it.dev)
-		if gerr == nil {
-			gerr = s.ToDevice(uintptr(it.addr), it.buf)
-		}
-		if gerr != nil {
-			err = fmt.Errorf("%w: host to GPU %d [0x%x, +%d): %w", ErrStaging, it.dev, it.addr, len(it.buf), gerr)
-			break
-		}
-	}
-	if serr := st.ss.sync(); err == nil {
-		err = serr
-	}
-	return err
-}
-
-// unstage copies what a WRITE lease staged into the device, unless
-// flushed, and gives the buffers back.
-func (st *leaseStage) unstage(acc Access, log func(error)) {
-	if acc == AccessWrite && len(st.items) > 0 {
-		if err := st.flush(); err != nil {
-			log(err)
-		}
-	}
-	if err := st.ss.release(); err != nil {
-		log(err)
-	}
-	for _, b := range st.bufs {
-		st.ds.leasePool.put(b)
-	}
-	st.items, st.bufs, st.cur = nil, nil, nil
 }
 
 // Region returns the exposed region containing [addr, addr+n).
@@ -405,19 +290,12 @@ func (l *Lease) Release() {
 	}
 	l.done = true
 	e := l.e
-	var stageErr error
 	if l.st != nil {
-		l.st.unstage(e.access, func(err error) {
-			e.a.log.Warn("goxfer: staging a peer's WRITE into GPU memory failed", "err", err)
-			if stageErr == nil {
-				stageErr = err
-			}
+		l.st.unstage(func(err error) {
+			e.a.log.Warn("goxfer: staging GPU memory for a peer failed", "err", err)
 		})
 	}
 	e.mu.Lock()
-	if stageErr != nil && e.stageErr == nil {
-		e.stageErr = stageErr
-	}
 	if e.leases--; e.leases == 0 && e.revoked {
 		e.drained.Broadcast()
 	}
@@ -448,7 +326,7 @@ func (a *Agent) open(l Link, key Key, acc Access, stages bool) (Lease, error) {
 					lease.Release()
 					return Lease{}, err
 				}
-				lease.st = &leaseStage{ds: ds, ss: streams{a: a}}
+				lease.st = &leaseStage{ds: ds, peer: l.Peer, stop: e.gone, acc: e.access, ss: streams{a: a}}
 			}
 			return lease, nil
 		}

@@ -6,6 +6,9 @@ import (
 	"math/bits"
 	"sync"
 	"time"
+	"unsafe"
+
+	"github.com/google/uuid"
 
 	"github.com/goxfer/goxfer/agent/devmem"
 )
@@ -45,15 +48,17 @@ func WithDevice(d devmem.Driver) Option {
 // flight, so that copying one overlaps sending another), pool the most
 // pinned host memory the agent holds for staging: half for its own
 // transfers, half for its peers' accesses to its device memory, so that
-// neither can starve the other. Defaults: 4 MiB chunks, a 64 MiB pool.
-// chunk must lie in [64 KiB, 256 MiB] and half the pool hold a chunk.
+// neither can starve the other; one peer may hold at most half of the
+// peers' half beyond its first buffer. Defaults: 4 MiB chunks, a 64 MiB
+// pool. chunk must be a power of two in [64 KiB, 256 MiB], pool at least
+// two chunks.
 func WithStaging(chunk, pool int) Option {
 	return optionFunc(func(o *options) error {
-		if chunk < stageMinClass || chunk > 256<<20 {
-			return fmt.Errorf("%w: staging chunk of %d bytes: want [%d, %d]", ErrInvalidOption, chunk, stageMinClass, 256<<20)
+		if chunk < stageMinClass || chunk > 256<<20 || chunk&(chunk-1) != 0 {
+			return fmt.Errorf("%w: staging chunk of %d bytes: want a power of two in [%d, %d]", ErrInvalidOption, chunk, stageMinClass, 256<<20)
 		}
 		if pool < 2*chunk {
-			return fmt.Errorf("%w: staging pool of %d bytes cannot hold two chunks of %d", ErrInvalidOption, pool, chunk)
+			return fmt.Errorf("%w: staging pool of %d bytes: want at least two chunks (%d), so that each half holds a chunk", ErrInvalidOption, pool, 2*chunk)
 		}
 		o.stageChunk, o.stagePool = chunk, pool
 		return nil
@@ -73,7 +78,7 @@ type devState struct {
 	// their own waits hold.
 	pool, leasePool *stagePool
 	chunk           uint64
-	streams streamPool
+	streams         streamPool
 }
 
 // Device returns the agent's device-memory driver ([WithDevice]), loading
@@ -128,17 +133,27 @@ func (a *Agent) checkDevice(ls []Local) error {
 type stagePool struct {
 	drv   devmem.Driver
 	limit int64
+	// peerLimit bounds what the buffers in use for one peer may add up to
+	// (leases), beyond its first, so that a slow peer cannot hold the
+	// whole pool.
+	peerLimit int64
 
 	mu     sync.Mutex
-	free   map[int][][]byte // by class
-	held   int64            // bytes allocated, cached or in use
-	inUse  int
+	free   map[int][][]byte    // by class
+	held   int64               // bytes allocated, cached or in use
+	inUse  int                 // buffers handed out
+	peers  map[uuid.UUID]int64 // bytes in use per peer
+	owner  map[*byte]uuid.UUID // who holds each buffer handed out for a peer
 	closed bool
 	wake   chan struct{} // closed and replaced when a buffer comes back
 }
 
-func newStagePool(drv devmem.Driver, limit int) *stagePool {
-	return &stagePool{drv: drv, limit: int64(limit), free: make(map[int][][]byte), wake: make(chan struct{})}
+func newStagePool(drv devmem.Driver, limit, peerLimit int) *stagePool {
+	return &stagePool{
+		drv: drv, limit: int64(limit), peerLimit: int64(peerLimit),
+		free: make(map[int][][]byte), peers: make(map[uuid.UUID]int64), owner: make(map[*byte]uuid.UUID),
+		wake: make(chan struct{}),
+	}
 }
 
 func stageClass(n uint64) int {
@@ -152,11 +167,19 @@ func stageClass(n uint64) int {
 var errStagingClosed = fmt.Errorf("%w: staging stopped", ErrClosed)
 
 // get returns a buffer of at least n bytes, waiting for one to come back
-// until stop is closed or wait passes (wait <= 0: forever, until stop).
+// until stop is closed or wait passes (wait 0: until stop; wait < 0: not
+// at all).
 func (p *stagePool) get(n uint64, stop <-chan struct{}, wait time.Duration) ([]byte, error) {
+	return p.getFor(uuid.Nil, n, stop, wait, false)
+}
+
+// getFor is get for a buffer held on behalf of peer (uuid.Nil: none). A
+// peer's first buffer for an access (first) waits while the peer holds
+// its share (peerLimit) in other accesses; later ones are not held back.
+func (p *stagePool) getFor(peer uuid.UUID, n uint64, stop <-chan struct{}, wait time.Duration, first bool) ([]byte, error) {
 	class := stageClass(n)
 	if int64(class) > p.limit {
-		return nil, fmt.Errorf("%w: %d bytes to stage at once, more than the staging pool's %d", ErrStaging, n, p.limit)
+		return nil, fmt.Errorf("%w: %d bytes to stage at once (a %d-byte buffer), more than the staging pool's %d", ErrStaging, n, class, p.limit)
 	}
 	var timer <-chan time.Time
 	for {
@@ -165,32 +188,47 @@ func (p *stagePool) get(n uint64, stop <-chan struct{}, wait time.Duration) ([]b
 			p.mu.Unlock()
 			return nil, errStagingClosed
 		}
-		if bs := p.free[class]; len(bs) > 0 {
+		if held := p.peers[peer]; first && peer != uuid.Nil && held > 0 && held+int64(class) > p.peerLimit {
+			// Over the peer's share: only the peer's own buffers coming
+			// back make room. A peer holding nothing may take any buffer
+			// the pool can give, so a frame larger than a share still
+			// goes through, one at a time.
+		} else if bs := p.free[class]; len(bs) > 0 {
 			b := bs[len(bs)-1]
 			p.free[class] = bs[:len(bs)-1]
-			p.inUse++
+			p.handOutLocked(peer, b)
 			p.mu.Unlock()
 			return b[:n], nil
-		}
-		if p.held+int64(class) > p.limit {
-			p.evictLocked(p.held + int64(class) - p.limit)
-		}
-		if p.held+int64(class) <= p.limit {
-			p.held += int64(class)
-			p.inUse++
-			p.mu.Unlock()
-			b, err := p.drv.HostAlloc(class)
-			if err != nil {
-				p.mu.Lock()
-				p.held -= int64(class)
-				p.inUse--
-				p.mu.Unlock()
-				return nil, fmt.Errorf("%w: pinned host buffer of %d bytes: %w", ErrStaging, class, err)
+		} else {
+			if p.held+int64(class) > p.limit {
+				p.evictLocked(p.held + int64(class) - p.limit)
 			}
-			return b[:n], nil
+			if p.held+int64(class) <= p.limit {
+				p.held += int64(class)
+				p.inUse++ // counted while allocating, so that Stats and a peer's share see it
+				p.peers[peer] += int64(class)
+				p.mu.Unlock()
+				b, err := p.drv.HostAlloc(class)
+				p.mu.Lock()
+				p.inUse--
+				if p.peers[peer] -= int64(class); p.peers[peer] <= 0 {
+					delete(p.peers, peer)
+				}
+				if err != nil {
+					p.held -= int64(class)
+					p.mu.Unlock()
+					return nil, fmt.Errorf("%w: pinned host buffer of %d bytes: %w", ErrStaging, class, err)
+				}
+				p.handOutLocked(peer, b)
+				p.mu.Unlock()
+				return b[:n], nil
+			}
 		}
 		wake := p.wake
 		p.mu.Unlock()
+		if wait < 0 {
+			return nil, fmt.Errorf("%w: no staging buffer of %d bytes free now (pool of %d bytes in use; a peer's share is %d)", ErrStaging, class, p.limit, p.peerLimit)
+		}
 		if timer == nil && wait > 0 {
 			t := time.NewTimer(wait)
 			defer t.Stop()
@@ -201,7 +239,7 @@ func (p *stagePool) get(n uint64, stop <-chan struct{}, wait time.Duration) ([]b
 		case <-stop:
 			return nil, errStagingClosed
 		case <-timer:
-			return nil, fmt.Errorf("%w: no staging buffer of %d bytes came free within %v (pool of %d bytes in use)", ErrStaging, class, wait, p.limit)
+			return nil, fmt.Errorf("%w: no staging buffer of %d bytes came free within %v (pool of %d bytes in use; a peer's share is %d)", ErrStaging, class, wait, p.limit, p.peerLimit)
 		}
 	}
 }
@@ -224,11 +262,27 @@ func (p *stagePool) evictLocked(need int64) {
 	}
 }
 
+// handOutLocked counts b in use, for peer (uuid.Nil: none). The caller
+// holds p.mu.
+func (p *stagePool) handOutLocked(peer uuid.UUID, b []byte) {
+	p.inUse++
+	if peer != uuid.Nil {
+		p.peers[peer] += int64(cap(b))
+		p.owner[unsafe.SliceData(b[:cap(b)])] = peer
+	}
+}
+
 // put returns a buffer from get.
 func (p *stagePool) put(b []byte) {
 	b = b[:cap(b)]
 	p.mu.Lock()
 	p.inUse--
+	if peer, ok := p.owner[unsafe.SliceData(b)]; ok {
+		delete(p.owner, unsafe.SliceData(b))
+		if p.peers[peer] -= int64(len(b)); p.peers[peer] <= 0 {
+			delete(p.peers, peer)
+		}
+	}
 	if p.closed {
 		p.held -= int64(len(b))
 		p.mu.Unlock()
@@ -324,8 +378,10 @@ func (a *Agent) staging() (*devState, error) {
 		return nil, fmt.Errorf("%w: agent %s is closing", ErrRemoteLost, a.id)
 	}
 	if a.dev.pool == nil {
-		a.dev.pool = newStagePool(drv, a.stagePool/2)
-		a.dev.leasePool = newStagePool(drv, a.stagePool/2)
+		a.dev.pool = newStagePool(drv, a.stagePool/2, a.stagePool/2)
+		// A peer may hold half the lease pool: two slow peers cannot starve
+		// the rest, and one peer's tcp streams still fit.
+		a.dev.leasePool = newStagePool(drv, a.stagePool/2, a.stagePool/4)
 		a.dev.chunk = uint64(a.stageChunk)
 	}
 	return &a.dev, nil

@@ -9,7 +9,6 @@ import (
 	"bytes"
 	"errors"
 	"math/rand/v2"
-	"os"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -18,13 +17,6 @@ import (
 	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/agent/devmem"
 )
-
-func skipDefect14(t *testing.T, what string) {
-	t.Helper()
-	if os.Getenv("ATTACK14") != "1" {
-		t.Skip("defect: " + what)
-	}
-}
 
 // gpuBuf allocates n bytes on GPU dev of sim, filled with fill (zeros if
 // nil), freed when the test ends.
@@ -165,7 +157,6 @@ func TestAttack14PeerWriteThatMissesTheGPU(t *testing.T) {
 	for _, backend := range []string{"mem", "tcp", "cma"} {
 		t.Run(backend, func(t *testing.T) {
 			if backend == "cma" {
-				skipDefect14(t, "cma: a peer's WRITE into staged GPU memory whose copy into the device fails is not refused to the copier (the lease's end, cma passive_linux.go:563, only logs the Flush error): the active Wait returns nil while the passive side errs")
 			}
 			aerr, perr := missedWrite(t, backend)
 			require.Error(t, perr, "the passive side completed a WRITE that never reached its GPU")
@@ -184,7 +175,6 @@ func TestAttack14PassiveErrorWrapsErrStaging(t *testing.T) {
 	for _, backend := range []string{"mem", "tcp", "cma"} {
 		t.Run(backend, func(t *testing.T) {
 			if backend != "cma" {
-				skipDefect14(t, "connect: a peer's WRITE that missed this side's GPU ends the passive operation with errPeerFailed (operations.go:374 handle, noticeFailed), the reason as text, ignoring the notice's Event.Err: it does not wrap agent.ErrStaging as docs/gpu.md:86 says")
 			}
 			_, perr := missedWrite(t, backend)
 			require.ErrorIs(t, perr, agent.ErrStaging)

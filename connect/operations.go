@@ -372,6 +372,10 @@ func (o *passiveOp) handle(ev agent.Event) {
 		case noticeCancelled:
 			o.finish(StatusCancelled, fail(fmt.Errorf("%w by the peer: %q", ErrCancelled, reason)))
 		case noticeFailed:
+			if ev.Err != nil { // the peer failed because its WRITE did not reach this side's GPU memory
+				o.finish(StatusErrored, fail(fmt.Errorf("%w: %w: %q", ev.Err, errPeerFailed, reason)))
+				return
+			}
 			o.finish(StatusErrored, fail(fmt.Errorf("%w: %q", errPeerFailed, reason)))
 		}
 	}

@@ -164,6 +164,12 @@ func (b *Backend) copySpan(remote *Backend, w *agent.Work, c agent.Cursor, n uin
 		return fmt.Errorf("mem: segment %d: %w", c.Seg, err)
 	}
 	defer lease.Release()
+	// The peer's device memory is staged whole for the span: one buffer,
+	// and for a READ one wait for the copies out of the device.
+	if err := lease.Prepare(n); err != nil {
+		return fmt.Errorf("mem: segment %d: %w", c.Seg, err)
+	}
+	var rems [][]byte
 	seg := c.Seg // the index of p.Seg
 	for p := range w.Pieces(c, n) {
 		rem, err := lease.Slice(p.RemoteAddr(), p.Len)
@@ -174,7 +180,7 @@ func (b *Backend) copySpan(remote *Backend, w *agent.Work, c agent.Cursor, n uin
 			return fmt.Errorf("mem: segment %d: %w", seg, err)
 		}
 		if w.Op == agent.OpRead {
-			copy(p.Local(), rem)
+			rems = append(rems, rem) // copied once Ready
 		} else {
 			copy(rem, p.Local())
 		}
@@ -182,7 +188,18 @@ func (b *Backend) copySpan(remote *Backend, w *agent.Work, c agent.Cursor, n uin
 			seg++
 		}
 	}
-	return lease.Flush() // staged device memory reaches the device before the transfer is done
+	if w.Op == agent.OpWrite {
+		return lease.Flush() // staged device memory reaches the device before the transfer is done
+	}
+	if err := lease.Ready(); err != nil {
+		return fmt.Errorf("mem: segment %d: %w", c.Seg, err)
+	}
+	i := 0
+	for p := range w.Pieces(c, n) {
+		copy(p.Local(), rems[i])
+		i++
+	}
+	return nil
 }
 
 // met records that this agent has exchanged with remote, which hears of it

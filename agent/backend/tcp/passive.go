@@ -354,6 +354,12 @@ func (s *server) access(h *header) error {
 	} else {
 		s.lease, s.key, s.acc, s.leased = lease, h.key, acc, time.Now()
 		defer s.dropLease()
+		// Device memory is staged whole for the frame: one buffer, and for
+		// a READ one wait for the copies out of the device (Ready).
+		if err := lease.Prepare(total); err != nil {
+			denied = err
+			n = 0
+		}
 		for i := 0; i < n; i += pieceSize {
 			mem, err := lease.Slice(binary.LittleEndian.Uint64(table[i:]), binary.LittleEndian.Uint64(table[i+8:]))
 			if err == nil && mem == nil { // the agent stages device memory for tcp: never nil
@@ -409,6 +415,9 @@ func (s *server) access(h *header) error {
 			return s.answer(tWriteAck, h.id, flushErr, nil)
 		}
 		return s.answer(tWriteAck, h.id, nil, nil)
+	}
+	if denied == nil {
+		denied = lease.Ready()
 	}
 	if denied != nil {
 		return s.answer(tReadResp, h.id, denied, nil)
