@@ -205,11 +205,15 @@ func (i Info) Conn(name string) ([]byte, bool) {
 // ([Host.Open], [Lease.Slice]): tcp, cma, mem. For such a backend the
 // exposing agent stages device memory itself: [Lease.Slice] on a VRAM
 // region returns a pinned host buffer, filled from the device for a READ
-// lease, and copied into the device when a WRITE lease is released. The
-// active side's agent then lets the backend move transfers whose remote
-// memory is VRAM. A backend that implements it must read or write the
-// bytes Slice returns only, never the region's address, and should keep
-// the spans of one lease small (a frame, a chunk): each is staged whole.
+// lease; for a WRITE lease the backend fills it and calls [Lease.Flush]
+// once the whole payload is in, before acknowledging it (what is not
+// flushed never reaches the device). The active side's agent then lets the
+// backend move transfers whose remote memory is VRAM. A backend that
+// implements it must read or write the bytes Slice returns only, never the
+// region's address; it calls [Lease.Prepare] with a frame's size before
+// its Slices when it knows it (one staging buffer, one wait in
+// [Lease.Ready] for a READ), and should keep the spans of one lease small
+// (a frame, a chunk): each is staged whole.
 type DeviceStager interface {
 	// StagesDevice reports whether the backend reaches device memory
 	// through staged leases. It must not block.
