@@ -24,9 +24,25 @@
 // refused accesses (forged key, out-of-range address, wrong access kind,
 // revoked exposure), lost peers (a killed or closed agent on either side),
 // cancellation, revocation during a WRITE, [agent.Agent.Close] with
-// transfers in flight, and registration reference counting. Timeouts in the
-// suite only guard against hangs; the one bound it asserts is
-// Config.LostWithin.
+// transfers in flight, and registration reference counting.
+//
+// Device memory runs on simulated GPUs (devmem.Sim; GOXFER_DEVICE=sim in
+// child processes), one set per agent: READ and WRITE with device memory on
+// the active side, the passive side, both, and interleaved with host
+// memory, in this process and across processes, with guard bytes around
+// every descriptor in host and device memory; device memory the agent
+// cannot use (a pointer its driver does not know, no driver) refused at
+// Post and Expose; a peer's device memory refused with
+// [agent.ErrNoBackend] by backends that can neither stage it
+// ([agent.DeviceStager]) nor move it; small descriptors staged in batches;
+// the staging pipeline's overlap, read from the simulator's record; and
+// cancellation, Close and killed peers in the middle of staging, with every
+// staging buffer back in its pool. Backends that move device memory
+// themselves skip the device cases: the simulator's memory is not theirs
+// to reach.
+//
+// Timeouts in the suite only guard against hangs; the one bound it asserts
+// is Config.LostWithin.
 package backendtest
 
 import (
@@ -102,7 +118,7 @@ func Run(t *testing.T, cfg Config) {
 	t.Run("Transfer", func(t *testing.T) { testTransfer(t, cfg) })
 	t.Run("Notify", func(t *testing.T) { testNotify(t, cfg) })
 	t.Run("Concurrent", func(t *testing.T) { testConcurrent(t, cfg) })
-	t.Run("Unsupported", func(t *testing.T) { testUnsupported(t, cfg) })
+	t.Run("Device", func(t *testing.T) { testDevice(t, cfg) })
 	t.Run("Abuse", func(t *testing.T) { testAbuse(t, cfg) })
 	t.Run("Fault", func(t *testing.T) { testFault(t, cfg) })
 	t.Run("Registration", func(t *testing.T) { testRegistration(t, cfg) })

@@ -49,13 +49,17 @@ func (b *buffers) register(t testing.TB, a *agent.Agent) {
 }
 
 func (b *buffers) registerAll(a *agent.Agent) ([]*agent.Registration, error) {
-	regs := make([]*agent.Registration, 0, len(b.locals))
-	for i, l := range b.locals {
+	return registerAll(a, b.locals)
+}
+
+// registerAll registers each of locals with a, one registration each; on
+// error none is left.
+func registerAll(a *agent.Agent, locals []agent.Local) ([]*agent.Registration, error) {
+	regs := make([]*agent.Registration, 0, len(locals))
+	for i, l := range locals {
 		r, err := a.Register(l)
 		if err != nil {
-			for _, r := range regs {
-				_ = r.Release()
-			}
+			release(regs)
 			return nil, fmt.Errorf("register descriptor %d: %w", i, err)
 		}
 		regs = append(regs, r)
@@ -66,8 +70,13 @@ func (b *buffers) registerAll(a *agent.Agent) ([]*agent.Registration, error) {
 // segments pairs local descriptor i with remote region i, listed in a
 // shuffled order so that backends must honour addresses, not positions.
 func segments(local *buffers, remote []agent.Region, shuffleSeed uint64) []agent.Segment {
-	segs := make([]agent.Segment, len(local.locals))
-	for i, l := range local.locals {
+	return segmentsOf(local.locals, remote, shuffleSeed)
+}
+
+// segmentsOf is segments for any local memory.
+func segmentsOf(locals []agent.Local, remote []agent.Region, shuffleSeed uint64) []agent.Segment {
+	segs := make([]agent.Segment, len(locals))
+	for i, l := range locals {
 		segs[i] = agent.Segment{Local: l, Remote: remote[i]}
 	}
 	r := rand.New(rand.NewPCG(shuffleSeed, 0x9e3779b97f4a7c15))

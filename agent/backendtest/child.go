@@ -12,6 +12,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/devmem"
 	"github.com/goxfer/goxfer/internal/testproc"
 )
 
@@ -20,18 +21,23 @@ import (
 //
 //	info                              -> info: the child agent's Info
 //	add-peer   info                   -> remember info for later posts
-//	expose     access sizes seed      -> id key regions: buffers filled with pattern seed, registered, exposed
+//	expose     access sizes seed dev  -> id key regions: buffers filled with pattern seed, registered, exposed
 //	verify     id seed                -> whether exposure id's buffers hold pattern seed, guards intact
 //	revoke     id                     -> Revoke
+//	forget     id                     -> Revoke, and free exposure id's memory
 //	wait-event id                     -> event: the exposure's next event
 //	wait-access id                    -> once a peer has accessed the exposure
-//	post       op peer key regions seed notify async
+//	post       op peer key regions seed notify async dev
 //	                                  -> a transfer from fresh local buffers (WRITE: filled with pattern
 //	                                     seed; READ: checked against it when done); async answers once posted
 //	stats                             -> stats: the agent's Stats
 //	exit                              -> closes the agent and exits
 //
-// A failed command answers err (and is: the agent sentinels it matches).
+// dev, when given, says which descriptors of the child's memory (the
+// exposed buffers, or a transfer's local ones) live in device memory of
+// the process's driver (devmem.Default: the simulator, in a child that
+// startDevChild started). A failed command answers err (and is: the agent
+// sentinels it matches).
 // When stdin closes the child closes its agent and exits.
 type request struct {
 	Cmd     string         `json:"cmd"`
@@ -46,6 +52,7 @@ type request struct {
 	Regions []agent.Region `json:"regions,omitempty"`
 	Notify  []byte         `json:"notify"`
 	Async   bool           `json:"async,omitempty"`
+	Dev     []bool         `json:"dev,omitempty"`
 }
 
 // Name names the request in failure messages.
@@ -94,18 +101,27 @@ func classify(err error) []string {
 	return is
 }
 
+// childMem is a child's memory for an exposure or a transfer: buffers,
+// or a devSide.
+type childMem interface {
+	Check(seed uint64) error
+	regions() []agent.Region
+}
+
 // childExposure and childXfer keep a child's memory alive while a peer may
 // use it.
 type childExposure struct {
 	e    *agent.Exposure
-	bufs *buffers
+	bufs childMem
 	regs []*agent.Registration
+	free func() error // frees the device memory, if any
 }
 
 type childXfer struct {
 	x    *agent.Xfer
-	bufs *buffers
+	bufs childMem
 	regs []*agent.Registration
+	free func() error
 }
 
 func release(regs []*agent.Registration) {
@@ -119,6 +135,7 @@ type childAgent struct {
 	peers map[uuid.UUID]agent.Info // from add-peer; posts name peers by ID
 	exps  map[int]*childExposure
 	xfers []*childXfer
+	last  int // the last exposure's id
 }
 
 // runChild is the child process: it serves requests from in until exit or
@@ -129,7 +146,12 @@ func runChild(f Factory, in io.Reader, out io.Writer) int {
 		fmt.Fprintln(os.Stderr, "backendtest child: factory:", err)
 		return 2
 	}
-	a, err := agent.New(agent.WithBackends(bs...))
+	opts, err := childStaging()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "backendtest child:", err)
+		return 2
+	}
+	a, err := agent.New(append(opts, agent.WithBackends(bs...))...)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "backendtest child: agent.New:", err)
 		return 2
@@ -153,10 +175,62 @@ func (c *childAgent) close() {
 	for _, x := range c.xfers {
 		<-x.x.Done()
 		release(x.regs)
+		freeDev(x.free)
 	}
 	for _, e := range c.exps {
 		release(e.regs)
+		freeDev(e.free)
 	}
+}
+
+func freeDev(free func() error) {
+	if err := free(); err != nil {
+		fmt.Fprintln(os.Stderr, "backendtest child: free device memory:", err)
+	}
+}
+
+// childMemory is memory a command laid out: what checks it, its
+// descriptors, their registrations, and what frees its device memory.
+type childMemory struct {
+	m      childMem
+	locals []agent.Local
+	regs   []*agent.Registration
+	free   func() error
+}
+
+func noFree() error { return nil }
+
+// memory lays out a child's memory of sizes, in device memory of GPU gpu
+// where dev says so, filled with pattern seed (0: zeros), and registers
+// it.
+func (c *childAgent) memory(sizes []int, dev []bool, gpu int, seed uint64) (childMemory, error) {
+	if len(dev) == 0 {
+		b := newBuffers(sizes)
+		b.Fill(seed)
+		regs, err := b.registerAll(c.a)
+		return childMemory{m: b, locals: b.locals, regs: regs, free: noFree}, err
+	}
+	if len(dev) != len(sizes) {
+		return childMemory{}, fmt.Errorf("dev names %d descriptors, sizes %d", len(dev), len(sizes))
+	}
+	drv, err := devmem.Default()
+	if err != nil {
+		return childMemory{}, err
+	}
+	d, err := newDevSide(drv, gpu, sizes, func(i int) bool { return dev[i] })
+	if err != nil {
+		return childMemory{}, err
+	}
+	if err := d.Fill(seed); err != nil {
+		_ = d.free()
+		return childMemory{}, err
+	}
+	regs, err := registerAll(c.a, d.locals)
+	if err != nil {
+		_ = d.free()
+		return childMemory{}, err
+	}
+	return childMemory{m: d, locals: d.locals, regs: regs, free: d.free}, nil
 }
 
 func (c *childAgent) handle(req request) response {
@@ -171,20 +245,21 @@ func (c *childAgent) handle(req request) response {
 		c.peers[req.Info.ID] = *req.Info
 		return response{}
 	case "expose":
-		b := newBuffers(req.Sizes)
-		b.Fill(req.Seed)
-		regs, err := b.registerAll(c.a)
+		m, err := c.memory(req.Sizes, req.Dev, passiveGPU, req.Seed)
 		if err != nil {
 			return fail(err)
 		}
-		e, err := c.a.Expose(req.Access, b.locals)
+		e, err := c.a.Expose(req.Access, m.locals)
 		if err != nil {
+			release(m.regs)
+			freeDev(m.free)
 			return fail(err)
 		}
-		id := len(c.exps) + 1
-		c.exps[id] = &childExposure{e: e, bufs: b, regs: regs}
+		c.last++
+		id := c.last
+		c.exps[id] = &childExposure{e: e, bufs: m.m, regs: m.regs, free: m.free}
 		k := e.Key()
-		return response{ID: id, Key: k[:], Regions: b.regions()}
+		return response{ID: id, Key: k[:], Regions: m.m.regions()}
 	case "stats":
 		s := c.a.Stats()
 		return response{Stats: &s}
@@ -205,6 +280,14 @@ func (c *childAgent) handle(req request) response {
 		return response{}
 	case "revoke":
 		ce.e.Revoke()
+		return response{}
+	case "forget":
+		ce.e.Revoke()
+		release(ce.regs)
+		delete(c.exps, req.ID)
+		if err := ce.free(); err != nil {
+			return fail(err)
+		}
 		return response{}
 	case "wait-event":
 		select {
@@ -238,29 +321,31 @@ func (c *childAgent) post(req request) response {
 	for i, r := range req.Regions {
 		sizes[i] = int(r.Len)
 	}
-	b := newBuffers(sizes)
+	var seed uint64 // a READ's memory starts zeroed
 	if req.Op == agent.OpWrite {
-		b.Fill(req.Seed)
-	}
-	regs, err := b.registerAll(c.a)
-	if err != nil {
-		return fail(err)
+		seed = req.Seed
 	}
 	peer, ok := c.peers[req.Peer]
 	if !ok {
-		release(regs)
 		return fail(fmt.Errorf("post to peer %s, never added", req.Peer))
 	}
-	x, err := c.a.Post(context.Background(), agent.Request{Op: req.Op, Peer: peer, Key: agent.Key(req.Key), Segments: segments(b, req.Regions, req.Seed), Notify: req.Notify})
+	m, err := c.memory(sizes, req.Dev, activeGPU, seed)
 	if err != nil {
-		release(regs)
+		return fail(err)
+	}
+	x, err := c.a.Post(context.Background(), agent.Request{Op: req.Op, Peer: peer, Key: agent.Key(req.Key), Segments: segmentsOf(m.locals, req.Regions, req.Seed), Notify: req.Notify})
+	if err != nil {
+		release(m.regs)
+		freeDev(m.free)
 		return fail(err)
 	}
 	if req.Async {
-		c.xfers = append(c.xfers, &childXfer{x: x, bufs: b, regs: regs})
+		c.xfers = append(c.xfers, &childXfer{x: x, bufs: m.m, regs: m.regs, free: m.free})
 		return response{}
 	}
-	defer release(regs)
+	defer freeDev(m.free) // after the transfer is done: deferred first, run last
+	defer release(m.regs)
+	b := m.m
 	select {
 	case <-x.Done():
 	case <-time.After(hangGuard):
@@ -295,16 +380,25 @@ func needMain(t *testing.T) {
 }
 
 // startChild starts a child process running an agent on the factory's
-// backends; it ends when the test does.
-func startChild(t *testing.T) *child {
+// backends; it ends when the test does. env is added to its environment.
+func startChild(t *testing.T, env ...string) *child {
 	t.Helper()
 	needMain(t)
 	c := &child{t: t, Child: testproc.Start[request, response](t, childEnv, testproc.Options{
+		Env:          env,
 		AnswerWithin: hangGuard,
 		ExitWithin:   30 * time.Second,
 	})}
 	c.info = *c.must(request{Cmd: "info"}).Info
 	return c
+}
+
+// startDevChild is startChild for the device cases: the child's device
+// memory is simulated (GOXFER_DEVICE=sim), its agent stages it as the
+// suite's agents do.
+func startDevChild(t *testing.T) *child {
+	t.Helper()
+	return startChild(t, devmem.EnvDevice+"=sim", fmt.Sprintf("%s=%d,%d", stagingEnv, devChunk, devPool))
 }
 
 // must is Do for commands that must succeed.

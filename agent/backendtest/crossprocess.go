@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/devmem"
 	"github.com/goxfer/goxfer/internal/pattern"
 )
 
@@ -41,6 +42,7 @@ func testCrossProcess(t *testing.T, cfg Config) {
 		t.Run(fmt.Sprintf("ParentActive/Abuse/%v", op), func(t *testing.T) { parentAbuse(t, a, c, op) })
 		t.Run(fmt.Sprintf("ChildActive/Abuse/%v", op), func(t *testing.T) { childAbuse(t, a, c, op) })
 	}
+	t.Run("Device", func(t *testing.T) { crossDevice(t, cfg) })
 	t.Run("Notify", func(t *testing.T) {
 		r := c.must(request{Cmd: "expose", Access: agent.AccessRead, Sizes: []int{1}, Seed: pattern.NextSeed()})
 		msg := []byte("standalone across processes")
@@ -186,4 +188,104 @@ func noBackend(t *testing.T, a *agent.Agent, c *child) {
 	}
 	require.NoError(t, pb.Check(pSeed))
 	noEvent(t, e)
+}
+
+var crossDevLayouts = []layout{devLayouts[2], devLayouts[4], devLayouts[5]}
+
+// crossDevice moves device memory between this process and a child
+// process whose device memory is simulated too (GOXFER_DEVICE=sim), with
+// device memory on either side or both, each side active in turn. Where
+// the backends cannot reach a peer's device memory, the cases with device
+// memory on the passive side must fail with ErrNoBackend.
+func crossDevice(t *testing.T, cfg Config) {
+	sim := devmem.NewSim(2)
+	a, reach := newDevAgent(t, cfg, sim)
+	reach.skipNative(t)
+	c := startDevChild(t)
+	c.must(request{Cmd: "add-peer", Info: ptr(a.Info())})
+	for _, op := range ops {
+		for _, pl := range placements {
+			for _, l := range crossDevLayouts {
+				t.Run(fmt.Sprintf("ParentActive/%v/%s/%s", op, pl.name, l.name), func(t *testing.T) {
+					parentActiveDev(t, a, sim, reach, c, op, l.sizes, pl)
+				})
+				t.Run(fmt.Sprintf("ChildActive/%v/%s/%s", op, pl.name, l.name), func(t *testing.T) {
+					childActiveDev(t, a, sim, reach, c, op, l.sizes, pl)
+				})
+			}
+		}
+	}
+}
+
+// parentActiveDev: the child exposes, this process transfers; pl.local is
+// this process's memory.
+func parentActiveDev(t *testing.T, a *agent.Agent, sim *devmem.Sim, reach devReach, c *child, op agent.Op, sizes []int, pl placement) {
+	pSeed := pattern.NextSeed()
+	r := c.must(request{Cmd: "expose", Access: op.Access(), Sizes: sizes, Seed: pSeed, Dev: devMask(len(sizes), pl.remote)})
+	defer c.must(request{Cmd: "forget", ID: r.ID})
+	ab, aSeed := filled(t, a, sim, activeGPU, sizes, pl.local)
+	notify := []byte(fmt.Sprintf("parent %v %s done", op, pl.name))
+	x, err := a.Post(context.Background(), agent.Request{Op: op, Peer: c.info, Key: agent.Key(r.Key), Segments: segmentsOf(ab.locals, r.Regions, pSeed), Notify: notify})
+	if anyOf(len(sizes), pl.remote) && !reach.remote {
+		require.ErrorIs(t, err, agent.ErrNoBackend, "%v of the child's device memory over a backend that cannot reach it", op)
+		require.Nil(t, x)
+		require.NoError(t, ab.Check(aSeed))
+		c.must(request{Cmd: "verify", ID: r.ID, Seed: pSeed})
+		return
+	}
+	require.NoError(t, err)
+	want := pSeed
+	if op == agent.OpWrite {
+		want = aSeed
+	}
+	ev := c.must(request{Cmd: "wait-event", ID: r.ID}).Event
+	require.Equal(t, agent.EventNotify, ev.Kind, "event %+v", ev)
+	require.Empty(t, ev.Err, "the notification vouches for bytes that did not all reach the child's device")
+	assert.Equal(t, a.ID(), ev.From)
+	assert.Equal(t, notify, ev.Msg)
+	if op == agent.OpWrite {
+		c.must(request{Cmd: "verify", ID: r.ID, Seed: want}) // in place when the notification arrived
+	}
+	require.NoError(t, waitXfer(t, x), "%v over %s", op, x.Path())
+	assert.Equal(t, x.Backend()+"+staging", x.Path())
+	require.Zero(t, a.Stats().StagingBuffers, "staging buffers in use once the transfer is done")
+	require.NoError(t, ab.Check(want), "parent memory")
+	c.must(request{Cmd: "verify", ID: r.ID, Seed: want})
+	c.must(request{Cmd: "revoke", ID: r.ID})
+	require.Zero(t, c.must(request{Cmd: "stats"}).Stats.StagingBuffers, "staging buffers in use in the child once its exposure is revoked")
+}
+
+// childActiveDev: this process exposes, the child transfers; pl.local is
+// the child's memory.
+func childActiveDev(t *testing.T, a *agent.Agent, sim *devmem.Sim, reach devReach, c *child, op agent.Op, sizes []int, pl placement) {
+	pb, pSeed := filled(t, a, sim, passiveGPU, sizes, pl.remote)
+	e := exposeLocals(t, a, op.Access(), pb.locals)
+	want := pSeed
+	if op == agent.OpWrite {
+		want = pattern.NextSeed()
+	}
+	notify := []byte(fmt.Sprintf("child %v %s done", op, pl.name))
+	// A READ waits in the child, which checks what it read; a WRITE is
+	// checked here when its notification arrives.
+	req := request{Cmd: "post", Op: op, Peer: a.ID(), Key: keyBytes(e.Key()), Regions: pb.regions(), Seed: want, Notify: notify, Dev: devMask(len(sizes), pl.local), Async: op == agent.OpWrite}
+	if anyOf(len(sizes), pl.remote) && !reach.remote {
+		resp := c.Do(req)
+		require.Contains(t, resp.Is, "ErrNoBackend", "%v of this process's device memory from the child failed with %q", op, resp.Err)
+		require.NoError(t, pb.Check(pSeed))
+		noEvent(t, e)
+		return
+	}
+	c.must(req)
+	ev := waitEvent(t, e, hangGuard)
+	require.Equal(t, agent.EventNotify, ev.Kind, "event %+v", ev)
+	require.NoError(t, ev.Err, "the notification vouches for bytes that did not all reach the device")
+	assert.Equal(t, c.info.ID, ev.From)
+	assert.Equal(t, notify, ev.Msg)
+	require.NoError(t, pb.Check(want), "parent memory when the notification arrived")
+	e.Revoke()
+	require.Zero(t, a.Stats().StagingBuffers, "staging buffers in use once the exposure is revoked")
+	eventually(t, func() bool {
+		st := c.must(request{Cmd: "stats"}).Stats
+		return st.InFlight == 0 && st.StagingBuffers == 0
+	}, "the child's transfer ends and its staging buffers come back")
 }

@@ -17,19 +17,12 @@ import (
 // closes it when the test ends.
 func newAgent(t *testing.T, cfg Config) *agent.Agent {
 	t.Helper()
-	a, _ := newAgentBackends(t, cfg)
-	return a
-}
-
-// newAgentBackends is newAgent that also returns the agent's backends.
-func newAgentBackends(t *testing.T, cfg Config) (*agent.Agent, []agent.Backend) {
-	t.Helper()
 	bs, err := cfg.New()
 	require.NoError(t, err, "factory")
 	a, err := agent.New(agent.WithBackends(bs...))
 	require.NoError(t, err, "agent.New")
 	t.Cleanup(func() { assert.NoError(t, a.Close(), "agent.Close") })
-	return a, bs
+	return a
 }
 
 // newPair starts an active and a passive agent.
@@ -41,7 +34,14 @@ func newPair(t *testing.T, cfg Config) (active, passive *agent.Agent) {
 // expose exposes b on a for acc and revokes the exposure when the test ends.
 func expose(t *testing.T, a *agent.Agent, acc agent.Access, b *buffers) *agent.Exposure {
 	t.Helper()
-	e, err := a.Expose(acc, b.locals)
+	return exposeLocals(t, a, acc, b.locals)
+}
+
+// exposeLocals exposes locals on a for acc and revokes the exposure when
+// the test ends.
+func exposeLocals(t *testing.T, a *agent.Agent, acc agent.Access, locals []agent.Local) *agent.Exposure {
+	t.Helper()
+	e, err := a.Expose(acc, locals)
 	require.NoError(t, err, "Expose")
 	t.Cleanup(e.Revoke)
 	return e

@@ -250,29 +250,6 @@ func worker(a, p *agent.Agent, e *agent.Exposure, op agent.Op, region agent.Regi
 	return nil
 }
 
-// testUnsupported checks that memory no backend supports is refused before
-// anything moves.
-func testUnsupported(t *testing.T, cfg Config) {
-	a, bs := newAgentBackends(t, cfg)
-	p := newAgent(t, cfg)
-	for _, b := range bs {
-		if b.Supports(agent.KindVRAM) {
-			t.Skipf("backend %s supports VRAM", b.Name())
-		}
-	}
-	for _, op := range ops {
-		x, err := a.Post(context.Background(), agent.Request{
-			Op: op, Peer: p.Info(), Key: agent.NewKey(),
-			Segments: []agent.Segment{{
-				Local:  agent.Device(0x10000, 4096, agent.KindVRAM, 0),
-				Remote: agent.Region{Addr: 0x20000, Len: 4096, Kind: agent.KindVRAM},
-			}},
-		})
-		require.ErrorIs(t, err, agent.ErrNoBackend, "%v of VRAM", op)
-		require.Nil(t, x)
-	}
-}
-
 // testRegistration checks that registrations are reference-counted per
 // region, and that memory still registered keeps serving transfers.
 func testRegistration(t *testing.T, cfg Config) {

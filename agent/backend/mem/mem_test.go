@@ -9,6 +9,7 @@ import (
 	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/agent/backend/mem"
 	"github.com/goxfer/goxfer/agent/backendtest"
+	"github.com/goxfer/goxfer/agent/devmem"
 )
 
 func factory() ([]agent.Backend, error) { return []agent.Backend{mem.New()}, nil }
@@ -69,27 +70,74 @@ func TestFailedStartDoesNotReportLiveAgentLost(t *testing.T) {
 	}
 }
 
-// Device memory cannot be copied by the CPU: a request that reaches a VRAM
-// exposure (whatever kind it claims) is refused, never "completed" with no
-// byte moved.
-func TestDeviceMemoryRefused(t *testing.T) {
-	pa, err := agent.New(agent.WithBackends(mem.New()))
-	require.NoError(t, err)
-	defer pa.Close()
-	aa, err := agent.New(agent.WithBackends(mem.New()))
-	require.NoError(t, err)
-	defer aa.Close()
-	vram := agent.Device(0x7f0000000000, 4096, agent.KindVRAM, 0)
-	exp, err := pa.Expose(agent.AccessWrite, []agent.Local{vram})
-	require.NoError(t, err)
-	x, err := aa.Post(context.Background(), agent.Request{Op: agent.OpWrite, Peer: pa.Info(), Key: exp.Key(), Notify: []byte("done"),
-		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 4096)), Remote: agent.Region{Addr: vram.Addr, Len: 4096}}}})
-	require.NoError(t, err)
-	<-x.Done()
-	require.ErrorIs(t, x.Err(), agent.ErrAccessDenied)
-	select {
-	case ev := <-exp.Events():
-		t.Fatalf("the exposure heard %+v for a transfer that moved nothing", ev)
-	default:
+// Device memory is never touched by the CPU: the mem backend reaches a
+// peer's device memory only through the peer's leases, which stage it
+// through host buffers; an exposure of device memory the driver does not
+// know is refused; and a peer that does not stage its device memory
+// refuses a transfer into it, never "completing" it with no byte moved.
+func TestDeviceMemory(t *testing.T) {
+	const n = 64<<10 + 3
+	sim := devmem.NewSim(1)
+	newDevAgent := func(b agent.Backend) *agent.Agent {
+		a, err := agent.New(agent.WithBackends(b), agent.WithDevice(sim))
+		require.NoError(t, err)
+		t.Cleanup(func() { require.NoError(t, a.Close()) })
+		return a
 	}
+	src := make([]byte, n)
+	for i := range src {
+		src[i] = byte(i*7 + 1)
+	}
+	vram, err := sim.Alloc(0, n)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, sim.Free(vram)) }()
+	device := func() []byte {
+		b := make([]byte, n)
+		require.NoError(t, devmem.CopyToHost(sim, 0, b, vram))
+		return b
+	}
+	write := func(aa, pa *agent.Agent, exp *agent.Exposure) error {
+		x, err := aa.Post(context.Background(), agent.Request{Op: agent.OpWrite, Peer: pa.Info(), Key: exp.Key(), Notify: []byte("done"),
+			Segments: []agent.Segment{{Local: agent.DRAM(src), Remote: agent.Region{Addr: uint64(vram), Len: n, Kind: agent.KindVRAM}}}})
+		require.NoError(t, err)
+		<-x.Done()
+		return x.Err()
+	}
+
+	t.Run("UnknownPointer", func(t *testing.T) {
+		pa := newDevAgent(mem.New())
+		_, err := pa.Expose(agent.AccessWrite, []agent.Local{agent.Device(0x7f0000000000, 4096, agent.KindVRAM, 0)})
+		require.ErrorIs(t, err, agent.ErrInvalid)
+		require.ErrorIs(t, err, devmem.ErrNotDevice)
+	})
+
+	t.Run("Staged", func(t *testing.T) {
+		pa, aa := newDevAgent(mem.New()), newDevAgent(mem.New())
+		exp, err := pa.Expose(agent.AccessWrite, []agent.Local{agent.Device(vram, n, agent.KindVRAM, 0)})
+		require.NoError(t, err)
+		defer exp.Revoke()
+		require.NoError(t, write(aa, pa, exp))
+		ev := <-exp.Events()
+		require.Equal(t, agent.EventNotify, ev.Kind)
+		require.NoError(t, ev.Err)
+		require.Equal(t, src, device())
+	})
+
+	t.Run("PeerDoesNotStage", func(t *testing.T) {
+		require.NoError(t, devmem.CopyToDevice(sim, 0, vram, make([]byte, n)))
+		// The passive agent's mem backend, seen through a type that hides
+		// agent.DeviceStager: its leases give the backend no bytes for
+		// device memory, as an agent that cannot stage would.
+		pa, aa := newDevAgent(struct{ agent.Backend }{mem.New()}), newDevAgent(mem.New())
+		exp, err := pa.Expose(agent.AccessWrite, []agent.Local{agent.Device(vram, n, agent.KindVRAM, 0)})
+		require.NoError(t, err)
+		defer exp.Revoke()
+		require.ErrorIs(t, write(aa, pa, exp), agent.ErrAccessDenied)
+		select {
+		case ev := <-exp.Events():
+			t.Fatalf("the exposure heard %+v for a transfer that moved nothing", ev)
+		default:
+		}
+		require.Equal(t, make([]byte, n), device(), "device memory after a refused WRITE")
+	})
 }
