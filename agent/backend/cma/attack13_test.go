@@ -294,7 +294,7 @@ type a13Exposer struct {
 	c  *net.UnixConn
 }
 
-func a13NewExposer(t *testing.T, leases uint32) *a13Exposer {
+func a13NewExposer(t *testing.T, leases uint16) *a13Exposer {
 	t.Helper()
 	name := fmt.Sprintf("goxfer-cma-test/a13/%s", uuid.New())
 	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: "@" + name, Net: "unix"})

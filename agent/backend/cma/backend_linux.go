@@ -26,7 +26,8 @@ import (
 )
 
 // Backend is the cross-memory-attach backend: an [agent.Backend] that is
-// also an [agent.KeyedReacher], an [agent.Departer] and [agent.Counting].
+// also an [agent.KeyedReacher], an [agent.Departer], [agent.Counting] and
+// an [agent.DeviceStager].
 // Create one per agent with [New] and hand it to [agent.WithBackends]; the
 // agent starts and closes it, and it serves that agent only. Safe for
 // concurrent use.
@@ -270,3 +271,10 @@ func (b *Backend) PeerDeparted(id uuid.UUID, cause error) {
 		p.fail(fmt.Errorf("cma: peer %s departed: %w", id, cause))
 	}
 }
+
+// StagesDevice implements [agent.DeviceStager]: true. cma copies a peer's
+// memory only under the leases the peer grants, so the peer's agent stages
+// its device memory through pinned host buffers and its grant names them
+// (the protocol's staged grants); this side's device memory is staged by
+// this agent before cma sees it.
+func (b *Backend) StagesDevice() bool { return true }

@@ -21,6 +21,7 @@ func (w *window) dispatch(chunk uint64) {
 	segs := st.x.Segments
 	end := w.start
 	var t task
+	w.dispatched = true
 	w.tasks.Store(1)
 	for left := w.n; left > 0; {
 		t = task{w: w, start: end}
@@ -33,6 +34,7 @@ func (w *window) dispatch(chunk uint64) {
 		select {
 		case st.b.tasks <- t:
 		case <-st.b.stop:
+			w.short.Store(true)
 			w.taskDone(agent.ErrClosed)
 		}
 		t = task{}
@@ -90,6 +92,7 @@ func (b *Backend) copyTask(t task, v *iovecs) {
 	w := t.w
 	st := w.st
 	var err error
+	copied := false
 	select {
 	case <-st.x.Cancelled():
 		err = st.x.CancelErr()
@@ -104,18 +107,25 @@ func (b *Backend) copyTask(t task, v *iovecs) {
 			defer driverIovecs.Put(v)
 		}
 		err = st.copyChunk(t, v)
+		copied = err == nil
+	}
+	if !copied {
+		w.short.Store(true)
 	}
 	w.taskDone(err)
 }
 
 func (st *xstate) copyChunk(t task, v *iovecs) error {
 	l, r := v.local[:t.pieces], v.remote[:t.pieces]
-	i := 0
+	i, seg := 0, t.start.Seg
 	for pc := range st.x.Pieces(t.start, t.n) {
 		l[i] = unix.Iovec{Base: &pc.Local()[0]}
 		l[i].SetLen(int(pc.Len))
-		r[i] = unix.RemoteIovec{Base: uintptr(pc.RemoteAddr()), Len: int(pc.Len)}
+		r[i] = unix.RemoteIovec{Base: t.w.remoteAddr(seg, pc), Len: int(pc.Len)}
 		i++
+		if pc.Off+pc.Len == pc.Seg.Local.Len {
+			seg++
+		}
 	}
 	err := vmCopy(int(st.p.ci.pid), st.write, l, r, t.n)
 	clear(l) // hold no reference to local memory between chunks

@@ -15,6 +15,12 @@
 // and no peer touches its memory afterwards. A peer that dies holding a
 // lease closes its socket, which releases the lease.
 //
+// GPU memory (VRAM) is staged through pinned host buffers by the agent that
+// holds it ([agent.DeviceStager]): this side's before cma sees it, the
+// exposing side's per lease, whose grant then names the buffers to copy at.
+// Leases over a peer's GPU memory cover at most 4 MiB, four requested ahead
+// per transfer, so that the peer's device copies overlap this side's.
+//
 // The backend reaches a peer only if the peer publishes the same host
 // identity (boot ID, PID and network namespaces) and a trial read of its
 // memory, made when connecting, succeeds. Otherwise Reachable says why, and

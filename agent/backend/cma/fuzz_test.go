@@ -3,7 +3,9 @@
 package cma
 
 import (
+	"bufio"
 	"bytes"
+	"context"
 	"encoding/binary"
 	"errors"
 	"io"
@@ -34,11 +36,26 @@ func frameSeeds() [][]byte {
 		frameBytes(header{typ: tBegin, status: 1, count: 1, id: 1, key: key}, [][2]uint64{{0x1000, 16}}, nil),
 		frameBytes(header{typ: tBegin, status: 2, count: 2, id: 2, key: key}, [][2]uint64{{0x1000, 16}, {0x2000, 1}}, nil),
 		frameBytes(header{typ: tGrant, status: stDenied, id: 1, length: 4}, nil, []byte("nope")),
+		grantBytes(header{typ: tGrant, status: stOK, count: 2, id: 1}, []uint64{0x1000, 0x7f0000001000}),
+		grantBytes(header{typ: tGrant, status: stOK, count: 1, id: 2}, []uint64{^uint64(0) - 4}),
+		grantBytes(header{typ: tGrant, status: stDenied, count: 1, id: 3}, []uint64{0x1000}),
 		frameBytes(header{typ: tEnd, id: 1}, nil, nil),
+		frameBytes(header{typ: tEnd, status: endWritten | endAck, id: 1}, nil, nil),
+		frameBytes(header{typ: tFlushed, status: stFailed, id: 1, length: 4}, nil, []byte("boom")),
 		frameBytes(header{typ: tNotify, length: 3, key: key}, nil, []byte("hey")),
 		frameBytes(header{typ: tBye}, nil, nil),
 		[]byte("GXCM garbage"),
 	}
+}
+
+// grantBytes encodes a grant with a table of staged addresses.
+func grantBytes(h header, addrs []uint64) []byte {
+	b := make([]byte, hdrSize)
+	h.put(b)
+	for _, a := range addrs {
+		b = binary.LittleEndian.AppendUint64(b, a)
+	}
+	return b
 }
 
 // FuzzReadFrame feeds arbitrary bytes to the frame decoder: it must never
@@ -65,8 +82,15 @@ func FuzzReadFrame(f *testing.F) {
 			if cap(buf) > lim.maxRanges*rangeSize+maxErrMsg+lim.maxNotify {
 				t.Fatalf("buffer of %d bytes", cap(buf))
 			}
-			if len(fr.table) != int(fr.count)*rangeSize || int(fr.count) > lim.maxRanges {
-				t.Fatalf("frame with %d ranges and a table of %d bytes", fr.count, len(fr.table))
+			entry := rangeSize
+			if fr.typ == tGrant {
+				entry = addrSize
+				if fr.count != 0 && fr.status != stOK {
+					t.Fatalf("refusal with %d staged addresses", fr.count)
+				}
+			}
+			if len(fr.table) != int(fr.count)*entry || int(fr.count) > lim.maxRanges {
+				t.Fatalf("frame type %d with %d entries and a table of %d bytes", fr.typ, fr.count, len(fr.table))
 			}
 		}
 	})
@@ -126,6 +150,94 @@ func FuzzServerFrames(f *testing.F) {
 		}
 		if !bytes.Equal(src, bytes.Repeat([]byte{0x5A}, 4096)) {
 			t.Fatal("read-only exposed memory changed")
+		}
+	})
+}
+
+// FuzzStagedAddrs decodes arbitrary grants against a request of ranges
+// whose count and lengths the input chooses too: stagedAddrs never panics,
+// and what it accepts is one address per range, none 0, none whose range
+// wraps.
+func FuzzStagedAddrs(f *testing.F) {
+	f.Add(uint8(2), uint64(4096), grantBytes(header{typ: tGrant, status: stOK, count: 2, id: 1}, []uint64{0x1000, 0x2000}))
+	f.Add(uint8(2), uint64(4096), grantBytes(header{typ: tGrant, status: stOK, count: 1, id: 1}, []uint64{0x1000}))
+	f.Add(uint8(1), uint64(1<<20), grantBytes(header{typ: tGrant, status: stOK, count: 1, id: 1}, []uint64{^uint64(0) - 100}))
+	f.Add(uint8(3), uint64(1), grantBytes(header{typ: tGrant, status: stOK, id: 1}, nil))
+	lim := limits{maxRanges: 64, maxNotify: 1 << 10}
+	f.Fuzz(func(t *testing.T, ranges uint8, n uint64, data []byte) {
+		var hdr [hdrSize]byte
+		var buf []byte
+		var fr frame
+		if readFrame(bytes.NewReader(data), hdr[:], &buf, lim, &fr) != nil || fr.typ != tGrant {
+			return
+		}
+		lens := func(yield func(uint64) bool) {
+			for i := range int(ranges) {
+				if !yield(n + uint64(i)) {
+					return
+				}
+			}
+		}
+		addrs, err := stagedAddrs(&fr, int(ranges), lens)
+		if err != nil {
+			if !errors.Is(err, errProtocol) {
+				t.Fatalf("unexpected error %v", err)
+			}
+			return
+		}
+		if addrs == nil {
+			if fr.count != 0 {
+				t.Fatalf("a table of %d addresses decoded as none", fr.count)
+			}
+			return
+		}
+		if len(addrs) != int(ranges) {
+			t.Fatalf("%d addresses for %d ranges", len(addrs), ranges)
+		}
+		for i, a := range addrs {
+			if a == 0 || a+n+uint64(i) < a {
+				t.Fatalf("range %d of %d bytes accepted at 0x%x", i, n+uint64(i), a)
+			}
+		}
+	})
+}
+
+// FuzzClientGrants answers a copying agent's lease request with arbitrary
+// bytes, staged addresses included, then hangs up: the READ ends, whatever
+// it was told, and the agent neither panics nor hangs.
+func FuzzClientGrants(f *testing.F) {
+	staged := bytes.Repeat([]byte{0x3C}, 4096)
+	at := uint64(uintptrOf(&staged[0]))
+	f.Add(grantBytes(header{typ: tGrant, status: stOK, id: 1}, nil))
+	f.Add(grantBytes(header{typ: tGrant, status: stOK, count: 1, id: 1}, []uint64{at}))
+	f.Add(grantBytes(header{typ: tGrant, status: stOK, count: 1, id: 1}, []uint64{0x1000}))
+	f.Add(grantBytes(header{typ: tGrant, status: stOK, count: 2, id: 1}, []uint64{at, at}))
+	f.Add(grantBytes(header{typ: tGrant, status: stOK, count: 1, id: 2}, []uint64{at}))
+	f.Add(frameBytes(header{typ: tGrant, status: stDenied, id: 1, length: 4}, nil, []byte("nope")))
+	f.Add([]byte("GXCM garbage"))
+	a, _ := newAgent(f, WithTimeout(time.Second))
+	orig := make([]byte, 4096)
+	f.Fuzz(func(t *testing.T, data []byte) {
+		fk := newFakeExposer(t, func(c *net.UnixConn, br *bufio.Reader) {
+			var hdr [hdrSize]byte
+			var buf []byte
+			var fr frame
+			if readFrame(br, hdr[:], &buf, limits{maxRanges: 4096, maxNotify: 64 << 10}, &fr) != nil {
+				return
+			}
+			_, _ = c.Write(data)
+			_ = c.Close()
+		})
+		dst := make([]byte, 4096)
+		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: fk.info, Key: agent.NewKey(),
+			Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.DRAM(orig).Region}}})
+		if err != nil {
+			return // not reachable: nothing asked
+		}
+		select {
+		case <-x.Done():
+		case <-time.After(10 * time.Second):
+			t.Fatal("the READ did not end")
 		}
 	})
 }

@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"iter"
 	"sync/atomic"
 	"time"
 
@@ -21,11 +22,23 @@ type window struct {
 	n       uint64
 	pieces  int
 	granted chan error // the lease's answer, unless inline
-	inline  bool       // the reader handles the answer: a one-chunk transfer
-	held    bool       // granted and not yet ended; under st.p.mu
-	parked  bool       // waiting in st.p.parked for room; under st.p.mu
-	sent    time.Time  // when the request was queued; under st.p.mu
-	tasks   atomic.Int64
+	// addrs are where the peer's grant says to copy each piece of the
+	// window, in order: staging buffers for its device memory. nil: at
+	// the pieces' remote addresses. Set by the reader before the answer.
+	addrs  []uint64
+	inline bool      // the reader handles the answer: a one-chunk transfer
+	held   bool      // granted and not yet ended; under st.p.mu
+	parked bool      // waiting in st.p.parked for room; under st.p.mu
+	sent   time.Time // when the request was queued; under st.p.mu
+	tasks  atomic.Int64
+	// dispatched is set when the window's copies start, short when one of
+	// them did not copy its bytes: a WRITE window is written in full if
+	// dispatched and not short.
+	dispatched bool
+	short      atomic.Bool
+	// flushing: a staged WRITE, ended, whose copy into the peer's device
+	// is awaited (tFlushed) in st.p.waiting; set under st.p.mu.
+	flushing bool
 	// An inline window's guard, armed by begin and disarmed by done; under
 	// st.p.mu.
 	unhook func() bool // the hook on the transfer's cancellation
@@ -103,6 +116,32 @@ func (p *peer) request(w *window) {
 	}, nil)
 }
 
+// lens yields the lengths of w's pieces, in order.
+func (w *window) lens() iter.Seq[uint64] {
+	return func(yield func(uint64) bool) {
+		for pc := range w.st.x.Pieces(w.start, w.n) {
+			if !yield(pc.Len) {
+				return
+			}
+		}
+	}
+}
+
+// remoteAddr returns where to copy piece pc, of segment seg, of w: at its
+// remote address, or in the staging buffer the peer granted for it.
+func (w *window) remoteAddr(seg int, pc agent.Piece) uintptr {
+	if w.addrs == nil {
+		return uintptr(pc.RemoteAddr())
+	}
+	// One piece per segment the window touches; the first may start
+	// inside its segment.
+	i, off := seg-w.start.Seg, pc.Off
+	if i == 0 {
+		off -= w.start.Off
+	}
+	return uintptr(w.addrs[i] + off)
+}
+
 // answer delivers the answer to w's lease request: to the driver, or for a
 // one-chunk transfer straight to the copy, on the reader's goroutine, which
 // spares a small transfer two goroutine hand-offs.
@@ -115,7 +154,7 @@ func (w *window) answer(err error) {
 		w.done(err)
 		return
 	}
-	w.dispatch(uint64(w.st.b.cfg.chunk))
+	w.dispatch(w.st.chunk)
 }
 
 // unanswered returns how long w's request may still go unanswered before
@@ -155,7 +194,7 @@ func (w *window) claimLocked() bool {
 		w.parked = false // unpark skips it
 		return true
 	}
-	if cur, ok := p.waiting[w.id]; ok && cur == w && w.id != 0 {
+	if cur, ok := p.waiting[w.id]; ok && cur == w && w.id != 0 && !w.flushing {
 		p.waiting[w.id] = nil
 		return true
 	}
@@ -230,16 +269,42 @@ func (p *peer) unansweredErr() error {
 // once per window, by whoever took it out of p.waiting or p.parked or never
 // put it there. The end is queued before the request's room is given to a
 // parked window: the exposing side, which handles frames in order, has
-// released the lease before it reads the next request.
+// released the lease before it reads the next request. A WRITE written in
+// full into staging buffers the peer granted waits, holding its slot and
+// reference, until the peer says whether the bytes reached its device
+// (flushed).
 func (w *window) done(err error) {
 	st := w.st
 	p := st.p
 	// w.id no longer changes: whoever finishes w took it out under p.mu.
 	requested := w.id != 0
-	if requested && (err == nil || !errors.Is(err, agent.ErrAccessDenied)) {
-		p.send(&header{typ: tEnd, id: w.id}, nil, nil)
-	}
+	written := err == nil && st.write && w.dispatched && !w.short.Load()
+	ack := written && w.addrs != nil
 	p.mu.Lock()
+	// Awaited before the end goes out: the answer may come at once.
+	awaited := false
+	if ack {
+		if p.waiting != nil {
+			// The reader, or the peer's failure, finishes w (flushed).
+			w.flushing, awaited = true, true
+			p.waiting[w.id] = w
+			if len(p.waiting) == 1 {
+				p.watch()
+			}
+		} else {
+			err = p.failureLocked() // the end is not sent: the bytes may not be in the device
+		}
+	}
+	if requested && (err == nil || !errors.Is(err, agent.ErrAccessDenied)) {
+		var status uint8
+		if written {
+			status |= endWritten
+		}
+		if ack {
+			status |= endAck
+		}
+		p.send(&header{typ: tEnd, status: status, id: w.id}, nil, nil)
+	}
 	if w.timer != nil { // an inline window's guard
 		w.unhook()
 		w.timer.Stop()
@@ -259,6 +324,18 @@ func (w *window) done(err error) {
 	if last {
 		p.shut() // the peer failed while w copied: no copy runs any more
 	}
-	<-st.slots
-	st.Done(err)
+	if awaited {
+		return
+	}
+	w.finish(err)
+}
+
+// flushed finishes a staged WRITE window with the peer's word on its copy
+// into the device, or with the peer's failure.
+func (w *window) flushed(err error) { w.finish(err) }
+
+// finish releases w's slot and its reference on the transfer.
+func (w *window) finish(err error) {
+	<-w.st.slots
+	w.st.Done(err)
 }

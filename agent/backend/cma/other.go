@@ -61,3 +61,6 @@ func (b *Backend) Close() error { return nil }
 
 // Stats implements [agent.Counting]: all zero on this system.
 func (b *Backend) Stats() Stats { return Stats{} }
+
+// StagesDevice implements [agent.DeviceStager]: false, on this system.
+func (b *Backend) StagesDevice() bool { return false }

@@ -4,12 +4,16 @@ package cma
 
 import (
 	"bufio"
+	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
 	"net"
+	"sync"
 	"syscall"
 	"time"
+	"unsafe"
 
 	"github.com/google/uuid"
 
@@ -76,32 +80,21 @@ type frameReader struct {
 	s       *server
 	inFrame bool      // set once the frame's first byte is in
 	frameBy time.Time // when the frame begun must be complete; zero until a read waits for it
-	set     time.Time // the read deadline in force
 }
 
 func (r *frameReader) Read(p []byte) (int, error) {
 	s := r.s
 	for {
-		var now time.Time
-		if r.inFrame || !s.renewAt.IsZero() {
-			now = time.Now()
+		if err := s.renewDue(); err != nil {
+			return 0, err
 		}
-		if !s.renewAt.IsZero() && !now.Before(s.renewAt) {
-			if err := s.renew(now); err != nil {
-				return 0, err
-			}
+		if err := s.aborted(); err != nil {
+			return 0, err
 		}
 		if r.inFrame && r.frameBy.IsZero() {
-			r.frameBy = now.Add(s.b.cfg.timeout)
+			r.frameBy = time.Now().Add(s.b.cfg.timeout)
 		}
-		d := r.frameBy
-		if !s.renewAt.IsZero() && (d.IsZero() || s.renewAt.Before(d)) {
-			d = s.renewAt
-		}
-		if !d.Equal(r.set) {
-			_ = s.c.SetReadDeadline(d)
-			r.set = d
-		}
+		s.armRead(r.frameBy)
 		n, err := s.c.Read(p)
 		var ne net.Error
 		if n == 0 && errors.As(err, &ne) && ne.Timeout() && (r.frameBy.IsZero() || time.Now().Before(r.frameBy)) {
@@ -126,8 +119,11 @@ func (r *frameReader) begin(br *bufio.Reader) error {
 }
 
 // server is the exposing side of one connection: it answers lease requests
-// in order, one at a time, and holds the leases it granted until the peer
-// ends them or the connection closes.
+// and holds the leases it granted until the peer ends them or the
+// connection closes. Its reader handles frames in order, one at a time;
+// lease requests that cover device memory are staged on a goroutine of the
+// connection's own (stager), in order, so that a request waiting for
+// staging buffers never holds up the ends that free them.
 type server struct {
 	b       *Backend
 	c       *net.UnixConn
@@ -136,9 +132,28 @@ type server struct {
 	link    agent.Link // this connection, as the agent sees it
 	pid     int
 	ptracer bool // pid is named in the Yama ptracer exception
+	staged  bool // the dialler takes staged grants (capStaged)
+
+	// mu guards the leases and their renewal, the read deadline, and the
+	// stager's queue: the reader and the stager share them.
+	mu      sync.Mutex
 	leases  map[uint64]held
 	renewAt time.Time // no lease is due for renewal before; zero: none held
-	out     []byte
+	readBy  time.Time // the read deadline in force
+
+	// The stager: lease requests with device memory, staged in order off
+	// the reader. Under mu, but wake and stopped, which the reader sets
+	// before the stager runs and reads after it ended.
+	queue    []*queued
+	pending  map[uint64]*queued // lease requests queued or being staged, by id
+	live     int                // pending requests the copier has not ended
+	stopping bool               // the connection is over: grant nothing more
+	stageErr error              // a grant the stager could not write
+	wake     chan struct{}      // nil until the stager runs
+	stopped  chan struct{}      // closed when the stager returned
+
+	wmu sync.Mutex // one answer written at a time
+	out []byte     // under wmu
 }
 
 // held is a lease the server granted, with what renews it.
@@ -149,12 +164,31 @@ type held struct {
 	since time.Time // granted or last renewed
 }
 
+// queued is a lease request for the stager, its lease opened.
+type queued struct {
+	id    uint64
+	lease agent.Lease
+	key   agent.Key
+	acc   agent.Access
+	table []byte // the request's ranges; nil once ended
+	count int
+	ended bool // the copier ended the request before its grant; under mu
+}
+
+// maxPending bounds the lease requests a connection may have queued for
+// the stager, ended ones included (their ranges are dropped): the copier
+// keeps at most maxLeases unended, and one that ends requests faster than
+// they are staged is hostile.
+const maxPending = 2 * maxLeases
+
 // errRevoking ends a connection that holds a lease on an exposure being
 // revoked (or an agent closing) for longer than the timeout.
 var errRevoking = errors.New("cma: a lease held past the timeout is being revoked")
 
 // renewDue renews the leases, if any is due.
 func (s *server) renewDue() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	if s.renewAt.IsZero() {
 		return nil
 	}
@@ -164,14 +198,53 @@ func (s *server) renewDue() error {
 	return nil
 }
 
-// renew replaces each lease held for the timeout by a fresh one, as tcp
-// renews a frame's. An exposure being revoked, or an agent closing, grants
-// none: revocation has then waited on this connection for up to the
+// armRead sets the read deadline to the earlier of frameBy (zero: none)
+// and the leases' next renewal; once the stager failed, the deadline it
+// set stays, in the past.
+func (s *server) armRead(frameBy time.Time) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.stageErr != nil {
+		return
+	}
+	d := frameBy
+	if !s.renewAt.IsZero() && (d.IsZero() || s.renewAt.Before(d)) {
+		d = s.renewAt
+	}
+	if !d.Equal(s.readBy) {
+		_ = s.c.SetReadDeadline(d)
+		s.readBy = d
+	}
+}
+
+// hold records a granted lease. A reader waiting for the next frame wakes
+// up for its renewal: the stager grants while the reader waits. The caller
+// holds mu.
+func (s *server) hold(id uint64, h held) {
+	s.leases[id] = h
+	if !s.renewAt.IsZero() {
+		return
+	}
+	s.renewAt = h.since.Add(s.b.cfg.timeout)
+	if s.readBy.IsZero() || s.renewAt.Before(s.readBy) {
+		_ = s.c.SetReadDeadline(s.renewAt)
+		s.readBy = s.renewAt
+	}
+}
+
+// renew checks each lease held for the timeout against revocation, as tcp
+// renews a frame's: a fresh lease is asked for and released at once, and
+// the lease held is kept, since the copier may be copying at the staging
+// buffers it holds (a lease released while copies may run would hand them
+// to another lease). An exposure being revoked, or an agent closing,
+// grants none: revocation has then waited on this connection for up to the
 // timeout, so the connection is dropped (errRevoking) and serve releases
 // its leases once the copier closed its end, or after another timeout
 // (drain). Revoke therefore waits at most about twice WithTimeout for a
-// connection, whatever its peer does or withholds. Reads between frames
-// and grant writes wake up for renewal (frameReader, answer).
+// connection, whatever its peer does or withholds, plus the staging of a
+// lease request of device memory under way (bounded by the agent's wait
+// for a staging buffer). Reads between frames and grant writes wake up for
+// renewal (frameReader, answer). The caller holds mu.
 func (s *server) renew(now time.Time) error {
 	timeout := s.b.cfg.timeout
 	var next time.Time
@@ -181,8 +254,8 @@ func (s *server) renew(now time.Time) error {
 			if err != nil {
 				return fmt.Errorf("%w: lease %d, held since %v: %w", errRevoking, id, now.Sub(h.since).Round(time.Millisecond), err)
 			}
-			h.lease.Release()
-			h.lease, h.since = l, now
+			l.Release()
+			h.since = now
 			s.leases[id] = h
 		}
 		if at := h.since.Add(timeout); next.IsZero() || at.Before(next) {
@@ -210,6 +283,9 @@ func (b *Backend) serve(c *net.UnixConn, pid int, pass *serve.Pass) {
 		defer b.ptracers.release(s.pid)
 	}
 	err := s.loop()
+	if serr := s.stopStager(); serr != nil {
+		err = serr
+	}
 	stopping := b.stopping()
 	if !stopping && b.dropped(err, false, "peer", s.peer, "pid", pid) && errors.Is(err, errProtocol) {
 		b.host.Refused()
@@ -218,7 +294,7 @@ func (b *Backend) serve(c *net.UnixConn, pid int, pass *serve.Pass) {
 		s.drain()
 	}
 	for _, h := range s.leases { // a peer gone mid-copy touches nothing more
-		h.lease.Release()
+		h.lease.Release() // unflushed: a WRITE not ended as written is incomplete
 	}
 	if stopping {
 		return
@@ -295,6 +371,9 @@ func (s *server) handshake() error {
 		err = fmt.Errorf("%w: handshake claims process %d, the socket's peer is process %d", errProtocol, in.pid, pid)
 	default:
 		out.probe, out.nonce, out.leases = b.probeAddr(), *b.probe, maxLeases
+		// Zero to a dialler that announced nothing: it reads the leases
+		// field as a u32 that covers caps.
+		out.caps = in.caps & localCaps
 	}
 	if err == nil && b.scope == 1 {
 		// Before the answer: the peer probes as soon as it has it. The
@@ -313,6 +392,7 @@ func (s *server) handshake() error {
 		return err
 	}
 	s.peer, s.link = in.self, agent.NewLink(in.self)
+	s.staged = out.caps&capStaged != 0
 	_ = s.c.SetDeadline(time.Time{})
 	return nil
 }
@@ -364,14 +444,12 @@ func (s *server) loop() error {
 		case tBegin:
 			err = s.begin(&f)
 		case tEnd:
-			if h, ok := s.leases[f.id]; ok {
-				delete(s.leases, f.id)
-				h.lease.Release()
-				if len(s.leases) == 0 {
-					s.renewAt = time.Time{}
-				}
-			}
+			err = s.end(&f)
 		case tNotify:
+			// Delivered at once, also while lease requests are being
+			// staged: the ends read before it are handled (a WRITE's
+			// bytes are in the device), and a request still being staged
+			// holds nothing written.
 			msg := make([]byte, len(f.payload))
 			copy(msg, f.payload)
 			if !s.b.host.Deliver(s.link, f.key, msg) {
@@ -389,45 +467,279 @@ func (s *server) loop() error {
 }
 
 // begin grants or refuses one lease: the key, the access kind and every
-// range are checked; a lease is granted for all of them or none.
+// range are checked; a lease is granted for all of them or none. A request
+// that covers device memory goes to the stager.
 func (s *server) begin(f *frame) error {
-	if _, dup := s.leases[f.id]; dup {
+	s.mu.Lock()
+	_, dup := s.leases[f.id]
+	if _, queued := s.pending[f.id]; queued {
+		dup = true
+	}
+	n, waiting := len(s.leases)+s.live, len(s.pending)
+	s.mu.Unlock()
+	if dup {
 		return fmt.Errorf("%w: lease %d requested twice", errProtocol, f.id)
 	}
-	if len(s.leases) >= maxLeases {
+	if n >= maxLeases {
 		return fmt.Errorf("%w: more than %d leases held at once", errLimit, maxLeases)
 	}
-	lease, err := s.b.host.Open(s.link, f.key, agent.Access(f.status))
+	if waiting >= maxPending {
+		return fmt.Errorf("%w: more than %d lease requests waiting to be staged, ended ones included", errLimit, maxPending)
+	}
+	acc := agent.Access(f.status)
+	lease, err := s.b.host.Open(s.link, f.key, acc)
 	if errors.Is(err, agent.ErrRemoteLost) {
-		return s.answer(f.id, stLost, err) // this agent is closing
+		return s.answer(tGrant, f.id, stLost, err, nil) // this agent is closing
 	}
 	if err != nil {
 		s.b.stats.Deny()
-		return s.answer(f.id, stDenied, err)
+		return s.answer(tGrant, f.id, stDenied, err, nil)
 	}
 	for i := range int(f.count) {
-		mem, err := lease.Slice(f.rangeAt(i))
-		if err == nil && mem == nil {
-			err = fmt.Errorf("%w: device memory cannot be copied by cma", agent.ErrAccessDenied)
+		r, ok := lease.Region(f.rangeAt(i))
+		if !ok || r.Kind == agent.KindDRAM {
+			continue // Slice says why it is refused
 		}
-		if err != nil {
+		if !s.staged {
 			lease.Release()
 			s.b.stats.Deny()
-			return s.answer(f.id, stDenied, fmt.Errorf("range %d: %w", i, err))
+			return s.answer(tGrant, f.id, stDenied, fmt.Errorf("range %d: %w: %v memory, which the copying agent's cma cannot reach (it predates staged grants)", i, agent.ErrAccessDenied, r.Kind), nil)
 		}
+		s.enqueue(&queued{id: f.id, lease: lease, key: f.key, acc: acc, table: bytes.Clone(f.table), count: int(f.count)})
+		return nil
 	}
-	now := time.Now()
-	if s.renewAt.IsZero() {
-		s.renewAt = now.Add(s.b.cfg.timeout)
+	addrs, err := s.slices(&lease, f.table, int(f.count))
+	if err != nil {
+		lease.Release()
+		s.b.stats.Deny()
+		return s.answer(tGrant, f.id, stDenied, err, nil)
 	}
-	s.leases[f.id] = held{lease: lease, key: f.key, acc: agent.Access(f.status), since: now}
-	if err := s.answer(f.id, stOK, nil); err != nil {
-		return err // serve releases the lease
-	}
-	return nil
+	s.mu.Lock()
+	s.hold(f.id, held{lease: lease, key: f.key, acc: acc, since: time.Now()})
+	s.mu.Unlock()
+	return s.answer(tGrant, f.id, stOK, nil, addrs) // on failure serve releases the lease
 }
 
-func (s *server) answer(id uint64, status uint8, why error) error {
+// slices checks every range of a lease request through lease, which stages
+// those of device memory, and returns where the copier must copy them: nil
+// if at the ranges' own addresses.
+func (s *server) slices(lease *agent.Lease, table []byte, count int) ([]uint64, error) {
+	var addrs []uint64
+	for i := range count {
+		addr, n := rangeAt(table, i)
+		mem, err := lease.Slice(addr, n)
+		if err == nil && mem == nil {
+			err = fmt.Errorf("%w: device memory the agent does not stage for cma", agent.ErrAccessDenied)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("range %d: %w", i, err)
+		}
+		at := uint64(uintptr(unsafe.Pointer(unsafe.SliceData(mem))))
+		if at != addr && addrs == nil {
+			if !s.staged {
+				return nil, fmt.Errorf("range %d: %w: staged device memory, which the copying agent's cma cannot reach (it predates staged grants)", i, agent.ErrAccessDenied)
+			}
+			addrs = make([]uint64, count)
+			for j := range i {
+				addrs[j], _ = rangeAt(table, j)
+			}
+		}
+		if addrs != nil {
+			addrs[i] = at
+		}
+	}
+	return addrs, nil
+}
+
+// end releases the lease the copier ended (f). A WRITE's staging buffers
+// are copied into the device first if the copier wrote every byte
+// (endWritten), before the next frame is read: a notification that follows
+// the end on the connection is delivered after that copy, and if it failed
+// carries the failure (agent.Event.Err). With endAck the copier hears the
+// outcome (tFlushed). An end of a request still being staged is the
+// stager's to release.
+func (s *server) end(f *frame) error {
+	id := f.id
+	s.mu.Lock()
+	h, ok := s.leases[id]
+	if ok {
+		delete(s.leases, id)
+		if len(s.leases) == 0 {
+			s.renewAt = time.Time{}
+		}
+	} else if q := s.pending[id]; q != nil && !q.ended {
+		q.ended, q.table = true, nil
+		s.live--
+	}
+	s.mu.Unlock()
+	var err error
+	if ok {
+		if h.acc == agent.AccessWrite && f.status&endWritten != 0 {
+			err = h.lease.Flush()
+		}
+		h.lease.Release()
+	} else {
+		// Ended before its grant, or refused: nothing was written.
+		err = fmt.Errorf("%w: lease %d ended, which was never granted", agent.ErrAccessDenied, id)
+	}
+	if f.status&endAck == 0 {
+		if ok && err != nil {
+			s.b.log.Warn("cma: a peer's WRITE did not reach GPU memory; the exposure's next notification carries the error", "peer", s.peer, "lease", id, "err", err)
+		}
+		return nil
+	}
+	status := uint8(stOK)
+	if err != nil {
+		status = stFailed
+	}
+	return s.answer(tFlushed, id, status, err, nil)
+}
+
+// enqueue hands the lease request q to the stager, starting it if need be.
+func (s *server) enqueue(q *queued) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.pending == nil {
+		s.pending = map[uint64]*queued{}
+	}
+	s.pending[q.id] = q
+	s.live++
+	s.queue = append(s.queue, q)
+	if s.wake == nil {
+		s.wake, s.stopped = make(chan struct{}, 1), make(chan struct{})
+		go s.stager()
+	}
+	select {
+	case s.wake <- struct{}{}:
+	default:
+	}
+}
+
+// stager stages the queued lease requests in order until the connection
+// is over.
+func (s *server) stager() {
+	defer close(s.stopped)
+	s.mu.Lock()
+	for {
+		for len(s.queue) == 0 {
+			if s.stopping {
+				s.mu.Unlock()
+				return
+			}
+			s.mu.Unlock()
+			<-s.wake
+			s.mu.Lock()
+		}
+		q := s.queue[0]
+		s.queue[0] = nil
+		s.queue = s.queue[1:]
+		if len(s.queue) == 0 {
+			s.queue = nil // let a burst's backing array go
+		}
+		s.mu.Unlock()
+		s.stage(q)
+		s.mu.Lock()
+	}
+}
+
+// stage grants or refuses a lease request of device memory; its lease was
+// opened by the reader. A request the copier ended meanwhile is released
+// and answered with a refusal (the copier drops it), one left when the
+// connection ends is released unanswered.
+func (s *server) stage(q *queued) {
+	s.mu.Lock()
+	ended, stopping, table := q.ended, s.stopping, q.table
+	s.mu.Unlock()
+	var addrs []uint64
+	var err error
+	switch {
+	case stopping, ended:
+	default:
+		// Queued for a while, maybe: a revoked exposure or a closing agent
+		// grants nothing more.
+		if err = q.lease.Renew(); err == nil {
+			addrs, err = s.slices(&q.lease, table, q.count)
+		}
+	}
+	s.mu.Lock()
+	delete(s.pending, q.id)
+	if !q.ended {
+		s.live--
+	}
+	ended, stopping = q.ended, s.stopping
+	granted := err == nil && !ended && !stopping
+	if granted {
+		s.hold(q.id, held{lease: q.lease, key: q.key, acc: q.acc, since: time.Now()})
+	}
+	s.mu.Unlock()
+	if !granted {
+		q.lease.Release() // unflushed: nothing was written; after a failed Renew, released already
+	}
+	switch {
+	case stopping:
+		return
+	case granted:
+		err = s.answer(tGrant, q.id, stOK, nil, addrs)
+	case ended:
+		err = s.answer(tGrant, q.id, stDenied, errors.New("cma: lease ended before it was granted"), nil)
+	case errors.Is(err, agent.ErrRemoteLost):
+		err = s.answer(tGrant, q.id, stLost, err, nil)
+	default:
+		s.b.stats.Deny()
+		err = s.answer(tGrant, q.id, stDenied, err, nil)
+	}
+	if err != nil {
+		s.abort(err)
+	}
+}
+
+// abort ends the connection from the stager, for err: the reader, woken by
+// a read deadline in the past, returns err (aborted), and serve ends the
+// connection as for a failure of its own, draining the copier's end if
+// leases are held.
+func (s *server) abort(err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.stageErr != nil || s.stopping {
+		return
+	}
+	s.stageErr = err
+	s.readBy = time.Unix(1, 0)
+	_ = s.c.SetReadDeadline(s.readBy)
+}
+
+// aborted returns what ended the connection on the stager's side, if
+// anything did.
+func (s *server) aborted() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.stageErr
+}
+
+// stopStager stops the stager, once the reader returned, and waits for
+// it: a grant being written gives up, and the requests still queued are
+// released unanswered. It returns what ended the connection on the
+// stager's side, if anything did.
+func (s *server) stopStager() error {
+	if s.wake == nil {
+		return nil // never ran: set by the reader only
+	}
+	_ = s.c.CloseWrite()
+	s.mu.Lock()
+	s.stopping = true
+	s.mu.Unlock()
+	select {
+	case s.wake <- struct{}{}:
+	default:
+	}
+	<-s.stopped
+	return s.aborted()
+}
+
+// answer writes a lease's grant or refusal (typ tGrant), or the outcome of
+// a WRITE's copy into the device (tFlushed): on a grant, the addresses to
+// copy at if some ranges were staged (addrs); on a failure, why.
+func (s *server) answer(typ uint8, id uint64, status uint8, why error, addrs []uint64) error {
 	var msg string
 	if why != nil {
 		msg = why.Error()
@@ -435,22 +747,32 @@ func (s *server) answer(id uint64, status uint8, why error) error {
 			msg = msg[:maxErrMsg]
 		}
 	}
+	s.wmu.Lock()
+	defer s.wmu.Unlock()
+	n := hdrSize + len(addrs)*addrSize + len(msg)
 	b := s.out[:0]
-	if cap(b) < hdrSize+maxErrMsg {
-		b = make([]byte, 0, hdrSize+maxErrMsg)
+	if cap(b) < n {
+		b = make([]byte, 0, max(n, hdrSize+maxErrMsg))
 	}
 	b = b[:hdrSize]
-	(&header{typ: tGrant, status: status, id: id, length: uint32(len(msg))}).put(b)
+	(&header{typ: typ, status: status, count: uint32(len(addrs)), id: id, length: uint32(len(msg))}).put(b)
+	for _, a := range addrs {
+		b = binary.LittleEndian.AppendUint64(b, a)
+	}
 	b = append(b, msg...)
-	s.out = b
+	if cap(b) <= 64<<10 {
+		s.out = b
+	}
 	// The write may wait for the peer to read for the timeout, and no
 	// longer than leases stay unrenewed.
 	writeBy := time.Now().Add(s.b.cfg.timeout)
 	for {
 		d := writeBy
+		s.mu.Lock()
 		if !s.renewAt.IsZero() && s.renewAt.Before(d) {
 			d = s.renewAt
 		}
+		s.mu.Unlock()
 		_ = s.c.SetWriteDeadline(d)
 		n, err := s.c.Write(b)
 		b = b[n:]

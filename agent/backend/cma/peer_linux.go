@@ -29,6 +29,9 @@ type peer struct {
 	// its access: under Yama mode 1 the peer names a ptracer only for a key.
 	key agent.Key
 	acc agent.Access
+	// staged: the peer stages its device memory for us, naming where to
+	// copy in its grants (capStaged); set before ready is closed.
+	staged bool
 
 	ready   chan struct{} // closed once connect has set verdict and failed
 	verdict error         // nil: connected and permitted
@@ -52,9 +55,11 @@ type peer struct {
 	// its probe runs: the connection is failed as soon as it is up.
 	departed error
 
-	seq     atomic.Uint64
-	mu      sync.Mutex
-	waiting map[uint64]*window // lease requests awaiting their answer; nil: abandoned, answer still due
+	seq atomic.Uint64
+	mu  sync.Mutex
+	// waiting holds the lease requests awaiting their answer (nil:
+	// abandoned, answer still due) and the staged WRITEs awaiting tFlushed.
+	waiting map[uint64]*window
 	// holding counts granted windows whose copies may still run. Once the
 	// peer failed, the connection is closed only when it drops to zero:
 	// the exposing side releases a connection's leases when it closes, so
@@ -122,7 +127,7 @@ func (p *peer) dial() error {
 	deadline, _ := ctx.Deadline()
 	_ = p.c.SetDeadline(deadline)
 	var hs [hsSize]byte
-	(&handshake{self: b.id, expect: p.id, pid: uint32(b.pid), status: uint8(p.acc), nonce: p.key}).put(hs[:])
+	(&handshake{self: b.id, expect: p.id, pid: uint32(b.pid), status: uint8(p.acc), nonce: p.key, caps: localCaps}).put(hs[:])
 	if _, err := p.c.Write(hs[:]); err != nil {
 		return fmt.Errorf("handshake with peer %s: %w: %w", p.id, agent.ErrRemoteLost, err)
 	}
@@ -140,6 +145,7 @@ func (p *peer) dial() error {
 	if p.limit == 0 {
 		p.limit = maxLeases // an agent that predates the field holds that many
 	}
+	p.staged = in.caps&capStaged != 0
 	if err := b.probePeer(int(p.ci.pid), in); err != nil {
 		return fmt.Errorf("peer %s: %w", p.id, err)
 	}
@@ -214,6 +220,11 @@ func (p *peer) loop() error {
 		}
 		switch f.typ {
 		case tGrant:
+		case tFlushed:
+			if err := p.flushAnswer(&f); err != nil {
+				return err
+			}
+			continue
 		case tBye:
 			return errBye
 		default:
@@ -237,6 +248,20 @@ func (p *peer) loop() error {
 			}
 			return fmt.Errorf("%w: an answer to lease %d, which awaits none", errProtocol, f.id)
 		}
+		if w != nil && w.flushing {
+			p.mu.Unlock()
+			return fmt.Errorf("%w: a second answer to lease %d", errProtocol, f.id)
+		}
+		if w != nil && err == nil {
+			// Where to copy, for ranges the peer staged: checked against
+			// the request before the window may copy.
+			addrs, serr := stagedAddrs(&f, w.pieces, w.lens())
+			if serr != nil {
+				p.mu.Unlock()
+				return serr // fail answers w with the failure
+			}
+			w.addrs = addrs
+		}
 		delete(p.waiting, f.id)
 		if w != nil && err == nil {
 			w.held = true
@@ -248,6 +273,30 @@ func (p *peer) loop() error {
 			w.answer(err)
 		}
 	}
+}
+
+// flushAnswer hands the peer's word on a staged WRITE's copy into its
+// device (f, a tFlushed) to the window awaiting it.
+func (p *peer) flushAnswer(f *frame) error {
+	p.mu.Lock()
+	w, ok := p.waiting[f.id]
+	if !ok || w == nil || !w.flushing {
+		failed := p.waiting == nil
+		p.mu.Unlock()
+		if failed {
+			return nil // the failure finished the window
+		}
+		return fmt.Errorf("%w: a flush answer for lease %d, which awaits none", errProtocol, f.id)
+	}
+	delete(p.waiting, f.id)
+	p.watch()
+	p.mu.Unlock()
+	var err error
+	if f.status != stOK {
+		err = fmt.Errorf("cma: peer %s could not copy the WRITE into its GPU memory: %w (%q)", p.id, agent.ErrStaging, f.payload)
+	}
+	w.flushed(err)
+	return nil
 }
 
 // watch bounds how long the reader waits while lease requests are
@@ -295,7 +344,11 @@ func (p *peer) fail(err error) {
 		p.b.forget(p)
 		_ = p.c.SetWriteDeadline(time.Unix(1, 0)) // a write in progress gives up
 		for _, w := range waiting {
-			if w != nil {
+			switch {
+			case w == nil:
+			case w.flushing:
+				w.flushed(err) // the bytes may not be in the device
+			default:
 				w.answer(err)
 			}
 		}
@@ -317,6 +370,11 @@ func (p *peer) shut() { p.shutOnce.Do(func() { _ = p.c.Close() }) }
 func (p *peer) failure() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	return p.failureLocked()
+}
+
+// failureLocked is failure for a caller that holds p.mu.
+func (p *peer) failureLocked() error {
 	if p.err != nil {
 		return p.err
 	}

@@ -3,6 +3,7 @@
 package cma
 
 import (
+	"fmt"
 	"time"
 
 	"github.com/goxfer/goxfer/agent"
@@ -17,6 +18,28 @@ type xstate struct {
 	x     *agent.Work
 	write bool
 	slots chan struct{} // one per lease requested or held
+	lease uint64        // the most bytes one window covers
+	chunk uint64        // the most bytes one system call copies
+}
+
+// Windows over the peer's device memory, which its agent stages whole per
+// lease from the half of its staging pool kept for peers (agent.Lease.Slice
+// refuses a lease that needs more): at most stagedLease bytes each, and
+// stagedDepth of them requested ahead, so that the peer's copies between
+// device and staging buffers overlap this side's copies.
+const (
+	stagedLease = 4 << 20
+	stagedDepth = 4
+)
+
+// remoteVRAM reports whether some of segs' remote memory is device memory.
+func remoteVRAM(segs []agent.Segment) bool {
+	for i := range segs {
+		if segs[i].Remote.Kind != agent.KindDRAM {
+			return true
+		}
+	}
+	return false
 }
 
 // Post implements [agent.Backend]. It uses the connection Reachable found,
@@ -25,16 +48,34 @@ type xstate struct {
 // calling goroutine and is copied on the connection's reader when the
 // grant arrives; a larger one gets a driver goroutine that requests its
 // leases (WithLeaseSize, two ahead) and hands their chunks to the copy
-// workers. The backend touches w's local memory only until it calls
-// w.Finish. Safe for concurrent use.
+// workers. A transfer that reaches the peer's GPU memory has leases and
+// chunks of at most 4 MiB, four leases ahead, and copies where the grants
+// say (the peer's staging buffers); it fails at once with
+// [agent.ErrAccessDenied] if the peer's cma predates staged grants. Such a
+// WRITE's last bytes reach the peer's device after w.Finish: the peer
+// copies them in as it handles the end of their lease, which has no
+// answer, and before any notification sent after it (w.Notify included),
+// which carries a failure of that copy ([agent.Event].Err). The backend
+// touches w's local memory only until it calls w.Finish. Safe for
+// concurrent use.
 func (b *Backend) Post(x *agent.Work) error {
 	p, err := b.usable(x.Peer)
 	if err != nil {
 		return err
 	}
-	st := &xstate{b: b, p: p, x: x, write: x.Op == agent.OpWrite, slots: make(chan struct{}, b.cfg.leaseDepth)}
+	st := &xstate{b: b, p: p, x: x, write: x.Op == agent.OpWrite, lease: uint64(b.cfg.lease), chunk: uint64(b.cfg.chunk)}
+	depth := b.cfg.leaseDepth
+	if remoteVRAM(x.Segments) {
+		if !p.staged {
+			b.xwg.Done()
+			return fmt.Errorf("cma: peer %s: %w: its cma predates staged grants and cannot reach its GPU memory", p.id, agent.ErrAccessDenied)
+		}
+		st.lease, st.chunk = min(st.lease, stagedLease), min(st.chunk, stagedLease)
+		depth = max(depth, stagedDepth)
+	}
+	st.slots = make(chan struct{}, depth)
 	st.Init(x, p.notify, b.xwg.Done)
-	if end, n, pieces := agent.Span(x.Segments, cursor{}, uint64(b.cfg.chunk), iovMax); end.Seg == len(x.Segments) {
+	if end, n, pieces := agent.Span(x.Segments, cursor{}, st.chunk, iovMax); end.Seg == len(x.Segments) {
 		// One chunk: request the lease here and copy when it is granted.
 		st.slots <- struct{}{}
 		w := &window{st: st, n: n, pieces: pieces, inline: true}
@@ -54,7 +95,7 @@ func (b *Backend) Post(x *agent.Work) error {
 func (b *Backend) drive(st *xstate) {
 	defer st.Done(nil)
 	x, p := st.x, st.p
-	lease, chunk := uint64(b.cfg.lease), uint64(b.cfg.chunk)
+	lease, chunk := st.lease, st.chunk
 	timer := time.NewTimer(b.cfg.timeout)
 	defer timer.Stop()
 	var pending []*window // requested, not yet answered

@@ -20,7 +20,9 @@ import (
 //     notification's size, or leases held at once.
 //   - Timeouts: connections cut because a peer was too slow: a handshake,
 //     or a frame once begun, not complete within the timeout
-//     ([WithTimeout]), or a lease request of ours unanswered that long.
+//     ([WithTimeout]), or a lease request of ours, or the end of a staged
+//     WRITE of ours (its copy into the peer's GPU memory), unanswered that
+//     long, or a grant the peer would not read for that long.
 //   - Denied: lease requests answered "access denied", the connection kept.
 //
 // On systems other than Linux every counter stays 0.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"iter"
 
 	"github.com/google/uuid"
 
@@ -15,8 +16,8 @@ import (
 // The control protocol, over one Unix-domain stream socket per pair of
 // agents, dialled by the agent that copies (the active side). It starts with
 // a handshake each way, then carries frames: a fixed header, for a lease
-// request a table of (address, length) ranges, then a payload. All integers
-// are little-endian.
+// request a table of (address, length) ranges, for a staged grant a table
+// of addresses, then a payload. All integers are little-endian.
 //
 //	handshake (72 bytes)
 //	  0  magic   "GXCM"
@@ -28,9 +29,13 @@ import (
 //	  8  self    [16]byte  the sender's agent ID
 //	 24  expect  [16]byte  the agent the dialler expects (hello only)
 //	 40  pid     u32       the sender's process ID
-//	 44  leases  u32       answer: the most lease requests the dialler may
+//	 44  leases  u16       answer: the most lease requests the dialler may
 //	                       have unended on the connection (0: maxLeases,
 //	                       from an agent that predates the field)
+//	 46  caps    u16       hello: what the dialler understands (capStaged);
+//	                       answer: those of them the exposing side uses, and
+//	                       0 to a dialler that announced none (agents that
+//	                       predate the field read 44 as a u32 and send 0)
 //	 48  probe   u64       address of the probe bytes (answer only)
 //	 56  nonce   [16]byte  hello: a key of the expected agent's exposures
 //	                       the dialler holds, or zeros; answer: what the
@@ -38,33 +43,74 @@ import (
 //
 //	frame header (40 bytes)
 //	  0  type    u8
-//	  1  status  u8   (tBegin: the access asked for; tGrant: 0 ok, else refused)
+//	  1  status  u8   (tBegin: the access asked for; tGrant: 0 ok, else
+//	                  refused; tEnd: endWritten|endAck; tFlushed: 0 ok,
+//	                  stFailed)
 //	  2  -       u16
-//	  4  count   u32  ranges in the table (tBegin only)
+//	  4  count   u32  entries in the table: tBegin's ranges; a granted
+//	                  tGrant's staged addresses (0: none); else 0
 //	  8  id      u64  lease number, chosen by the requester
 //	 16  length  u32  payload bytes after the table
 //	 20  -       u32
 //	 24  key     [16]byte
+//
+// Staged grants. The exposing agent stages its device memory (VRAM) for
+// cma as for tcp ([agent.DeviceStager]): a lease's [agent.Lease.Slice] on a
+// VRAM range returns a pinned host buffer of the exposing process standing
+// in for it, filled from the device for a READ, copied into the device
+// (flushed) for a WRITE. The copying side must then copy at the buffer, not
+// at the range's address. A grant whose ranges were all copied from where they
+// were asked for has count 0; otherwise (only to a dialler that announced
+// capStaged) count equals the request's and the table holds, per range in
+// the request's order, the address u64 to copy at instead: the buffer's
+// for a staged range, the range's own for the others. The copying side
+// drops a connection whose grant names another count, or an address whose
+// range would wrap. The exposing side keeps the lease, and so its buffers,
+// until tEnd. A WRITE's tEnd says whether every byte of the lease was
+// written (endWritten): only then are the buffers copied into the device
+// (the others are given back unflushed, as far as the agent allows), before
+// the next frame is read, so a tNotify sent after the tEnd is delivered
+// after that copy. For a WRITE lease that staged, the copying side also
+// asks (endAck) to hear the outcome: the exposing side answers tFlushed,
+// status 0 once the bytes are in the device, or stFailed with an error
+// text, and the copying side ends the transfer only then, with that
+// outcome. A lease request with staged ranges is staged off the
+// connection's reader (the buffers may take a while to come free): its
+// grant may follow grants and tFlushed answers of later frames. At most
+// maxPending requests may wait for staging, ended ones included.
 const (
 	hsSize    = 72
 	hdrSize   = framehdr.HeaderSize
 	rangeSize = 16
+	addrSize  = 8 // a staged grant's table entry
 
-	tBegin  = 1 // active→passive: lease the ranges for access; answered by tGrant
-	tGrant  = 2 // passive→active: status; on refusal an error text follows
-	tEnd    = 3 // active→passive: the lease is over; no answer
-	tNotify = 4 // active→passive: length bytes of message for key
-	tBye    = 5 // either way: orderly close
+	tBegin   = 1 // active→passive: lease the ranges for access; answered by tGrant
+	tGrant   = 2 // passive→active: status; staged addresses, or on refusal an error text
+	tEnd     = 3 // active→passive: the lease is over; answered by tFlushed if endAck
+	tNotify  = 4 // active→passive: length bytes of message for key
+	tBye     = 5 // either way: orderly close
+	tFlushed = 6 // passive→active: a staged WRITE reached the device, or stFailed and why
+
+	// tEnd's status bits.
+	endWritten = 1 << 0 // every byte of the WRITE lease was written: copy it into the device
+	endAck     = 1 << 1 // answer with tFlushed
 
 	stOK     = 0
 	stDenied = 1 // access refused by the exposing agent
 	stLost   = 2 // the exposing agent is closing
 	stWrong  = 3 // handshake: this is not the agent expected
+	stFailed = 4 // tFlushed: the staged bytes did not reach the device
 
-	maxErrMsg = 1 << 10 // largest error text in a tGrant
+	maxErrMsg = 1 << 10 // largest error text in a tGrant or tFlushed
 
 	protoVersion = 1
 	noScope      = 0xff
+
+	// capStaged, in the handshake's caps: grants may name staged
+	// addresses (count > 0), for ranges of device memory, and tEnd may ask
+	// for tFlushed.
+	capStaged = 1 << 0
+	localCaps = capStaged // what this agent understands
 
 	// The handshake answer's ptracer field, under Yama mode 1.
 	ptrNone    = 0 // not asked for: no Yama mode 1, or the handshake was refused
@@ -123,10 +169,47 @@ type frame struct {
 	payload []byte
 }
 
-// rangeAt returns range i of the frame's table.
-func (f *frame) rangeAt(i int) (addr, n uint64) {
-	b := f.table[i*rangeSize:]
+// rangeAt returns range i of a tBegin's table.
+func (f *frame) rangeAt(i int) (addr, n uint64) { return rangeAt(f.table, i) }
+
+// rangeAt returns range i of a table of ranges.
+func rangeAt(table []byte, i int) (addr, n uint64) {
+	b := table[i*rangeSize:]
 	return binary.LittleEndian.Uint64(b), binary.LittleEndian.Uint64(b[8:])
+}
+
+// stagedAddrs decodes the table of a granted tGrant, f, which answers a
+// request of the ranges whose lengths lens yields, in order: nil if the
+// grant names no staged address (copy at the ranges' own), else the
+// address to copy each range at. f comes from the peer: a table whose
+// count is not the request's, or an address whose range would wrap or
+// start at 0, is a protocol violation. The addresses are used only in
+// process_vm_readv/writev on the peer's own process, which refuses what is
+// not mapped there.
+func stagedAddrs(f *frame, ranges int, lens iter.Seq[uint64]) ([]uint64, error) {
+	if f.count == 0 {
+		return nil, nil
+	}
+	if int(f.count) != ranges || len(f.table) != ranges*addrSize {
+		return nil, fmt.Errorf("%w: grant of lease %d names %d staged addresses for the %d ranges requested", errProtocol, f.id, f.count, ranges)
+	}
+	addrs := make([]uint64, ranges)
+	i := 0
+	for n := range lens {
+		if i == ranges {
+			return nil, fmt.Errorf("%w: lease %d requested more than the %d ranges its grant answers", errProtocol, f.id, ranges)
+		}
+		a := binary.LittleEndian.Uint64(f.table[i*addrSize:])
+		if a == 0 || a+n < a {
+			return nil, fmt.Errorf("%w: grant of lease %d stages range %d (%d bytes) at 0x%x", errProtocol, f.id, i, n, a)
+		}
+		addrs[i] = a
+		i++
+	}
+	if i != ranges {
+		return nil, fmt.Errorf("%w: lease %d requested %d ranges, its grant names %d staged addresses", errProtocol, f.id, i, ranges)
+	}
+	return addrs, nil
 }
 
 // readFrame reads and checks one frame from r, an untrusted peer: it never
@@ -154,13 +237,28 @@ func readFrame(r io.Reader, hdr []byte, buf *[]byte, lim limits, f *frame) error
 		tableLen = int(f.count) * rangeSize
 	case tGrant:
 		maxLen = maxErrMsg
+		if f.count != 0 {
+			if f.status != stOK || uint64(f.count) > uint64(lim.maxRanges) {
+				return fmt.Errorf("%w: grant with status %d and %d staged addresses, want status %d and at most %d", errProtocol, f.status, f.count, stOK, lim.maxRanges)
+			}
+			tableLen = int(f.count) * addrSize
+		}
 	case tNotify:
 		maxLen = lim.maxNotify
-	case tEnd, tBye:
+	case tFlushed:
+		maxLen = maxErrMsg
+		if f.status != stOK && f.status != stFailed {
+			return fmt.Errorf("%w: flush answer with status %d", errProtocol, f.status)
+		}
+	case tEnd:
+		if f.status&^(endWritten|endAck) != 0 {
+			return fmt.Errorf("%w: lease end with status %#x", errProtocol, f.status)
+		}
+	case tBye:
 	default:
 		return fmt.Errorf("%w: frame type %d", errProtocol, f.typ)
 	}
-	if f.typ != tBegin && f.count != 0 {
+	if f.typ != tBegin && f.typ != tGrant && f.count != 0 {
 		return fmt.Errorf("%w: frame type %d with %d ranges", errProtocol, f.typ, f.count)
 	}
 	if uint64(f.length) > uint64(maxLen) {
@@ -188,7 +286,8 @@ type handshake struct {
 	ptracer       uint8
 	self, expect  uuid.UUID
 	pid           uint32
-	leases        uint32
+	leases        uint16
+	caps          uint16
 	probe         uint64
 	nonce         [16]byte
 }
@@ -200,7 +299,8 @@ func (h *handshake) put(b []byte) {
 	copy(b[8:24], h.self[:])
 	copy(b[24:40], h.expect[:])
 	binary.LittleEndian.PutUint32(b[40:], h.pid)
-	binary.LittleEndian.PutUint32(b[44:], h.leases)
+	binary.LittleEndian.PutUint16(b[44:], h.leases)
+	binary.LittleEndian.PutUint16(b[46:], h.caps)
 	binary.LittleEndian.PutUint64(b[48:], h.probe)
 	copy(b[56:72], h.nonce[:])
 }
@@ -218,7 +318,8 @@ func getHandshake(b []byte) (handshake, error) {
 	copy(h.self[:], b[8:24])
 	copy(h.expect[:], b[24:40])
 	h.pid = binary.LittleEndian.Uint32(b[40:])
-	h.leases = binary.LittleEndian.Uint32(b[44:])
+	h.leases = binary.LittleEndian.Uint16(b[44:])
+	h.caps = binary.LittleEndian.Uint16(b[46:])
 	h.probe = binary.LittleEndian.Uint64(b[48:])
 	copy(h.nonce[:], b[56:72])
 	return h, nil
