@@ -35,7 +35,18 @@ type outPeer struct {
 	waiting []*xstate // posted before the welcome
 	notes   []*note
 	wins    map[uint64]*window
-	rkeys   map[uint64]*rkeyEntry // by the peer's registration ID
+	// abandoned holds the lease requests of cancelled transfers that the
+	// peer has not answered yet, by lease ID: the answer is dropped (a
+	// grant released), and the deadline still holds.
+	abandoned map[uint64]abandoned
+	rkeys     map[uint64]*rkeyEntry // by the peer's registration ID
+}
+
+// abandoned is a lease request whose transfer was cancelled before the
+// peer answered it.
+type abandoned struct {
+	deadline time.Time // for the answer, as the window's
+	release  bool      // a grant holds a lease that this side must end
 }
 
 type rkeyEntry struct {
@@ -56,6 +67,13 @@ type xstate struct {
 	next     cursor // first byte not yet leased
 	inflight int    // windows requested or moving, at most leaseDepth
 	pumped   bool   // every lease requested, or failed: pump's part is done
+
+	// stopWatch unregisters the watch on cancellation (Work.AfterCancel)
+	// once the transfer finished.
+	stopWatch func() bool
+	cancelled bool        // the cancellation was handled (loop.cancel)
+	grace     *time.Timer // a cancelled transfer's bytes still moving: see loop.cancel
+	over      bool        // finished: commands still naming it do nothing
 }
 
 // notify sends the transfer's notification once every lease is flushed,
@@ -67,8 +85,18 @@ func (xs *xstate) notify(key agent.Key, msg []byte) error {
 	return nil
 }
 
-// finished runs after the transfer's Finish.
-func (xs *xstate) finished() { xs.l.xfers-- }
+// finished runs after the transfer's Finish: the cancellation watch and
+// timer go, and commands still queued for xs find it over.
+func (xs *xstate) finished() {
+	xs.over = true
+	xs.l.xfers--
+	if xs.stopWatch != nil {
+		xs.stopWatch()
+	}
+	if xs.grace != nil {
+		xs.grace.Stop()
+	}
+}
 
 // window is one lease of a transfer: requested, granted, moved, flushed,
 // released.
@@ -117,7 +145,7 @@ func (l *loop) outFor(info agent.Info) (*outPeer, error) {
 	}
 	now := time.Now()
 	p := &outPeer{id: info.ID, raw: bytes.Clone(raw), cid: newCID(), epID: l.next(), deadline: now.Add(l.b.cfg.timeout),
-		wins: map[uint64]*window{}, rkeys: map[uint64]*rkeyEntry{}}
+		wins: map[uint64]*window{}, abandoned: map[uint64]abandoned{}, rkeys: map[uint64]*rkeyEntry{}}
 	p.ep, err = l.n.connect(ci.addr, p.epID)
 	if err != nil {
 		return nil, fmt.Errorf("ucx: connect to peer %s: %w: %w", info.ID, agent.ErrRemoteLost, err)
@@ -173,6 +201,10 @@ func (l *loop) startXfer(xs *xstate) {
 	xs.l, xs.p = l, p
 	xs.Init(xs.x, xs.notify, xs.finished)
 	l.xfers++ // until finished
+	// Watched for its whole life: pump and onGrant see a cancellation only
+	// when a lease is requested or granted, and a peer may answer neither.
+	b := l.b
+	xs.stopWatch = xs.x.AfterCancel(func() { _ = b.submit(command{cancel: xs}) })
 	if !p.ready {
 		p.waiting = append(p.waiting, xs)
 		return
@@ -335,7 +367,20 @@ func (l *loop) endLease(p *outPeer, id uint64) {
 
 func (l *loop) onGrant(p *outPeer, m *msg) {
 	w := p.wins[m.lease]
-	if w == nil || w.granted {
+	if w == nil {
+		if a, ok := p.abandoned[m.lease]; ok {
+			// The answer to a request of a cancelled transfer, which
+			// finished without it: no byte moves, a lease held is ended.
+			delete(p.abandoned, m.lease)
+			if a.release && m.status == stOK {
+				l.endLease(p, m.lease)
+			}
+			return
+		}
+		l.badMessage()
+		return
+	}
+	if w.granted {
 		l.badMessage()
 		return
 	}
@@ -517,8 +562,11 @@ func unuseKeys(keys []*rkeyEntry) {
 }
 
 // failOut fails p once: transfers waiting for it fail, its endpoint is
-// force-closed, and the next transfer connects afresh. Windows whose operations are in flight finish
-// when their flush fails or, at the latest, when the endpoint is closed.
+// force-closed, and the next transfer connects afresh. Lease requests
+// unanswered end at once. Windows whose operations are in flight finish
+// when their flush fails or, at the latest, when the endpoint is closed;
+// so do READs the peer writes into this side's memory (remotePut): until
+// the endpoint is closed, its writes may still land.
 //
 // An outgoing channel presents no key to this agent, so its failure is no
 // loss for this agent's exposures: only the channels a peer used to reach
@@ -541,7 +589,7 @@ func (l *loop) failOut(p *outPeer, err error) {
 	var ended []*xstate // one entry per window ended
 	for id, w := range p.wins {
 		w.xs.Fail(err)
-		if !w.granted {
+		if !w.granted && !w.remotePut {
 			l.doneWith(w)
 			delete(p.wins, id)
 			ended = append(ended, w.xs)
@@ -576,4 +624,69 @@ func (l *loop) buried(p *outPeer) {
 		destroyRkey(e.k)
 		delete(p.rkeys, id)
 	}
+}
+
+// cancelGrace is how long a cancelled transfer's bytes in flight may keep
+// moving before the connection they move on is dropped to stop them:
+// a quarter of WithTimeout, at most half a second.
+func (c *config) cancelGrace() time.Duration { return min(c.timeout/4, 500*time.Millisecond) }
+
+// cancel handles xs's cancellation (Work.AfterCancel), on the progress
+// thread, so that xs finishes promptly with its CancelErr even if the peer
+// answers nothing. Its lease requests still unanswered are abandoned, and
+// end at once: until a grant, no byte of local memory is touched, and the
+// answer, when it comes, is dropped (a grant's lease released). Windows
+// whose bytes are moving (puts or gets in flight, or a READ the exposing
+// side writes into this side's memory) end when they do; if they still
+// move after cancelGrace, the connection is dropped (failOut), and they
+// end once its endpoint is closed: no byte lands after Finish.
+func (l *loop) cancel(xs *xstate) {
+	if xs.over || xs.cancelled {
+		return
+	}
+	xs.cancelled = true
+	p := xs.p
+	xs.Fail(xs.x.CancelErr())
+	if i := slices.Index(p.waiting, xs); i >= 0 { // no window yet
+		p.waiting = slices.Delete(p.waiting, i, i+1)
+		l.pump(xs)
+		return
+	}
+	if p.failed {
+		return // its windows end when the endpoint is closed
+	}
+	var ended, moving int
+	for id, w := range p.wins {
+		if w.xs != xs {
+			continue
+		}
+		if w.granted || w.remotePut {
+			moving++
+			continue
+		}
+		l.doneWith(w)
+		delete(p.wins, id)
+		p.abandoned[id] = abandoned{deadline: w.deadline, release: !w.inline}
+		ended++
+	}
+	if moving > 0 {
+		b := l.b
+		xs.grace = time.AfterFunc(b.cfg.cancelGrace(), func() { _ = b.submit(command{overdue: xs}) })
+	}
+	for range ended {
+		l.ended(xs, nil) // pumps: its part goes with the last
+	}
+	if ended == 0 {
+		l.pump(xs)
+	}
+}
+
+// overdue runs cancelGrace after xs's cancellation: if its bytes still
+// move, the connection is dropped, which stops them.
+func (l *loop) overdue(xs *xstate) {
+	if xs.over || xs.p.failed {
+		return
+	}
+	l.failOut(xs.p, fmt.Errorf("ucx: connection to peer %s dropped: a cancelled %v still moved bytes %v later: %w",
+		xs.p.id, xs.x.Op, l.b.cfg.cancelGrace(), agent.ErrRemoteLost))
 }

@@ -7,7 +7,6 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
-	"os"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -31,14 +30,10 @@ func postTo(t *testing.T, a *agent.Agent, peer agent.Info, op agent.Op, local []
 
 // Backend.Post: "It finishes a cancelled transfer promptly, with
 // Work.CancelErr". A WRITE whose lease request a frozen peer never answers
-// touches no local byte until a grant, yet Cancel does not end it: ucx
-// looks at the cancellation only when it requests the next lease (pump) or
-// a grant arrives (onGrant), so the transfer ends at the lease deadline,
-// WithTimeout later (here a minute).
+// touches no local byte until a grant: Cancel ends it at once (the request
+// is abandoned), not at the lease deadline, WithTimeout later (here a
+// minute).
 func TestAttack13CancelAgainstFrozenPeerIsPrompt(t *testing.T) {
-	if os.Getenv("ATTACK13") == "" {
-		t.Skip("defect: ucx ignores Cancel while a lease request is unanswered; it ends at WithTimeout (active.go pump/onGrant are the only cancellation checks, no Work.AfterCancel)")
-	}
 	peer, _ := backendtest.StartStuck(t, New(WithTimeout(time.Minute)))
 	a := backendtest.NewAgent(t, New(WithTimeout(time.Minute)))
 	x := postTo(t, a, peer, agent.OpWrite, make([]byte, 1<<20))
@@ -54,11 +49,8 @@ func TestAttack13CancelAgainstFrozenPeerIsPrompt(t *testing.T) {
 
 // Agent.Close "cancels every transfer in flight and waits until the
 // backends have finished each one": with ucx and a frozen peer, that wait
-// is WithTimeout, not prompt (same cause as the test above).
+// is prompt too, not WithTimeout.
 func TestAttack13CloseWithFrozenPeerReturnsPromptly(t *testing.T) {
-	if os.Getenv("ATTACK13") == "" {
-		t.Skip("defect: Agent.Close waits WithTimeout for a ucx transfer to a frozen peer (active.go: cancellation not watched while a lease is requested)")
-	}
 	peer, _ := backendtest.StartStuck(t, New(WithTimeout(time.Minute)))
 	a, err := agent.New(agent.WithBackends(New(WithTimeout(time.Minute))))
 	require.NoError(t, err)
@@ -78,9 +70,10 @@ func TestAttack13CloseWithFrozenPeerReturnsPromptly(t *testing.T) {
 
 // Xfer.Done: "closed when the transfer has finished ... and its backend no
 // longer touches its local memory". A departure fails a READ the exposing
-// side is pushing into this agent's memory at once (failOut ends every
-// window not granted yet); over UCX's software RMA (tcp, posix) the pushes
-// of the force-closed connection stop with it: no byte lands after Done.
+// side is pushing into this agent's memory promptly (failOut force-closes
+// the endpoint, and the pushed window ends once it is closed); over UCX's
+// software RMA (tcp, posix) the pushes of the force-closed connection stop
+// with it: no byte lands after Done.
 // (With hardware RDMA, a NIC could still write: not testable here.)
 func TestAttack13DepartedPushNoWriteAfterDone(t *testing.T) {
 	const size = 64 << 20

@@ -255,11 +255,13 @@ func (b *Backend) Reachable(_ context.Context, info agent.Info) error {
 
 // command is work handed to the progress thread.
 type command struct {
-	post   *xstate
-	notify *note
-	depart *departure
-	run    func(*loop) // tests: code to run on the progress thread
-	close  bool
+	post    *xstate
+	cancel  *xstate // cancelled (Work.AfterCancel)
+	overdue *xstate // cancelled, and its grace is over
+	notify  *note
+	depart  *departure
+	run     func(*loop) // tests: code to run on the progress thread
+	close   bool
 }
 
 // departure is a peer declared gone from outside (agent.Departer).
@@ -305,9 +307,12 @@ func (b *Backend) takeCommands(into []command) []command {
 // Post implements [agent.Backend]: it queues x for the progress thread,
 // which connects to the peer if need be and drives the transfer, lease by
 // lease; it never blocks. The backend touches x's local memory until it
-// calls x.Finish. It fails, and x is not started, for memory kinds UCX
-// cannot move here, a notification over 64 KiB, or a closed backend.
-// Safe for concurrent use.
+// calls x.Finish. A cancelled transfer finishes promptly with
+// x.CancelErr, also when the peer answers nothing: its lease requests are
+// abandoned, and bytes still moving a grace later are stopped by dropping
+// the connection (docs/ucx.md, Cancellation). Post fails, and x is not
+// started, for memory kinds UCX cannot move here, a notification over
+// 64 KiB, or a closed backend. Safe for concurrent use.
 func (b *Backend) Post(x *agent.Work) error {
 	for i, s := range x.Segments {
 		if !b.Supports(s.Local.Kind) || !b.Supports(s.Remote.Kind) {
@@ -339,11 +344,11 @@ func (b *Backend) Notify(ctx context.Context, peer agent.Info, key agent.Key, ms
 // PeerDeparted implements [agent.Departer]: the connections to agent id are
 // dropped at once and their endpoints force-closed, failing with cause
 // (which wraps [agent.ErrRemoteLost]) every transfer waiting on that peer:
-// lease requests unanswered, READs the peer is writing into this agent's
-// memory, puts and flushes in flight (these once the endpoint is closed,
-// so that no operation still touches the transfer's memory). It does not
-// wait for WithTimeout to notice a peer that may have gone silent rather
-// than closed its endpoints. The next transfer to it connects afresh.
+// lease requests unanswered at once; READs the peer is writing into this
+// agent's memory, and puts and flushes in flight, once the endpoint is
+// closed, so that no operation still touches the transfer's memory. It
+// does not wait for WithTimeout to notice a peer that may have gone silent
+// rather than closed its endpoints. The next transfer to it connects afresh.
 // Connections it opened to this agent (for its own transfers, and the
 // leases they hold here) are left to their heartbeats: they serve its
 // requests if it is in fact alive. It never blocks; safe for concurrent

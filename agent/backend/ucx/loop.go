@@ -210,6 +210,10 @@ func (l *loop) command(c command) {
 		l.closing = true
 	case c.post != nil:
 		l.startXfer(c.post)
+	case c.cancel != nil:
+		l.cancel(c.cancel)
+	case c.overdue != nil:
+		l.overdue(c.overdue)
 	case c.run != nil:
 		c.run(l)
 	case c.depart != nil:
@@ -333,14 +337,9 @@ func (l *loop) tick(now time.Time) {
 			l.b.stats.drop(&l.b.stats.timeouts)
 			l.failOut(p, fmt.Errorf("ucx: no word from peer %s for %v: %w", p.id, to, agent.ErrRemoteLost))
 		case p.ready:
-			for _, w := range p.wins {
-				// A READ the peer writes is granted when written: its
-				// heartbeats say it is alive meanwhile.
-				if !w.granted && !w.remotePut && now.After(w.deadline) {
-					l.b.stats.drop(&l.b.stats.timeouts)
-					l.failOut(p, fmt.Errorf("ucx: peer %s left a lease request unanswered for %v: %w", p.id, to, agent.ErrRemoteLost))
-					break
-				}
+			if p.unanswered(now) {
+				l.b.stats.drop(&l.b.stats.timeouts)
+				l.failOut(p, fmt.Errorf("ucx: peer %s left a lease request unanswered for %v: %w", p.id, to, agent.ErrRemoteLost))
 			}
 			if p.ready && now.Sub(p.lastPing) >= to/4 {
 				p.lastPing = now
@@ -354,6 +353,23 @@ func (l *loop) tick(now time.Time) {
 			l.failIn(p, fmt.Errorf("ucx: no word from peer %s for %v: %w", p.peer, to, agent.ErrRemoteLost), true)
 		}
 	}
+}
+
+// unanswered reports whether p left a lease request unanswered past its
+// deadline, one of a cancelled transfer included. A READ the peer writes
+// is granted when written: its heartbeats say it is alive meanwhile.
+func (p *outPeer) unanswered(now time.Time) bool {
+	for _, w := range p.wins {
+		if !w.granted && !w.remotePut && now.After(w.deadline) {
+			return true
+		}
+	}
+	for _, a := range p.abandoned {
+		if now.After(a.deadline) {
+			return true
+		}
+	}
+	return false
 }
 
 // badMessage counts a message dropped as malformed or out of place, the

@@ -118,7 +118,9 @@ func (l *loop) onOpen(p *inPeer, m *msg) {
 		addr, n := m.rangeAt(i)
 		mem, err := h.l.Slice(addr, n)
 		if err == nil && mem == nil && !l.b.cuda {
-			err = fmt.Errorf("%w: device memory cannot be reached by this UCX", agent.ErrAccessDenied)
+			// Exposed GPU memory (Slice has no bytes for it): without
+			// CUDA, UCX would treat the address as host memory.
+			err = fmt.Errorf("%w: [0x%x, +%d) is GPU memory, which this side's UCX cannot reach (built without CUDA)", agent.ErrAccessDenied, addr, n)
 		}
 		var mp *mapping
 		if err == nil {

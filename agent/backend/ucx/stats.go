@@ -28,7 +28,8 @@ var (
 //   - ProtocolErrors: messages dropped as malformed or out of place, in
 //     either direction: undecodable, of an unknown type, sent as
 //     rendezvous, naming no connection of this backend, a grant for no
-//     lease request or a malformed one. A lease requested twice on one
+//     lease request (the late answer to a request of a cancelled transfer
+//     is none) or a malformed one. A lease requested twice on one
 //     connection, or a malformed READ request, also drops the connection.
 //   - LimitRejected: connection requests beyond 4096 connections and
 //     connections holding more than 1024 leases (both dropped); lease
