@@ -524,6 +524,16 @@ func (s *server) begin(f *frame) error {
 // those of device memory, and returns where the copier must copy them: nil
 // if at the ranges' own addresses.
 func (s *server) slices(lease *agent.Lease, table []byte, count int) ([]uint64, error) {
+	// Device memory is staged whole for the lease: one buffer, and for a
+	// READ one wait for the copies out of the device (Ready, below).
+	var total uint64
+	for i := range count {
+		_, n := rangeAt(table, i)
+		total += n
+	}
+	if err := lease.Prepare(total); err != nil {
+		return nil, err
+	}
 	var addrs []uint64
 	for i := range count {
 		addr, n := rangeAt(table, i)
@@ -547,6 +557,9 @@ func (s *server) slices(lease *agent.Lease, table []byte, count int) ([]uint64, 
 		if addrs != nil {
 			addrs[i] = at
 		}
+	}
+	if err := lease.Ready(); err != nil {
+		return nil, err
 	}
 	return addrs, nil
 }
