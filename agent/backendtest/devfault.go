@@ -411,7 +411,7 @@ func closeWhileStaging(t *testing.T, cfg Config) bool {
 // tens of milliseconds): Close returns once the leases are done, no copy
 // into its device ends after that, and it holds no staging memory.
 func closeWhileLeased(t *testing.T, cfg Config) bool {
-	const size = 16 << 20
+	const size = 64 << 20 // more than cma leases ahead (4 × 4 MiB), so that Close interrupts it
 	ps := devmem.NewSim(2)
 	wd := newWatched(ps)
 	p, _ := newDevAgent(t, cfg, wd)
