@@ -410,7 +410,16 @@ func (a *Agent) Post(ctx context.Context, r Request) (*Xfer, error) {
 		a: a, backend: b.Name(), path: b.Name(), bytes: total, onDone: r.OnDone,
 		cancel: make(chan struct{}), done: make(chan struct{}),
 	}
-	if stage || (remoteVRAM && !b.Supports(KindVRAM)) {
+	direct := ""
+	if dd, ok := b.(DeviceDirect); ok && (localVRAM || remoteVRAM) {
+		if how, ok := dd.DirectDevice(peer, r.Segments); ok {
+			direct, stage = how, false
+		}
+	}
+	switch {
+	case direct != "":
+		t.path += "+" + direct
+	case stage || (remoteVRAM && !b.Supports(KindVRAM)):
 		t.path += "+staging"
 	}
 	t.x.t = t

@@ -60,6 +60,10 @@ import (
 //     peer's leases, so the peer's agent can stage its device memory.
 //     Without it, transfers whose remote memory is VRAM go to another
 //     backend, unless this one Supports VRAM itself.
+//   - [DeviceDirect]: for some peers and transfers, the backend moves
+//     device memory on both sides itself (cma: CUDA IPC on one host).
+//     Without it, the agent stages local device memory for a backend that
+//     does not Support VRAM.
 //
 // Device memory: a backend that does not support VRAM never sees it on the
 // local side: the agent stages local device memory through pinned host
@@ -218,6 +222,23 @@ type DeviceStager interface {
 	// StagesDevice reports whether the backend reaches device memory
 	// through staged leases. It must not block.
 	StagesDevice() bool
+}
+
+// DeviceDirect is an optional [Backend] interface for backends that, for
+// some peers, move device memory on both sides themselves: cma maps a
+// same-host peer's GPU allocations (CUDA IPC) and copies between them and
+// local memory, device or host, on the GPU. For a transfer that involves
+// device memory on either side, the agent asks the chosen backend, after
+// Reachable, whether it moves this one directly; if so the backend gets
+// the local device memory as it is (a [Piece]'s LocalAddr, no bytes), no
+// staging, and the transfer's [Xfer.Path] is the backend's name, "+", and
+// the path named. Otherwise the agent stages local device memory as for
+// any backend that does not Support VRAM.
+type DeviceDirect interface {
+	// DirectDevice reports whether the backend moves a transfer of segs
+	// with peer (reached already) without the agent's staging, and names
+	// how ("ipc"). It must not block.
+	DirectDevice(peer Info, segs []Segment) (path string, ok bool)
 }
 
 func stagesDevice(b Backend) bool {

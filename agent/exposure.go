@@ -250,6 +250,12 @@ func (l *Lease) Slice(addr, n uint64) ([]byte, error) {
 	return r.Mem[off : off+n : off+n], nil
 }
 
+// Gone is closed once the exposure is revoked (its [Exposure.Revoke]
+// began, or its agent is closing): a backend that handed a peer something
+// that outlives a lease, such as a mapping of device memory, watches it to
+// take that back.
+func (l *Lease) Gone() <-chan struct{} { return l.e.gone }
+
 // Region returns the exposed region containing [addr, addr+n).
 func (l *Lease) Region(addr, n uint64) (Region, bool) {
 	r, ok := l.e.set.find(addr, n)

@@ -5,6 +5,8 @@ import (
 	"log/slog"
 
 	"github.com/google/uuid"
+
+	"github.com/goxfer/goxfer/agent/devmem"
 )
 
 // Host is the agent as one of its backends sees it, and the only way a
@@ -48,6 +50,11 @@ type Host interface {
 	// Refused counts an access the backend refused before it could name an
 	// exposure (malformed requests, frames from unidentified peers).
 	Refused()
+	// Device returns the agent's device-memory driver ([Agent.Device]),
+	// for backends that copy device memory themselves ([DeviceDirect]):
+	// an error wrapping [devmem.ErrUnavailable] where there is none. The
+	// first call may load the CUDA driver.
+	Device() (devmem.Driver, error)
 }
 
 // host is the agent's Host for one backend.
@@ -67,3 +74,4 @@ func (h *host) Open(l Link, key Key, acc Access) (Lease, error) {
 func (h *host) Deliver(l Link, key Key, msg []byte) bool { return h.a.deliver(l, key, msg) }
 func (h *host) LinkLost(l Link, cause error)             { h.a.linkLost(l, cause) }
 func (h *host) Refused()                                 { h.a.refused.Add(1) }
+func (h *host) Device() (devmem.Driver, error)           { return h.a.Device() }

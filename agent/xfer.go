@@ -129,7 +129,10 @@ func (x *Xfer) Backend() string { return x.t.backend }
 
 // Path returns how the bytes move: the backend's name, with "+staging"
 // appended when device memory on either side goes through pinned host
-// buffers because the backend cannot reach it directly ("tcp+staging").
+// buffers because the backend cannot reach it directly ("tcp+staging"), or
+// with the backend's own device path where it moves device memory itself
+// ("cma+ipc": the peer's GPU memory mapped by CUDA IPC, see
+// [DeviceDirect]).
 func (x *Xfer) Path() string { return x.t.path }
 
 // Done is closed when the transfer has finished, successfully or not, and

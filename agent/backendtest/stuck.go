@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/devmem"
 )
 
 // StuckHost is an [agent.Host] for an exposing side that never grants a
@@ -67,3 +68,6 @@ func (h *StuckHost) LinkLost(agent.Link, error) {}
 
 // Refused does nothing.
 func (h *StuckHost) Refused() {}
+
+// Device reports no device-memory driver.
+func (h *StuckHost) Device() (devmem.Driver, error) { return nil, devmem.ErrUnavailable }
