@@ -3,10 +3,12 @@ package main
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"hash/fnv"
 	"sync"
 
+	"github.com/goxfer/goxfer/agent/devmem"
 	"github.com/goxfer/goxfer/connect"
 )
 
@@ -14,19 +16,49 @@ import (
 // large slab allocated up front and carved into equal blocks, lent out by
 // Alloc and returned by Blocks.Release through a free list. A request's
 // blocks need not be contiguous: a hand-off names each with a descriptor.
-// Safe for concurrent use.
+//
+// The slab is host memory (NewPool) or one allocation of GPU memory
+// (NewDevicePool). The CPU cannot address GPU memory: Blocks.Fill and
+// Blocks.Inspect move the bytes through host memory with the driver's
+// copies. Safe for concurrent use.
 type Pool struct {
-	slab      []byte
+	slab      []byte // host memory; nil for GPU memory
 	blockSize int
+	blocks    int
 
-	mu    sync.Mutex
-	free  []int         // indices of the free blocks
-	freed chan struct{} // closed (and replaced) whenever blocks come back
+	// GPU memory: the driver, the GPU and the slab's device address.
+	drv  devmem.Driver
+	gpu  int
+	base uintptr
+
+	mu     sync.Mutex
+	free   []int         // indices of the free blocks
+	freed  chan struct{} // closed (and replaced) whenever blocks come back
+	closed bool
 }
 
-// NewPool allocates a pool of n blocks of blockSize bytes.
+// NewPool allocates a pool of n blocks of blockSize bytes in host memory.
 func NewPool(n, blockSize int) *Pool {
-	p := &Pool{slab: make([]byte, n*blockSize), blockSize: blockSize, free: make([]int, n), freed: make(chan struct{})}
+	p := newPool(n, blockSize)
+	p.slab = make([]byte, n*blockSize)
+	return p
+}
+
+// NewDevicePool allocates a pool of n blocks of blockSize bytes in the
+// memory of GPU gpu, through drv. Close frees it.
+func NewDevicePool(drv devmem.Driver, gpu, n, blockSize int) (*Pool, error) {
+	base, err := drv.Alloc(gpu, n*blockSize)
+	if err != nil {
+		return nil, fmt.Errorf("allocate a KV pool of %d blocks (%s) in the memory of GPU %d (%s driver): %w",
+			n, sizeString(int64(n)*int64(blockSize)), gpu, drv.Name(), err)
+	}
+	p := newPool(n, blockSize)
+	p.drv, p.gpu, p.base = drv, gpu, base
+	return p, nil
+}
+
+func newPool(n, blockSize int) *Pool {
+	p := &Pool{blockSize: blockSize, blocks: n, free: make([]int, n), freed: make(chan struct{})}
 	for i := range p.free {
 		p.free[i] = n - 1 - i // hand out low blocks first
 	}
@@ -34,7 +66,27 @@ func NewPool(n, blockSize int) *Pool {
 }
 
 // Cap returns how many blocks the pool holds.
-func (p *Pool) Cap() int { return len(p.slab) / p.blockSize }
+func (p *Pool) Cap() int { return p.blocks }
+
+// OnDevice reports whether the pool's blocks are GPU memory.
+func (p *Pool) OnDevice() bool { return p.drv != nil }
+
+// Close frees the pool's GPU memory. Only call it once no operation can
+// touch any of its blocks: after the worker's Connector is closed. Host
+// memory is left to the garbage collector. Idempotent.
+func (p *Pool) Close() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed || p.drv == nil {
+		p.closed = true
+		return nil
+	}
+	p.closed = true
+	if err := p.drv.Free(p.base); err != nil {
+		return fmt.Errorf("free the KV pool's GPU memory: %w", err)
+	}
+	return nil
+}
 
 // Alloc takes n blocks, waiting until that many are free or ctx ends. It
 // takes all n at once, so two requests that each hold half of what they
@@ -45,6 +97,10 @@ func (p *Pool) Alloc(ctx context.Context, n int) (*Blocks, error) {
 	}
 	for {
 		p.mu.Lock()
+		if p.closed {
+			p.mu.Unlock()
+			return nil, errors.New("the KV pool is closed")
+		}
 		if len(p.free) >= n {
 			ids := make([]int, n)
 			copy(ids, p.free[len(p.free)-n:])
@@ -72,19 +128,99 @@ type Blocks struct {
 // Len returns the number of blocks.
 func (b *Blocks) Len() int { return len(b.ids) }
 
-// Buf returns block i's memory.
+// Buf returns block i's memory. Host pools only: the CPU cannot address
+// GPU memory, which Fill and Inspect reach instead.
 func (b *Blocks) Buf(i int) []byte {
+	if b.pool.slab == nil {
+		panic("prefill_decode: Blocks.Buf on a pool in GPU memory")
+	}
 	off := b.ids[i] * b.pool.blockSize
 	return b.pool.slab[off : off+b.pool.blockSize : off+b.pool.blockSize]
 }
 
-// Descriptors describes the blocks for an operation, in order.
+// ptr returns block i's device address, in a pool in GPU memory.
+func (b *Blocks) ptr(i int) uintptr {
+	return b.pool.base + uintptr(b.ids[i])*uintptr(b.pool.blockSize)
+}
+
+// Descriptors describes the blocks for an operation, in order: host
+// descriptors, or device descriptors naming the pool's GPU.
 func (b *Blocks) Descriptors() []connect.Descriptor {
 	ds := make([]connect.Descriptor, len(b.ids))
 	for i := range b.ids {
-		ds[i] = connect.NewDescriptor(b.Buf(i))
+		if b.pool.OnDevice() {
+			ds[i] = connect.NewDeviceDescriptor(b.ptr(i), b.pool.blockSize, connect.CUDA(b.pool.gpu))
+		} else {
+			ds[i] = connect.NewDescriptor(b.Buf(i))
+		}
 	}
 	return ds
+}
+
+// Fill sets every block's content: fn writes block i's bytes into buf. In
+// host memory buf is the block itself; in GPU memory it is host memory,
+// which Fill then copies into the blocks (one stream, one wait).
+func (b *Blocks) Fill(fn func(i int, buf []byte)) error {
+	if !b.pool.OnDevice() {
+		for i := range b.ids {
+			fn(i, b.Buf(i))
+		}
+		return nil
+	}
+	host := b.hostCopy()
+	for i := range b.ids {
+		fn(i, host(i))
+	}
+	st, err := b.pool.drv.NewStream(b.pool.gpu)
+	if err != nil {
+		return fmt.Errorf("copy the KV blocks into GPU %d: %w", b.pool.gpu, err)
+	}
+	for i := range b.ids {
+		if err = st.ToDevice(b.ptr(i), host(i)); err != nil {
+			break
+		}
+	}
+	if err = errors.Join(err, st.Close()); err != nil {
+		return fmt.Errorf("copy the KV blocks into GPU %d: %w", b.pool.gpu, err)
+	}
+	return nil
+}
+
+// Inspect shows fn every block's content, in buf. In host memory buf is the
+// block itself; in GPU memory it is a copy in host memory, made first (one
+// stream, one wait): the CPU cannot read GPU memory.
+func (b *Blocks) Inspect(fn func(i int, buf []byte)) error {
+	if !b.pool.OnDevice() {
+		for i := range b.ids {
+			fn(i, b.Buf(i))
+		}
+		return nil
+	}
+	host := b.hostCopy()
+	st, err := b.pool.drv.NewStream(b.pool.gpu)
+	if err != nil {
+		return fmt.Errorf("copy the KV blocks back from GPU %d: %w", b.pool.gpu, err)
+	}
+	for i := range b.ids {
+		if err = st.ToHost(host(i), b.ptr(i)); err != nil {
+			break
+		}
+	}
+	if err = errors.Join(err, st.Close()); err != nil {
+		return fmt.Errorf("copy the KV blocks back from GPU %d: %w", b.pool.gpu, err)
+	}
+	for i := range b.ids {
+		fn(i, host(i))
+	}
+	return nil
+}
+
+// hostCopy returns host memory for a copy of the blocks, block i at
+// host(i).
+func (b *Blocks) hostCopy() (host func(i int) []byte) {
+	bs := b.pool.blockSize
+	buf := make([]byte, len(b.ids)*bs)
+	return func(i int) []byte { return buf[i*bs : (i+1)*bs : (i+1)*bs] }
 }
 
 // Release returns the blocks to the pool. Only call it once no operation
@@ -171,38 +307,44 @@ func checkBlock(buf []byte, seed uint64) (off int, want byte) {
 }
 
 // FillKV plays the prefill's part: it writes request id's KV cache into
-// blocks, laid out as l says.
-func FillKV(l Layout, id string, blocks *Blocks) {
+// blocks, laid out as l says. tamper, if not nil, may change each block's
+// bytes after they are computed and before they reach the blocks (a test
+// hook).
+func FillKV(l Layout, id string, blocks *Blocks, tamper func(i int, buf []byte)) error {
 	s := requestSeed(id)
-	for i := range blocks.Len() {
-		fillBlock(blocks.Buf(i), blockSeed(s, l.Locate(i)))
-	}
+	return blocks.Fill(func(i int, buf []byte) {
+		fillBlock(buf, blockSeed(s, l.Locate(i)))
+		if tamper != nil {
+			tamper(i, buf)
+		}
+	})
 }
 
-// VerifyKV checks every byte of request id's KV cache in blocks. It returns
-// nil if all are as FillKV wrote them, else a *MismatchError naming the
-// first block that differs.
+// VerifyKV checks every byte of request id's KV cache in blocks (copied
+// back to host memory first when they are GPU memory). It returns nil if
+// all are as FillKV wrote them, a *MismatchError naming the first block
+// that differs, or the error of the copy.
 func VerifyKV(l Layout, id string, blocks *Blocks) error {
 	s := requestSeed(id)
 	var first *MismatchError
 	bad := 0
-	for i := range blocks.Len() {
-		buf := blocks.Buf(i)
+	err := blocks.Inspect(func(i int, buf []byte) {
 		off, want := checkBlock(buf, blockSeed(s, l.Locate(i)))
 		if off < 0 {
-			continue
+			return
 		}
 		bad++
 		if first == nil {
 			first = &MismatchError{Request: id, Descriptor: i, Block: l.Locate(i), Offset: off, Size: len(buf), Got: buf[off], Want: want}
 		}
-	}
-	if first != nil {
-		first.Blocks, first.Total = bad, blocks.Len()
+	})
+	if err != nil {
+		return err
 	}
 	if first == nil {
 		return nil
 	}
+	first.Blocks, first.Total = bad, blocks.Len()
 	return first
 }
 

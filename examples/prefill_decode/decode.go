@@ -16,6 +16,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/goxfer/goxfer/agent/devmem"
 	"github.com/goxfer/goxfer/connect"
 	gxnats "github.com/goxfer/goxfer/transport/nats"
 )
@@ -63,26 +64,31 @@ type result struct {
 	prefill   time.Duration // READ: request sent → token received
 	transfer  time.Duration // READ: BeginRead → Wait returned
 	backend   string        // READ: the backend that moved the bytes
+	path      string        // READ: how it moved them (ReadOperation.Path)
 }
 
-func runDecode(ctx context.Context, cfg config, out io.Writer) (err error) {
+func runDecode(ctx context.Context, cfg config, drv devmem.Driver, out io.Writer) (err error) {
 	l, _ := cfg.model.LayoutFor(cfg.promptTokens)
 	var id [4]byte
 	_, _ = rand.Read(id[:])
-	d := &decodeWorker{
-		cfg: cfg, out: out, layout: l, runID: hex.EncodeToString(id[:]),
-		// One prompt's blocks for each request in flight: a request keeps
-		// its blocks until it is verified (and "decoded").
-		pool: NewPool(cfg.concurrency*l.Blocks(), cfg.model.BlockBytes()),
+	// One prompt's blocks for each request in flight: a request keeps its
+	// blocks until it is verified (and "decoded").
+	pool, err := newKVPool(cfg, drv, cfg.concurrency*l.Blocks())
+	if err != nil {
+		return err
 	}
-	ep, err := openEndpoint(ctx, cfg, "decode", out)
+	// Freed last, once the Connector is closed: no peer can reach it then.
+	defer func() { err = errors.Join(err, pool.Close()) }()
+	d := &decodeWorker{cfg: cfg, out: out, layout: l, runID: hex.EncodeToString(id[:]), pool: pool}
+	ep, err := openEndpoint(ctx, cfg, drv, "decode", out)
 	if err != nil {
 		return err
 	}
 	defer func() { err = errors.Join(err, ep.Close()) }()
 	d.nc, d.conn = ep.nc, ep.conn
 
-	fmt.Fprintf(out, "agent %s: waiting up to %v for a prefill worker\n", d.conn.AgentInfo().ID(), cfg.wait)
+	fmt.Fprintf(out, "agent %s: KV pool of %d blocks (%s) in %s; waiting up to %v for a prefill worker\n",
+		d.conn.AgentInfo().ID(), pool.Cap(), sizeString(int64(pool.Cap())*int64(cfg.model.BlockBytes())), cfg.device.describe(), cfg.wait)
 	if err := d.awaitPrefill(ctx); err != nil {
 		return err
 	}
@@ -208,8 +214,16 @@ func (d *decodeWorker) handoff(ctx context.Context, n int) result {
 	r.latency = time.Since(start)
 
 	// Check every byte: what arrived must be exactly what the prefill
-	// worker computed for this request ID.
-	r.mismatch = VerifyKV(d.layout, r.id, blocks)
+	// worker computed for this request ID. Blocks in GPU memory are copied
+	// back to host memory for it.
+	var mm *MismatchError
+	switch err := VerifyKV(d.layout, r.id, blocks); {
+	case errors.As(err, &mm):
+		r.mismatch = err
+	case err != nil:
+		r.err = fmt.Errorf("verify: %w", err)
+		return r
+	}
 
 	// A real decode worker would now generate tokens, attending to the
 	// KV cache in its blocks.
@@ -285,7 +299,7 @@ func (d *decodeWorker) read(ctx context.Context, r *result, blocks *Blocks) erro
 	if err := op.Wait(xctx); err != nil {
 		return err
 	}
-	r.transfer, r.backend = time.Since(start), op.Backend()
+	r.transfer, r.backend, r.path = time.Since(start), op.Backend(), op.Path()
 	return nil
 }
 
@@ -326,8 +340,8 @@ func (d *decodeWorker) print(r result) {
 		sizeString(d.layout.Bytes()), d.layout.Blocks(), sizeString(int64(r.tokenSize)))
 	if r.err == nil {
 		if d.cfg.mode == "read" {
-			fmt.Fprintf(&b, "  latency %v (prefill %v + read %v at %s)  backend=%s",
-				ms(r.latency), ms(r.prefill), ms(r.transfer), rate(d.layout.Bytes(), r.transfer), r.backend)
+			fmt.Fprintf(&b, "  latency %v (prefill %v + read %v at %s)  backend=%s path=%s",
+				ms(r.latency), ms(r.prefill), ms(r.transfer), rate(d.layout.Bytes(), r.transfer), r.backend, r.path)
 		} else {
 			fmt.Fprintf(&b, "  latency %v (offer → written, %s)", ms(r.latency), rate(d.layout.Bytes(), r.latency))
 		}
@@ -351,7 +365,8 @@ func (d *decodeWorker) print(r result) {
 func (d *decodeWorker) summarize(rs []result, elapsed time.Duration) error {
 	var ok, mismatched, failed, retried int
 	var latencies, transfers []time.Duration
-	backends := map[string]int{}
+	type via struct{ backend, path string }
+	backends := map[via]int{}
 	for _, r := range rs {
 		if r.attempts > 1 {
 			retried++
@@ -368,7 +383,7 @@ func (d *decodeWorker) summarize(rs []result, elapsed time.Duration) error {
 		latencies = append(latencies, r.latency)
 		if r.backend != "" {
 			transfers = append(transfers, r.transfer)
-			backends[r.backend]++
+			backends[via{r.backend, r.path}]++
 		}
 	}
 	total := d.cfg.requests
@@ -383,12 +398,15 @@ func (d *decodeWorker) summarize(rs []result, elapsed time.Duration) error {
 	}
 	if len(transfers) > 0 {
 		var names []string
-		for name, n := range backends {
-			names = append(names, fmt.Sprintf("%s ×%d", name, n))
+		for v, n := range backends {
+			names = append(names, fmt.Sprintf("%s ×%d (path %s)", v.backend, n, v.path))
 		}
 		slices.Sort(names)
 		fmt.Fprintf(d.out, "  transfer, BeginRead → Wait: p50 %v (%s)  p99 %v  backend %s\n",
 			ms(percentile(transfers, 50)), rate(d.layout.Bytes(), percentile(transfers, 50)), ms(percentile(transfers, 99)), strings.Join(names, ", "))
+	}
+	if d.pool.OnDevice() {
+		fmt.Fprintf(d.out, "  KV blocks: %s on both sides; every block copied back to host memory and checked\n", d.cfg.device.describe())
 	}
 	switch {
 	case failed > 0:

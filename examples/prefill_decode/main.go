@@ -10,6 +10,8 @@
 //	go run ./examples/prefill_decode                  # READ mode: decode reads prefill's blocks
 //	go run ./examples/prefill_decode -mode write      # WRITE mode: prefill writes into decode's blocks
 //	go run ./examples/prefill_decode -nats nats://127.0.0.1:4222   # an existing server (nats-server -js)
+//	go run ./examples/prefill_decode -device cuda     # the KV blocks in GPU 0's memory, on both sides
+//	go run ./examples/prefill_decode -device sim      # the same on simulated GPUs, on a machine without one
 //
 //	# one worker per host, against a shared NATS server:
 //	go run ./examples/prefill_decode -role prefill -nats nats://10.0.0.1:4222 -listen :0
@@ -44,8 +46,20 @@
 // replaces the earlier attempt, and the decode worker verifies whatever
 // arrives against that ID.
 //
+// With -device cuda (GPU 0) or cuda:N, both workers keep their KV blocks in
+// GPU memory: prefill computes a prompt's blocks in host memory and copies
+// them into its GPU, exposes them (or writes them) with device descriptors,
+// and decode receives them into its own GPU's memory, then copies them back
+// to host memory to check every byte. Each transfer says which path moved
+// the bytes (ReadOperation.Path, WriteOperation.Path): "cma+staging" or
+// "tcp+staging" where the backend goes through pinned host buffers. With
+// -device sim the GPUs are simulated (devmem.Sim, GOXFER_DEVICE=sim in
+// every worker), so the same run works on a machine without a GPU; there
+// -device cuda stops at once, saying so.
+//
 // Exit status: 0 when every request completed and every byte matched, 1 on
-// any failure or mismatch, 2 for bad flags, 130 when interrupted (Ctrl-C).
+// any failure or mismatch (and for -device cuda without a GPU), 2 for bad
+// flags, 130 when interrupted (Ctrl-C).
 package main
 
 import (
@@ -76,6 +90,7 @@ type config struct {
 	concurrency    int
 	promptTokens   int
 	model          Model
+	device         kvDevice
 	compact        bool
 	listen         string
 	wait           time.Duration
@@ -102,6 +117,7 @@ func parseFlags(args []string, stderr io.Writer) (config, *flag.FlagSet, error) 
 	fs.IntVar(&c.model.HeadDim, "head-dim", c.model.HeadDim, "model: dimensions per head")
 	fs.IntVar(&c.model.BlockTokens, "block-tokens", c.model.BlockTokens, "model: tokens per KV block")
 	fs.StringVar(&c.model.DType, "dtype", c.model.DType, "model: element type: fp32, fp16, bf16 or fp8")
+	fs.Var(&c.device, "device", "where both workers keep their KV blocks: host (the default), cuda (GPU 0), cuda:N, or sim / sim:N (simulated GPUs, GOXFER_DEVICE=sim, for machines without one)")
 	fs.BoolVar(&c.compact, "compact-tokens", true, "hand out compact tokens, resolved through the presence registry")
 	fs.StringVar(&c.listen, "listen", "127.0.0.1:0", "address the tcp backend listens on; use :0 when the workers are on different hosts")
 	fs.DurationVar(&c.wait, "wait", 15*time.Second, "how long the decode worker waits for a prefill worker to answer")
@@ -180,6 +196,13 @@ func run(args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		return 2
 	}
+	// GPU memory: a machine without the GPU asked for stops here, before
+	// NATS or any worker starts.
+	drv, err := cfg.device.open()
+	if err != nil {
+		fmt.Fprintf(stderr, "prefill_decode: %v\n", err)
+		return 1
+	}
 	out := &lineWriter{w: stdout}
 	name := cfg.role
 	if name == "" {
@@ -227,9 +250,9 @@ func run(args []string, stdout, stderr io.Writer) int {
 
 	switch cfg.role {
 	case "prefill":
-		err = runPrefill(ctx, cfg, out)
+		err = runPrefill(ctx, cfg, drv, out)
 	case "decode":
-		err = runDecode(ctx, cfg, out)
+		err = runDecode(ctx, cfg, drv, out)
 	default:
 		err = orch.run(ctx)
 	}
@@ -279,6 +302,11 @@ func (o *orchestrator) run(ctx context.Context) error {
 	fmt.Fprintf(o.out, "model: %v\n", cfg.model)
 	fmt.Fprintf(o.out, "KV cache of one prompt: %d layers × (K + V) × %d blocks = %d blocks, %s\n",
 		l.Layers, l.BlocksPerSeq, l.Blocks(), sizeString(l.Bytes()))
+	if cfg.device.gpuMemory() {
+		fmt.Fprintf(o.out, "KV blocks: %s, in both workers; decode copies them back to host memory to verify every byte\n", cfg.device.describe())
+	} else {
+		fmt.Fprintf(o.out, "KV blocks: host memory, in both workers\n")
+	}
 
 	url := cfg.natsURL
 	if url == "" {
@@ -357,6 +385,7 @@ func (o *orchestrator) run(ctx context.Context) error {
 // the role.
 func (o *orchestrator) start(exe, role, url string, args []string) (*child, error) {
 	cmd := exec.Command(exe, append([]string{"-role", role, "-nats", url}, args...)...)
+	cmd.Env = append(os.Environ(), o.cfg.device.env()...)
 	cmd.Stdout = &prefixWriter{prefix: "[" + role + "] ", w: o.out}
 	cmd.Stderr = &prefixWriter{prefix: "[" + role + "] ", w: o.errOut}
 	cmd.SysProcAttr = workerProcAttr()

@@ -20,6 +20,8 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/goxfer/goxfer/agent/devmem"
+	"github.com/goxfer/goxfer/connect"
 	"github.com/goxfer/goxfer/transport/nats/natsserver"
 )
 
@@ -51,9 +53,15 @@ type example struct {
 // start runs the example with args.
 func start(t *testing.T, args ...string) *example {
 	t.Helper()
+	return startEnv(t, nil, args...)
+}
+
+// startEnv runs the example with args, and env added to its environment.
+func startEnv(t *testing.T, env []string, args ...string) *example {
+	t.Helper()
 	e := &example{t: t, line: make(chan string, 1024), done: make(chan struct{})}
 	e.cmd = exec.Command(os.Args[0], args...)
-	e.cmd.Env = append(os.Environ(), envRunMain+"=1")
+	e.cmd.Env = append(append(os.Environ(), envRunMain+"=1"), env...)
 	r, w, err := os.Pipe()
 	require.NoError(t, err)
 	e.cmd.Stdout, e.cmd.Stderr = w, w
@@ -161,12 +169,147 @@ func TestEndToEnd(t *testing.T) {
 				backend = "tcp"
 			}
 			if mode == "read" {
-				assert.Regexp(t, `backend=`+backend, out)
+				assert.Regexp(t, `backend=`+backend+` path=`+backend+`  verified`, out)
 			} else {
-				assert.Regexp(t, `\[prefill\] request .*: wrote 16 blocks .* via `+backend, out)
+				assert.Regexp(t, `\[prefill\] request .*: wrote 16 blocks .* via `+backend+`, path `+backend+`\n`, out)
+			}
+			assert.Contains(t, out, "KV blocks: host memory, in both workers")
+			assert.NotContains(t, out, "+staging", "host memory is never staged")
+		})
+	}
+}
+
+// devicePath is the path of a transfer that moved GPU memory between two
+// processes on one host: staged through pinned host buffers by cma or tcp,
+// or over CUDA IPC.
+const devicePath = `(cma|tcp)\+(staging|ipc)`
+
+// With -device sim both workers keep their KV blocks in simulated GPU
+// memory: every transfer says it moved device memory, and decode verifies
+// every byte after copying its blocks back to host memory.
+func TestEndToEndDeviceSim(t *testing.T) {
+	for _, mode := range []string{"read", "write"} {
+		t.Run(mode, func(t *testing.T) {
+			t.Parallel()
+			const n = 6
+			// GOXFER_DEVICE empty: the orchestrator's -device sim alone must
+			// put the workers on the simulator.
+			e := startEnv(t, []string{"GOXFER_DEVICE="}, append([]string{"-device", "sim", "-mode", mode, "-requests", strconv.Itoa(n)}, small...)...)
+			require.Equal(t, 0, e.wait(), "exit status")
+			out := e.output()
+			requireAllVerified(t, out, n)
+			const where = "GPU memory on cuda:0, simulated (GOXFER_DEVICE=sim)"
+			assert.Contains(t, out, "KV blocks: "+where+", in both workers")
+			assert.Regexp(t, `\[prefill\] agent \S+ ready: .* KV pool of 64 blocks \(256 KiB\) in `+regexp.QuoteMeta(where)+`\n`, out)
+			assert.Regexp(t, `\[decode\] agent \S+: KV pool of 32 blocks \(128 KiB\) in `+regexp.QuoteMeta(where)+`; waiting`, out)
+			assert.Contains(t, out, "[decode]   KV blocks: "+where+" on both sides; every block copied back to host memory and checked")
+			if mode == "read" {
+				// Every request's line names the path, and it is a device path.
+				assert.Len(t, regexp.MustCompile(`(?m)^\[decode\] req .* backend=(cma|tcp) path=`+devicePath+`  verified$`).FindAllString(out, -1), n)
+				assert.Regexp(t, `transfer, BeginRead → Wait: .* backend (cma|tcp) ×6 \(path `+devicePath+`\)`, out)
+			} else {
+				assert.Len(t, regexp.MustCompile(`(?m)^\[prefill\] request \S+: wrote 16 blocks .* via (cma|tcp), path `+devicePath+`$`).FindAllString(out, -1), n)
 			}
 		})
 	}
+}
+
+// One byte flipped on the prefill side before its blocks go into the
+// (simulated) GPU is caught by decode once it copies its GPU blocks back:
+// the check reads what is in device memory, not a host copy of the source.
+func TestMismatchDetectedDeviceSim(t *testing.T) {
+	t.Parallel()
+	code, out := run1(t, append([]string{"-device", "sim", "-requests", "3", "-x-corrupt-block", "5"}, small...)...)
+	assert.Equal(t, 1, code, "exit status")
+	assert.Regexp(t, `req \d/3 .* path=`+devicePath+`  MISMATCH: request \S+-\d: 1 of 16 blocks differ; first: layer 0 V block 1 \(descriptor 5\), byte 2048 of 4096`, out)
+	assert.Contains(t, out, "summary: 2 of 3 requests verified, 1 mismatched")
+}
+
+// The workers started alone with -role and -device sim, as on two hosts,
+// with no orchestrator to set GOXFER_DEVICE for them: each selects the
+// simulator itself. Then a decode worker in host memory: only prefill's
+// side is GPU memory, and the path still says it was staged.
+func TestSeparateWorkersDeviceSim(t *testing.T) {
+	srv, err := natsserver.Start()
+	require.NoError(t, err)
+	t.Cleanup(srv.Shutdown)
+
+	noEnv := []string{"GOXFER_DEVICE=", "GOXFER_SIM_DEVICES=2"}
+	prefill := startEnv(t, noEnv, append([]string{"-role", "prefill", "-nats", srv.URL(), "-device", "sim:1"}, small...)...)
+	prefill.await(`ready: READ requests .* in GPU memory on cuda:1, simulated`)
+	e := startEnv(t, noEnv, append([]string{"-role", "decode", "-nats", srv.URL(), "-requests", "3", "-device", "sim"}, small...)...)
+	assert.Equal(t, 0, e.wait(), "exit status")
+	out := e.output()
+	assert.Contains(t, out, "summary: 3 of 3 requests verified, 0 mismatched")
+	assert.Len(t, regexp.MustCompile(`(?m)^req .* path=`+devicePath+`  verified$`).FindAllString(out, -1), 3)
+
+	host := startEnv(t, noEnv, append([]string{"-role", "decode", "-nats", srv.URL(), "-requests", "2", "-mode", "write"}, small...)...)
+	assert.Equal(t, 0, host.wait(), "exit status")
+	assert.Contains(t, host.output(), "summary: 2 of 2 requests verified, 0 mismatched")
+
+	require.NoError(t, prefill.cmd.Process.Signal(syscall.SIGTERM))
+	assert.Equal(t, 0, prefill.wait(), "exit status of a prefill worker told to stop")
+	assert.Regexp(t, `request \S+: wrote 16 blocks .* path `+devicePath+`\n`, prefill.output(), "writing from GPU memory into host memory is staged too")
+	assert.Contains(t, prefill.output(), "stopped: 5 hand-offs served, 0 failed")
+}
+
+// hasGPU reports whether this machine has a CUDA driver that sees a GPU.
+func hasGPU() bool {
+	n, err := devmem.CUDA().Devices()
+	return err == nil && n > 0
+}
+
+// -device cuda on a machine without a GPU stops at once with one line that
+// says what is missing and what to try, before NATS or a worker starts;
+// a worker started alone does the same before it connects to NATS.
+func TestDeviceCUDAWithoutGPU(t *testing.T) {
+	if hasGPU() {
+		t.Skip("this machine has a GPU")
+	}
+	want := `^prefill_decode: -device cuda(:0)?: (no CUDA driver on this machine \(.+\)|the CUDA driver sees no GPU on this machine); try -device sim\n$`
+	for _, args := range [][]string{
+		{"-device", "cuda"},
+		{"-device", "cuda:0", "-mode", "write"},
+		{"-role", "decode", "-nats", "nats://127.0.0.1:1", "-device", "cuda"},
+	} {
+		t.Run(strings.Join(args, " "), func(t *testing.T) {
+			start := time.Now()
+			code, out := run1(t, args...)
+			assert.Equal(t, 1, code, "exit status")
+			assert.Regexp(t, want, out)
+			assert.NotContains(t, out, "nats")
+			assert.Less(t, time.Since(start), 10*time.Second)
+		})
+	}
+}
+
+// With a GPU, -device cuda moves the KV blocks between two processes' GPU
+// memory, every byte verified. Skipped on machines without one.
+func TestEndToEndDeviceCUDA(t *testing.T) {
+	if !hasGPU() {
+		t.Skip("no GPU on this machine: -device cuda is tested by TestDeviceCUDAWithoutGPU; -device sim by TestEndToEndDeviceSim")
+	}
+	for _, mode := range []string{"read", "write"} {
+		t.Run(mode, func(t *testing.T) {
+			code, out := run1(t, append([]string{"-device", "cuda", "-mode", mode, "-requests", "4"}, small...)...)
+			require.Equal(t, 0, code, "exit status")
+			requireAllVerified(t, out, 4)
+			assert.Contains(t, out, "KV blocks: GPU memory on cuda:0 (CUDA driver), in both workers")
+			if mode == "read" {
+				assert.Len(t, regexp.MustCompile(`(?m)^\[decode\] req .* path=(`+devicePath+`|ucx)  verified$`).FindAllString(out, -1), 4)
+			} else {
+				assert.Len(t, regexp.MustCompile(`(?m)^\[prefill\] request \S+: wrote 16 blocks .* path (`+devicePath+`|ucx)$`).FindAllString(out, -1), 4)
+			}
+		})
+	}
+}
+
+// A simulated GPU the simulator does not have is refused at once.
+func TestDeviceSimNoSuchGPU(t *testing.T) {
+	t.Parallel()
+	code, out := run1(t, "-device", "sim:64") // GOXFER_SIM_DEVICES is at most 64
+	assert.Equal(t, 1, code, "exit status")
+	assert.Regexp(t, `^prefill_decode: -device sim:64: the simulator has \d+ GPUs?, sim:0 to sim:\d+ \(set GOXFER_SIM_DEVICES for more\)\n$`, out)
 }
 
 // The NATS server restarts while requests are in flight: the workers
@@ -284,6 +427,10 @@ func TestBadFlags(t *testing.T) {
 		{[]string{"-prompt-tokens", "0"}, "prompt of 0 tokens: want 1 to"},
 		{[]string{"-concurrency", "0"}, "-concurrency 0: want 1 to 64"},
 		{[]string{"extra"}, "unexpected arguments"},
+		{[]string{"-device", "bogus"}, `invalid value "bogus" for flag -device: want host, cuda, cuda:N, sim or sim:N`},
+		{[]string{"-device", "cuda:one"}, `invalid value "cuda:one" for flag -device: want host, cuda, cuda:N, sim or sim:N, N a GPU ordinal from 0; "one" is not one`},
+		{[]string{"-device", "sim:-1"}, `invalid value "sim:-1" for flag -device`},
+		{[]string{"-device", "host:0"}, `invalid value "host:0" for flag -device`},
 	} {
 		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
 			var stdout, stderr bytes.Buffer
@@ -322,7 +469,7 @@ func TestFillVerify(t *testing.T) {
 	pool := NewPool(2*l.Blocks(), m.BlockBytes())
 	a, err := pool.Alloc(context.Background(), l.Blocks())
 	require.NoError(t, err)
-	FillKV(l, "run-1", a)
+	require.NoError(t, FillKV(l, "run-1", a, nil))
 	require.NoError(t, VerifyKV(l, "run-1", a))
 	assert.Error(t, VerifyKV(l, "run-2", a), "another request's content")
 	assert.NotEqual(t, a.Buf(0), a.Buf(1), "blocks differ")
@@ -360,4 +507,68 @@ func TestPoolAllocWaitsForRelease(t *testing.T) {
 
 	_, err = pool.Alloc(context.Background(), 5)
 	assert.ErrorContains(t, err, "want 5 blocks, the pool holds only 4")
+}
+
+// A pool in (simulated) GPU memory: its descriptors are device descriptors
+// inside its one allocation, Fill and Inspect go through the driver's
+// copies, VerifyKV checks what is in device memory, and Close frees it.
+func TestDevicePool(t *testing.T) {
+	sim := devmem.NewSim(2)
+	m := Model{Layers: 2, KVHeads: 1, HeadDim: 3, BlockTokens: 5, DType: "fp8"} // 15-byte blocks
+	l, err := m.LayoutFor(12)
+	require.NoError(t, err)
+	pool, err := NewDevicePool(sim, 1, 2*l.Blocks(), m.BlockBytes())
+	require.NoError(t, err)
+	require.True(t, pool.OnDevice())
+	_, err = pool.Alloc(context.Background(), 3) // blocks 0-2: the next ones start further in
+	require.NoError(t, err)
+	a, err := pool.Alloc(context.Background(), l.Blocks())
+	require.NoError(t, err)
+
+	ds := a.Descriptors()
+	require.Len(t, ds, l.Blocks())
+	for i, d := range ds {
+		assert.Equal(t, connect.CUDA(1), d.Device(), "descriptor %d", i)
+		assert.Equal(t, m.BlockBytes(), d.Size())
+		assert.Nil(t, d.Bytes(), "GPU memory has no host bytes")
+		assert.NoError(t, sim.Check(a.ptr(i), uint64(m.BlockBytes()), 1), "descriptor %d lies in the pool's GPU memory", i)
+	}
+	assert.Panics(t, func() { a.Buf(0) }, "the CPU cannot address GPU memory")
+
+	require.NoError(t, FillKV(l, "run-1", a, nil))
+	require.NoError(t, VerifyKV(l, "run-1", a))
+	assert.Error(t, VerifyKV(l, "run-2", a), "another request's content")
+
+	// A byte changed in device memory, behind the pool's back, is found.
+	b := make([]byte, m.BlockBytes())
+	require.NoError(t, devmem.CopyToHost(sim, 1, b, a.ptr(7)))
+	b[14] ^= 1
+	require.NoError(t, devmem.CopyToDevice(sim, 1, a.ptr(7), b))
+	var mm *MismatchError
+	require.ErrorAs(t, VerifyKV(l, "run-1", a), &mm)
+	assert.Equal(t, 7, mm.Descriptor)
+	assert.Equal(t, 14, mm.Offset)
+	assert.Equal(t, 1, mm.Blocks)
+	assert.Equal(t, mm.Want^1, mm.Got)
+
+	// The tamper hook changes the bytes before they reach the device.
+	require.NoError(t, FillKV(l, "run-3", a, func(i int, buf []byte) {
+		if i == 2 {
+			buf[0] ^= 0x80
+		}
+	}))
+	require.ErrorAs(t, VerifyKV(l, "run-3", a), &mm)
+	assert.Equal(t, 2, mm.Descriptor)
+	assert.Equal(t, 0, mm.Offset)
+
+	ptr := a.ptr(0)
+	a.Release()
+	require.NoError(t, pool.Close())
+	require.NoError(t, pool.Close(), "idempotent")
+	assert.ErrorIs(t, sim.Check(ptr, 1, 1), devmem.ErrNotDevice, "Close frees the GPU memory")
+	_, err = pool.Alloc(context.Background(), 1)
+	assert.ErrorContains(t, err, "the KV pool is closed")
+
+	_, err = NewDevicePool(sim, 2, 4, 8)
+	assert.ErrorContains(t, err, "allocate a KV pool of 4 blocks (32 B) in the memory of GPU 2 (sim driver)")
 }

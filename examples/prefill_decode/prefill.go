@@ -12,6 +12,7 @@ import (
 
 	"github.com/nats-io/nats.go"
 
+	"github.com/goxfer/goxfer/agent/devmem"
 	"github.com/goxfer/goxfer/connect"
 	gxnats "github.com/goxfer/goxfer/transport/nats"
 )
@@ -48,16 +49,18 @@ type exposure struct {
 	op      *connect.ReadableOperation
 }
 
-func runPrefill(ctx context.Context, cfg config, out io.Writer) (err error) {
+func runPrefill(ctx context.Context, cfg config, drv devmem.Driver, out io.Writer) (err error) {
 	l, _ := cfg.model.LayoutFor(cfg.promptTokens)
-	p := &prefillWorker{
-		cfg: cfg, out: out,
-		// Room for the prompts being prefilled and those exposed, awaiting
-		// their reader.
-		pool:      NewPool(2*cfg.concurrency*l.Blocks(), cfg.model.BlockBytes()),
-		exposures: make(map[string]*exposure),
+	// Room for the prompts being prefilled and those exposed, awaiting
+	// their reader.
+	pool, err := newKVPool(cfg, drv, 2*cfg.concurrency*l.Blocks())
+	if err != nil {
+		return err
 	}
-	ep, err := openEndpoint(ctx, cfg, "prefill", out)
+	// Freed last, once the Connector is closed: no peer can reach it then.
+	defer func() { err = errors.Join(err, pool.Close()) }()
+	p := &prefillWorker{cfg: cfg, out: out, pool: pool, exposures: make(map[string]*exposure)}
+	ep, err := openEndpoint(ctx, cfg, drv, "prefill", out)
 	if err != nil {
 		return err
 	}
@@ -86,8 +89,8 @@ func runPrefill(ctx context.Context, cfg config, out io.Writer) (err error) {
 	p.wg.Add(1)
 	go p.takeOffers(ctx, offers)
 
-	fmt.Fprintf(out, "agent %s ready: READ requests on %q, WRITE offers on %q, KV pool of %d blocks (%s)\n",
-		conn.AgentInfo().ID(), subjectRead, subjectOffer, p.pool.Cap(), sizeString(int64(p.pool.Cap())*int64(cfg.model.BlockBytes())))
+	fmt.Fprintf(out, "agent %s ready: READ requests on %q, WRITE offers on %q, KV pool of %d blocks (%s) in %s\n",
+		conn.AgentInfo().ID(), subjectRead, subjectOffer, p.pool.Cap(), sizeString(int64(p.pool.Cap())*int64(cfg.model.BlockBytes())), cfg.device.describe())
 
 	<-ctx.Done()
 	// Stop taking work, revoke the exposures nobody has read yet, and wait
@@ -100,19 +103,36 @@ func runPrefill(ctx context.Context, cfg config, out io.Writer) (err error) {
 }
 
 // prefill does the prefill worker's actual work for one request: it takes
-// blocks from the pool and computes the prompt's KV cache into them.
+// blocks from the pool and computes the prompt's KV cache into them (in
+// host memory, then copied into the GPU when the pool is GPU memory).
 func (p *prefillWorker) prefill(ctx context.Context, r kvRequest, l Layout) (*Blocks, error) {
 	blocks, err := p.pool.Alloc(ctx, l.Blocks())
 	if err != nil {
 		return nil, err
 	}
-	FillKV(l, r.ID, blocks)
-	if i := p.cfg.corruptBlock; i >= 0 && i < blocks.Len() && p.corrupted.CompareAndSwap(false, true) {
-		b := blocks.Buf(i)
-		b[len(b)/2] ^= 0xff
-		fmt.Fprintf(p.out, "test hook: flipped byte %d of %s (descriptor %d) of request %s\n", len(b)/2, l.Locate(i), i, r.ID)
+	var tamper func(i int, b []byte)
+	if c := p.cfg.corruptBlock; c >= 0 && c < blocks.Len() && p.corrupted.CompareAndSwap(false, true) {
+		tamper = func(i int, b []byte) {
+			if i == c {
+				b[len(b)/2] ^= 0xff
+				fmt.Fprintf(p.out, "test hook: flipped byte %d of %s (descriptor %d) of request %s\n", len(b)/2, l.Locate(i), i, r.ID)
+			}
+		}
+	}
+	if err := FillKV(l, r.ID, blocks, tamper); err != nil {
+		blocks.Release()
+		return nil, err
 	}
 	return blocks, nil
+}
+
+// newKVPool allocates a worker's KV pool of n blocks: in host memory, or in
+// the memory of the -device GPU when drv is not nil.
+func newKVPool(cfg config, drv devmem.Driver, n int) (*Pool, error) {
+	if drv == nil {
+		return NewPool(n, cfg.model.BlockBytes()), nil
+	}
+	return NewDevicePool(drv, cfg.device.gpu, n, cfg.model.BlockBytes())
 }
 
 // parseRequest decodes a request, which is remote input, and returns its
@@ -317,8 +337,8 @@ func (p *prefillWorker) write(ctx context.Context, offer *gxnats.Offer) error {
 	}
 	d := time.Since(start)
 	p.served.Add(1)
-	fmt.Fprintf(p.out, "request %s: wrote %d blocks (%s) into decode's in %v, %s via %s\n",
-		r.ID, l.Blocks(), sizeString(l.Bytes()), ms(d), rate(l.Bytes(), d), op.Backend())
+	fmt.Fprintf(p.out, "request %s: wrote %d blocks (%s) into decode's in %v, %s via %s, path %s\n",
+		r.ID, l.Blocks(), sizeString(l.Bytes()), ms(d), rate(l.Bytes(), d), op.Backend(), op.Path())
 	return nil
 }
 

@@ -10,6 +10,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/goxfer/goxfer/agent/backend/tcp"
+	"github.com/goxfer/goxfer/agent/devmem"
 	"github.com/goxfer/goxfer/connect"
 	gxnats "github.com/goxfer/goxfer/transport/nats"
 )
@@ -98,8 +99,9 @@ type endpoint struct {
 // openEndpoint connects to NATS, opens the presence registry (creating its
 // JetStream KV bucket if need be), starts the Connector and joins it to the
 // registry, so that peers can resolve its compact tokens and notice when it
-// goes away.
-func openEndpoint(ctx context.Context, cfg config, role string, out io.Writer) (*endpoint, error) {
+// goes away. drv, if not nil, is the driver of the worker's GPU memory,
+// which the Connector then uses to check and stage it.
+func openEndpoint(ctx context.Context, cfg config, drv devmem.Driver, role string, out io.Writer) (*endpoint, error) {
 	nc, err := connectNATS(cfg.natsURL, "goxfer-example-"+role, out)
 	if err != nil {
 		return nil, err
@@ -107,7 +109,13 @@ func openEndpoint(ctx context.Context, cfg config, role string, out io.Writer) (
 	e := &endpoint{nc: nc}
 	if e.reg, err = gxnats.OpenRegistry(ctx, nc); err != nil {
 		err = fmt.Errorf("open the presence registry: %w", err)
-	} else if e.conn, err = connect.NewConnector(connect.WithResolver(e.reg), connect.WithTCPOptions(tcp.WithListenAddr(cfg.listen))); err != nil {
+		return nil, errors.Join(err, e.Close())
+	}
+	opts := []connect.Option{connect.WithResolver(e.reg), connect.WithTCPOptions(tcp.WithListenAddr(cfg.listen))}
+	if drv != nil {
+		opts = append(opts, connect.WithDevice(drv))
+	}
+	if e.conn, err = connect.NewConnector(opts...); err != nil {
 		err = fmt.Errorf("start the connector: %w", err)
 	} else if e.member, err = e.reg.Join(ctx, e.conn); err != nil {
 		err = fmt.Errorf("join the presence registry: %w", err)
