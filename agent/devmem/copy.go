@@ -23,3 +23,14 @@ func CopyToHost(d Driver, dev int, dst []byte, src uintptr) error {
 	err = st.ToHost(dst, src)
 	return errors.Join(err, st.Close())
 }
+
+// CopyDevice copies n bytes of device memory from src to dst on a stream
+// of GPU dev and waits for the copy.
+func CopyDevice(d Driver, dev int, dst, src uintptr, n int) error {
+	st, err := d.NewStream(dev)
+	if err != nil {
+		return err
+	}
+	err = st.Copy(dst, src, n)
+	return errors.Join(err, st.Close())
+}

@@ -38,7 +38,7 @@ type cudaAPI struct {
 	memAlloc, memFree, memHostAlloc, memFreeHost   uintptr
 	pointerGetAttributes                           uintptr
 	streamCreate, streamSynchronize, streamDestroy uintptr
-	memcpyDtoHAsync, memcpyHtoDAsync               uintptr
+	memcpyDtoHAsync, memcpyHtoDAsync, memcpyAsync  uintptr
 	devices                                        int
 	version                                        int
 }
@@ -72,6 +72,7 @@ func loadCUDA() (*cudaAPI, error) {
 		{&a.streamDestroy, "cuStreamDestroy_v2"},
 		{&a.memcpyDtoHAsync, "cuMemcpyDtoHAsync_v2"},
 		{&a.memcpyHtoDAsync, "cuMemcpyHtoDAsync_v2"},
+		{&a.memcpyAsync, "cuMemcpyAsync"},
 	} {
 		if *s.p, err = purego.Dlsym(lib, s.name); err != nil {
 			return nil, fmt.Errorf("%s has no %s (a driver older than CUDA 10.2?): %w", libcuda, s.name, err)
@@ -394,6 +395,25 @@ func (st *cudaStream) ToDevice(dst uintptr, src []byte) error {
 		st.held = append(st.held, src)
 	}
 	return err
+}
+
+// Copy queues cuMemcpyAsync from src to dst. With unified addressing
+// (every 64-bit process since CUDA 4) the driver finds each end's GPU
+// from its address, so the copy may be a peer copy between two GPUs, or
+// touch memory of another process opened by Import.
+func (st *cudaStream) Copy(dst, src uintptr, n int) error {
+	if st.s == 0 {
+		return errStreamClosed
+	}
+	if n < 0 {
+		return fmt.Errorf("devmem: cuda: copy of %d bytes", n)
+	}
+	if n == 0 {
+		return nil
+	}
+	return st.d.inContext(st.dev, func(a *cudaAPI) error {
+		return a.check("cuMemcpyAsync", call(a.memcpyAsync, dst, src, uintptr(n), st.s))
+	})
 }
 
 // Sync waits with cuStreamSynchronize for the copies queued, then lets go

@@ -237,6 +237,43 @@ func TestCUDAFakeStreams(t *testing.T) {
 	assert.Zero(t, f.wrongContext(), "calls made without the right context current")
 }
 
+// TestCUDAFakeCopy copies device to device through the binding, on one
+// GPU and between two, against the fake driver.
+func TestCUDAFakeCopy(t *testing.T) {
+	d, f := fakeCUDA(t)
+	const n = 100003
+	p0, err := d.Alloc(0, n)
+	require.NoError(t, err)
+	p1, err := d.Alloc(1, n)
+	require.NoError(t, err)
+	q1, err := d.Alloc(1, n)
+	require.NoError(t, err)
+	src := randomBytes(n)
+	require.NoError(t, CopyToDevice(d, 0, p0, src))
+	st, err := d.NewStream(1)
+	require.NoError(t, err)
+	require.NoError(t, st.Copy(p1, p0, n), "a peer copy")
+	require.NoError(t, st.Copy(q1+10, p1, n-10), "in order on the stream, after the peer copy")
+	require.NoError(t, st.Copy(q1, p1, 0))
+	require.Error(t, st.Copy(q1, p1, -1))
+	err = st.Copy(q1+1, p1, n)
+	require.Error(t, err, "past the end of the destination")
+	assert.Contains(t, err.Error(), "cuMemcpyAsync: CUDA_ERROR_INVALID_VALUE (CUresult 1)")
+	require.NoError(t, st.Close())
+	require.ErrorIs(t, st.Copy(q1, p1, 1), errStreamClosed)
+	out := make([]byte, n)
+	require.NoError(t, CopyToHost(d, 1, out, q1))
+	require.Equal(t, src[:n-10], out[10:])
+	require.NoError(t, CopyDevice(d, 0, p0, q1+10, n-10))
+	require.NoError(t, CopyToHost(d, 0, out, p0))
+	require.Equal(t, src[:n-10], out[:n-10])
+	for _, p := range []uintptr{p0, p1, q1} {
+		require.NoError(t, d.Free(p))
+	}
+	assert.Zero(t, f.liveAllocs())
+	assert.Zero(t, f.wrongContext())
+}
+
 // currentContext returns the context current on the calling thread, which
 // the caller has locked.
 func currentContext(t *testing.T, d *cudaDriver) uintptr {

@@ -11,6 +11,12 @@
 // passing by accident, and it keeps a record of when each copy ran, so
 // tests can check that staging overlapped the network.
 //
+// [Sim] is a [Sharer]: a process exports an allocation of its
+// device memory as a [Share] (a CUDA IPC handle, or a file descriptor of
+// VMM memory), another process on the same host imports it as a
+// [Mapping], and copies between its own device memory and the mapping
+// with [Stream.Copy], without staging through host memory.
+//
 // [Default] picks the driver for the process: the CUDA driver, unless the
 // environment variable GOXFER_DEVICE is "sim". The simulator is never
 // chosen silently: only that variable, or an explicit option of the agent
@@ -62,6 +68,12 @@ type Stream interface {
 	// ToDevice enqueues a copy of src into device memory at dst. src must
 	// stay alive and unchanged until Sync returns.
 	ToDevice(dst uintptr, src []byte) error
+	// Copy enqueues a copy of n bytes of device memory from src to dst:
+	// on one GPU, or between two (a peer copy), either end possibly a
+	// [Mapping] of another process's memory. One end should be memory of
+	// the stream's GPU (the simulator insists). The ranges must not
+	// overlap.
+	Copy(dst, src uintptr, n int) error
 	// Sync waits until every copy enqueued so far has completed, and
 	// returns the first error any of them met.
 	Sync() error

@@ -3,9 +3,11 @@ package devmem
 import (
 	"errors"
 	"fmt"
+	"os"
 	"slices"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 )
@@ -16,6 +18,12 @@ import (
 // dereferences it crashes; the bytes live in a second mapping that only
 // the simulator's copies reach. Pinned host memory is plain anonymous
 // memory outside the Go heap.
+//
+// Sim is a [Sharer]: the bytes of each allocation are a memory file
+// (memfd on Linux) that other processes of the same user on the host map
+// with [Sim.Import], by handle (through /proc, Linux only) for Alloc's
+// memory and by file descriptor for AllocShareable's, as CUDA shares
+// cuMemAlloc and VMM memory.
 //
 // Copies on a stream run in order on a goroutine of the stream's, at the
 // rate set by [Sim.SetRate] (unlimited by default). With [Sim.Record] on,
@@ -39,14 +47,20 @@ type simAlloc struct {
 	size uint64
 	dev  int
 	view []byte // PROT_NONE: the address handed out
-	back []byte // the bytes
+	back []byte // the bytes: the memory file mapped shared
+	id   uint64 // the allocation's Share.ID
+	fd   int    // the memory file, open until Free; -1 for an imported mapping
+	vmm  bool   // from AllocShareable: exported by file descriptor only
+
+	imported bool // a mapping of another process's allocation (Sim.Import)
+	from     int  // the exporting process of an imported mapping, -1 if unknown
 }
 
 // Event is one interval in a [Sim]'s record: a copy the simulator ran, or
 // an interval marked with [Sim.Mark]. Times are offsets from the
 // simulator's creation.
 type Event struct {
-	Kind       string // "to-host", "to-device", or the kind given to Mark
+	Kind       string // "to-host", "to-device", "device-to-device", or the kind given to Mark
 	Dev        int    // the GPU of a copy; -1 for a mark
 	Bytes      uint64
 	Start, End time.Duration
@@ -108,8 +122,32 @@ func (s *Sim) checkDev(dev int) error {
 	return nil
 }
 
-// Alloc reserves n bytes of simulated device memory on GPU dev.
+// Alloc reserves n bytes of simulated device memory on GPU dev. Other
+// processes can map it by [ShareHandle] ([Sim.Export]), as CUDA's legacy
+// IPC maps cuMemAlloc memory.
 func (s *Sim) Alloc(dev int, n int) (uintptr, error) {
+	return s.alloc(dev, n, false)
+}
+
+// AllocShareable reserves n bytes of simulated device memory on GPU dev
+// that, like CUDA's VMM memory made shareable by file descriptor, is
+// exported only by [ShareFD]. Free frees it.
+func (s *Sim) AllocShareable(dev int, n int) (uintptr, error) {
+	return s.alloc(dev, n, true)
+}
+
+// simIDs numbers the simulator's allocations in this process, across
+// simulators, so that an ID is never reused: a memory file's name carries
+// it, and an importer checks the name against the share's ID.
+var simIDs atomic.Uint64
+
+// simFileName names the memory file of allocation id of process pid, as
+// an importer finds it in /proc.
+func simFileName(pid int, id uint64) string {
+	return fmt.Sprintf("goxfer-sim:%d:%d", pid, id)
+}
+
+func (s *Sim) alloc(dev int, n int, vmm bool) (uintptr, error) {
 	if err := s.checkDev(dev); err != nil {
 		return 0, err
 	}
@@ -117,28 +155,39 @@ func (s *Sim) Alloc(dev int, n int) (uintptr, error) {
 		return 0, fmt.Errorf("devmem: sim: allocation of %d bytes", n)
 	}
 	size := (n + pageSize() - 1) &^ (pageSize() - 1)
+	id := simIDs.Add(1)
+	fd, err := simMemCreate(simFileName(os.Getpid(), id), size)
+	if err != nil {
+		return 0, fmt.Errorf("devmem: sim: create a memory file of %d bytes: %w", size, err)
+	}
 	view, err := mapMem(size, false)
 	if err != nil {
+		_ = simCloseFD(fd)
 		return 0, fmt.Errorf("devmem: sim: reserve %d bytes: %w", size, err)
 	}
-	back, err := mapMem(size, true)
+	back, err := simMapShared(fd, size)
 	if err != nil {
 		_ = unmapMem(view)
+		_ = simCloseFD(fd)
 		return 0, fmt.Errorf("devmem: sim: map %d bytes: %w", size, err)
 	}
-	a := simAlloc{base: uintptr(unsafe.Pointer(&view[0])), size: uint64(n), dev: dev, view: view, back: back}
+	a := simAlloc{base: uintptr(unsafe.Pointer(&view[0])), size: uint64(n), dev: dev, view: view, back: back, id: id, fd: fd, vmm: vmm}
+	s.insert(a)
+	return a.base, nil
+}
+
+// insert adds a to the allocation table.
+func (s *Sim) insert(a simAlloc) {
 	s.mu.Lock()
 	i := sort.Search(len(s.allocs), func(i int) bool { return s.allocs[i].base > a.base })
 	s.allocs = slices.Insert(s.allocs, i, a)
 	s.mu.Unlock()
-	return a.base, nil
 }
 
-// Free releases memory from Alloc. Copies still queued on it must have
-// been synced, as with CUDA.
-func (s *Sim) Free(ptr uintptr) error {
-	s.mu.Lock()
-	i, ok := slices.BinarySearchFunc(s.allocs, ptr, func(a simAlloc, p uintptr) int {
+// index returns the index of the allocation starting at ptr. The caller
+// holds s.mu.
+func (s *Sim) index(ptr uintptr) (int, bool) {
+	return slices.BinarySearchFunc(s.allocs, ptr, func(a simAlloc, p uintptr) int {
 		switch {
 		case a.base < p:
 			return -1
@@ -147,14 +196,27 @@ func (s *Sim) Free(ptr uintptr) error {
 		}
 		return 0
 	})
+}
+
+// Free releases memory from Alloc or AllocShareable. Copies still queued
+// on it must have been synced, as with CUDA. Processes that imported it
+// keep their mappings, and the memory, until they close them. Free
+// refuses an imported mapping: [Mapping.Close] unmaps it.
+func (s *Sim) Free(ptr uintptr) error {
+	s.mu.Lock()
+	i, ok := s.index(ptr)
 	if !ok {
 		s.mu.Unlock()
 		return fmt.Errorf("%w: sim: free of 0x%x, which Alloc did not return", ErrNotDevice, ptr)
 	}
 	a := s.allocs[i]
+	if a.imported {
+		s.mu.Unlock()
+		return fmt.Errorf("%w: sim: free of 0x%x, a mapping imported from %s; Close the Mapping", ErrNotDevice, ptr, simProcess(a.from))
+	}
 	s.allocs = slices.Delete(s.allocs, i, i+1)
 	s.mu.Unlock()
-	return errors.Join(unmapMem(a.view), unmapMem(a.back))
+	return errors.Join(unmapMem(a.view), unmapMem(a.back), simCloseFD(a.fd))
 }
 
 // find returns the allocation holding [ptr, ptr+n). The caller holds s.mu.
@@ -182,18 +244,6 @@ func (s *Sim) Check(ptr uintptr, n uint64, dev int) error {
 		return fmt.Errorf("%w: 0x%x is memory of GPU %d, not of GPU %d", ErrNotDevice, ptr, a.dev, dev)
 	}
 	return nil
-}
-
-// bytes returns the simulator's own view of [ptr, ptr+n).
-func (s *Sim) bytes(ptr uintptr, n uint64) ([]byte, error) {
-	s.mu.Lock()
-	a, err := s.find(ptr, n)
-	s.mu.Unlock()
-	if err != nil {
-		return nil, err
-	}
-	off := uint64(ptr - a.base)
-	return a.back[off : off+n : off+n], nil
 }
 
 // HostAlloc maps n bytes of anonymous memory outside the Go heap.
@@ -239,9 +289,8 @@ func (s *Sim) NewStream(dev int) (Stream, error) {
 }
 
 type simOp struct {
-	toHost bool
-	host   []byte
-	dev    []byte // the simulator's view of the device bytes
+	kind     string // the Event's
+	dst, src []byte // host memory, or the simulator's view of device bytes
 }
 
 type simStream struct {
@@ -292,30 +341,40 @@ func (st *simStream) copy(op simOp) {
 	s.mu.Lock()
 	rate := s.rate
 	s.mu.Unlock()
-	kind := "to-device"
-	if op.toHost {
-		kind = "to-host"
-		copy(op.host, op.dev)
-	} else {
-		copy(op.dev, op.host)
-	}
-	n := uint64(len(op.host))
+	copy(op.dst, op.src)
+	n := uint64(len(op.src))
 	if rate > 0 {
 		want := start + time.Duration(float64(n)/rate*float64(time.Second))
 		if d := want - time.Since(s.epoch); d > 0 {
 			time.Sleep(d)
 		}
 	}
-	s.note(Event{Kind: kind, Dev: st.dev, Bytes: n, Start: start, End: time.Since(s.epoch)})
+	s.note(Event{Kind: op.kind, Dev: st.dev, Bytes: n, Start: start, End: time.Since(s.epoch)})
 }
 
+// device returns the simulator's own bytes of [ptr, ptr+n) and the GPU
+// they belong to.
+func (st *simStream) device(ptr uintptr, n int) ([]byte, int, error) {
+	s := st.s
+	s.mu.Lock()
+	a, err := s.find(ptr, uint64(n))
+	s.mu.Unlock()
+	if err != nil {
+		return nil, 0, err
+	}
+	off := uint64(ptr - a.base)
+	return a.back[off : off+uint64(n) : off+uint64(n)], a.dev, nil
+}
+
+// check returns the bytes of [ptr, ptr+n), which must be memory of the
+// stream's GPU.
 func (st *simStream) check(ptr uintptr, n int) ([]byte, error) {
-	b, err := st.s.bytes(ptr, uint64(n))
+	b, dev, err := st.device(ptr, n)
 	if err != nil {
 		return nil, err
 	}
-	if err := st.s.Check(ptr, uint64(n), st.dev); err != nil {
-		return nil, fmt.Errorf("devmem: sim: copy on a stream of GPU %d: %w", st.dev, err)
+	if dev != st.dev {
+		return nil, fmt.Errorf("devmem: sim: copy on a stream of GPU %d: %w: 0x%x is memory of GPU %d, not of GPU %d", st.dev, ErrNotDevice, ptr, dev, st.dev)
 	}
 	return b, nil
 }
@@ -329,7 +388,7 @@ func (st *simStream) ToHost(dst []byte, src uintptr) error {
 	if err != nil {
 		return err
 	}
-	return st.enqueue(simOp{toHost: true, host: dst, dev: d})
+	return st.enqueue(simOp{kind: "to-host", dst: dst, src: d})
 }
 
 // ToDevice enqueues a copy of src into device memory at dst.
@@ -341,7 +400,31 @@ func (st *simStream) ToDevice(dst uintptr, src []byte) error {
 	if err != nil {
 		return err
 	}
-	return st.enqueue(simOp{host: src, dev: d})
+	return st.enqueue(simOp{kind: "to-device", dst: d, src: src})
+}
+
+// Copy enqueues a copy of n bytes of device memory from src to dst. One
+// of the two must be memory of the stream's GPU; the other may be on any
+// simulated GPU (a peer copy), and either may be an imported mapping.
+func (st *simStream) Copy(dst, src uintptr, n int) error {
+	if n < 0 {
+		return fmt.Errorf("devmem: sim: copy of %d bytes", n)
+	}
+	if n == 0 {
+		return nil
+	}
+	d, ddev, err := st.device(dst, n)
+	if err != nil {
+		return fmt.Errorf("devmem: sim: device-to-device copy, destination: %w", err)
+	}
+	sb, sdev, err := st.device(src, n)
+	if err != nil {
+		return fmt.Errorf("devmem: sim: device-to-device copy, source: %w", err)
+	}
+	if ddev != st.dev && sdev != st.dev {
+		return fmt.Errorf("devmem: sim: copy on a stream of GPU %d: %w: neither end is its memory (0x%x of GPU %d from 0x%x of GPU %d)", st.dev, ErrNotDevice, dst, ddev, src, sdev)
+	}
+	return st.enqueue(simOp{kind: "device-to-device", dst: d, src: sb})
 }
 
 // Sync waits for the queue to drain.

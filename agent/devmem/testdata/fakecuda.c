@@ -295,6 +295,18 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstre
 	return enqueue(s, (void *)(uintptr_t)dst, src, n, (uintptr_t)dst);
 }
 
+// cuMemcpyAsync copies between two device allocations (of any GPU, as
+// unified addressing allows).
+CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+	pthread_mutex_lock(&mu);
+	struct alloc *a = find((uintptr_t)src, n);
+	int ok = a != NULL && !a->host;
+	pthread_mutex_unlock(&mu);
+	if (!ok)
+		return INVALID_VALUE;
+	return enqueue(s, (void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n, (uintptr_t)dst);
+}
+
 CUresult cuStreamSynchronize(CUstream s) {
 	if (s == NULL)
 		return INVALID_HANDLE;
