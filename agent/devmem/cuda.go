@@ -18,9 +18,17 @@ import (
 // GPU's primary context current, makes the call and restores the context
 // the thread had, so goxfer never changes what other code on that thread
 // sees.
+//
+// The driver is a [Sharer]: cuMemAlloc memory shares by legacy IPC handle,
+// VMM memory created shareable by POSIX file descriptor by descriptor.
+// Its entry points are bound where the driver has them; without them
+// (drivers older than CUDA 11) sharing fails with [ErrNotShareable] and
+// everything else works.
 func CUDA() Driver { return cudaOnce() }
 
 var cudaOnce = sync.OnceValue(func() Driver { return &cudaDriver{} })
+
+var _ Sharer = (*cudaDriver)(nil)
 
 // cudaDriver is the CUDA driver; load binds libcuda at first use.
 type cudaDriver struct {
@@ -28,8 +36,11 @@ type cudaDriver struct {
 	err  error
 	api  *cudaAPI // nil until loaded
 
-	mu   sync.Mutex
-	ctxs map[int]uintptr // primary contexts retained, by ordinal
+	mu      sync.Mutex
+	ctxs    map[int]uintptr          // primary contexts retained, by ordinal
+	uuids   [][16]byte               // the GPUs' UUIDs, by ordinal, read at first use
+	vmm     map[uintptr]cudaVMM      // AllocShareable's allocations, by address
+	imports map[uintptr]*cudaMapping // Import's open mappings, by address
 }
 
 // Name returns "cuda".

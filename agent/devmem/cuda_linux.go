@@ -41,6 +41,7 @@ type cudaAPI struct {
 	memcpyDtoHAsync, memcpyHtoDAsync, memcpyAsync  uintptr
 	devices                                        int
 	version                                        int
+	share                                          cudaShareAPI // optional entry points of sharing
 }
 
 func loadCUDA() (*cudaAPI, error) {
@@ -78,6 +79,7 @@ func loadCUDA() (*cudaAPI, error) {
 			return nil, fmt.Errorf("%s has no %s (a driver older than CUDA 10.2?): %w", libcuda, s.name, err)
 		}
 	}
+	a.share.load(lib)
 	if err := a.check("cuInit", call(cuInit, 0)); err != nil {
 		return nil, a.initError(err, "the library loaded but the driver found no usable GPU: see nvidia-smi, dmesg and CUDA_VISIBLE_DEVICES")
 	}
@@ -296,8 +298,12 @@ func (d *cudaDriver) Alloc(dev int, n int) (uintptr, error) {
 }
 
 // Free frees memory from Alloc with cuMemFree, in the primary context of
-// the GPU it belongs to.
+// the GPU it belongs to, and memory from AllocShareable by unmapping it.
+// It refuses a mapping from Import: Close unmaps it.
 func (d *cudaDriver) Free(ptr uintptr) error {
+	if done, err := d.freeShared(ptr); done {
+		return err
+	}
 	pi, err := d.pointerInfo(0, ptr)
 	if err != nil {
 		return err

@@ -48,6 +48,13 @@ func TestCUDAUnavailable(t *testing.T) {
 	require.ErrorIs(t, d.HostFree([]byte{1}), ErrUnavailable)
 	_, err = d.NewStream(0)
 	require.ErrorIs(t, err, ErrUnavailable)
+	s := d.(Sharer)
+	_, err = s.Export(0x1000, 0)
+	require.ErrorIs(t, err, ErrUnavailable)
+	_, err = s.Import(Share{Kind: ShareHandle, Size: 1}, -1)
+	require.ErrorIs(t, err, ErrUnavailable)
+	_, err = s.AllocShareable(0, 1)
+	require.ErrorIs(t, err, ErrUnavailable)
 	assert.Equal(t, "cuda", d.Name())
 }
 
@@ -58,6 +65,13 @@ type fake struct {
 	liveAllocs     func() int64
 	liveStreams    func() int64
 	foreignContext func() uintptr
+
+	// Sharing.
+	fail             func(fn string, code int32)
+	lastHandle       func(out *byte)
+	liveIPC          func() int64
+	liveVMM          func() int64
+	liveReservations func() int64
 }
 
 // fakeCUDASource is embedded so that a test binary built here runs from
@@ -97,6 +111,11 @@ func fakeCUDA(t *testing.T, cflags ...string) (*cudaDriver, *fake) {
 	purego.RegisterLibFunc(&f.liveAllocs, lib, "fake_live_allocs")
 	purego.RegisterLibFunc(&f.liveStreams, lib, "fake_live_streams")
 	purego.RegisterLibFunc(&f.foreignContext, lib, "fake_foreign_context")
+	purego.RegisterLibFunc(&f.fail, lib, "fake_fail")
+	purego.RegisterLibFunc(&f.lastHandle, lib, "fake_last_handle")
+	purego.RegisterLibFunc(&f.liveIPC, lib, "fake_live_ipc")
+	purego.RegisterLibFunc(&f.liveVMM, lib, "fake_live_vmm")
+	purego.RegisterLibFunc(&f.liveReservations, lib, "fake_live_reservations")
 	return d, f
 }
 

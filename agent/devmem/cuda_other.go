@@ -47,3 +47,22 @@ func (d *cudaDriver) NewStream(int) (Stream, error) {
 	_, err := d.load()
 	return nil, err
 }
+
+type cudaVMM struct{}
+
+type cudaMapping struct{}
+
+func (d *cudaDriver) Export(uintptr, int) (Share, error) {
+	_, err := d.load()
+	return Share{}, err
+}
+
+func (d *cudaDriver) Import(Share, int) (Mapping, error) {
+	_, err := d.load()
+	return nil, err
+}
+
+func (d *cudaDriver) AllocShareable(int, int) (uintptr, error) {
+	_, err := d.load()
+	return 0, err
+}

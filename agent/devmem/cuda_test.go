@@ -210,3 +210,26 @@ func TestCUDABadPointer(t *testing.T) {
 }
 
 func unsafePointer(b []byte) unsafe.Pointer { return unsafe.Pointer(unsafe.SliceData(b)) }
+
+// TestCUDACopy copies device to device on one GPU and, where there are
+// two, between them.
+func TestCUDACopy(t *testing.T) {
+	d := realCUDA(t)
+	n, err := d.Devices()
+	require.NoError(t, err)
+	const size = 3<<20 + 17
+	src := randomBytes(size)
+	p, err := d.Alloc(0, size)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, d.Free(p)) }()
+	require.NoError(t, CopyToDevice(d, 0, p, src))
+	for dev := range min(n, 2) {
+		q, err := d.Alloc(dev, size)
+		require.NoError(t, err)
+		require.NoError(t, CopyDevice(d, 0, q, p, size), "GPU 0 to GPU %d", dev)
+		out := make([]byte, size)
+		require.NoError(t, CopyToHost(d, dev, out, q))
+		require.True(t, bytes.Equal(src, out), "GPU 0 to GPU %d", dev)
+		require.NoError(t, d.Free(q))
+	}
+}

@@ -11,7 +11,7 @@
 // passing by accident, and it keeps a record of when each copy ran, so
 // tests can check that staging overlapped the network.
 //
-// [Sim] is a [Sharer]: a process exports an allocation of its
+// Both drivers are a [Sharer]: a process exports an allocation of its
 // device memory as a [Share] (a CUDA IPC handle, or a file descriptor of
 // VMM memory), another process on the same host imports it as a
 // [Mapping], and copies between its own device memory and the mapping

@@ -56,7 +56,8 @@ type Share struct {
 	Handle [HandleSize]byte
 	// FD is a ShareFD's file descriptor, owned by whoever holds the Share:
 	// Export's caller closes it once it has been sent; Import does not
-	// close it.
+	// close it. Export sets it to -1 in a ShareHandle, and Import ignores
+	// it there.
 	FD int
 }
 
@@ -85,6 +86,11 @@ type Sharer interface {
 	// ownership of s.FD. Opening fails with [ErrNotShareable] when the
 	// share names no live allocation or its GPU is not reachable, and with
 	// [ErrNotDevice] for a malformed share.
+	//
+	// Each Import maps anew (CUDA may refuse a second opening of the same
+	// IPC handle in one process, and always refuses a process's own), so
+	// an importer caches its mappings by (exporting process, Share.ID) and
+	// closes them when the exporter goes.
 	Import(s Share, near int) (Mapping, error)
 	// AllocShareable allocates n bytes on GPU dev as a VMM allocation
 	// (cuMemCreate) that can be exported only by file descriptor

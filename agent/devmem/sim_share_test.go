@@ -401,28 +401,56 @@ func (c seqConn) recv() ([]byte, int, error) {
 
 const shareChildSize = 1<<20 + 123
 
-// shareChild is the exporting process of TestSimShareCrossProcess: it
-// fills two allocations, sends their shares over descriptor 3 and checks
-// what the parent wrote into them.
-func shareChild() error {
+// shareDriver returns the driver of a cross-process sharing test: "sim"
+// or "cuda".
+func shareDriver(name string) (Driver, error) {
+	if name == "cuda" {
+		return CUDA(), nil
+	}
+	return NewSim(2), nil
+}
+
+// shareGPUs returns the GPUs of the test's two allocations: two GPUs where
+// the driver has them.
+func shareGPUs(d Driver) (int, int, error) {
+	n, err := d.Devices()
+	if err != nil {
+		return 0, 0, err
+	}
+	return min(1, n-1), 0, nil
+}
+
+// shareChild is the exporting process of the cross-process sharing tests:
+// it fills two allocations, one of Alloc and one of AllocShareable, sends
+// their shares over descriptor 3 and checks what the parent wrote into
+// them.
+func shareChild(name string) error {
 	c := seqConn(3)
-	s := NewSim(2)
-	p, err := s.Alloc(1, shareChildSize)
+	d, err := shareDriver(name)
 	if err != nil {
 		return err
 	}
-	q, err := s.AllocShareable(0, shareChildSize)
+	s := d.(Sharer)
+	devP, devQ, err := shareGPUs(d)
 	if err != nil {
 		return err
 	}
-	if err := errors.Join(CopyToDevice(s, 1, p, pattern(shareChildSize, 10)), CopyToDevice(s, 0, q, pattern(shareChildSize, 11))); err != nil {
-		return err
-	}
-	sp, err := s.Export(p, 1)
+	p, err := d.Alloc(devP, shareChildSize)
 	if err != nil {
 		return err
 	}
-	sq, err := s.Export(q, 0)
+	q, err := s.AllocShareable(devQ, shareChildSize)
+	if err != nil {
+		return err
+	}
+	if err := errors.Join(CopyToDevice(d, devP, p, pattern(shareChildSize, 10)), CopyToDevice(d, devQ, q, pattern(shareChildSize, 11))); err != nil {
+		return err
+	}
+	sp, err := s.Export(p, devP)
+	if err != nil {
+		return err
+	}
+	sq, err := s.Export(q, devQ)
 	if err != nil {
 		return err
 	}
@@ -443,8 +471,8 @@ func shareChild() error {
 				dev  int
 				p    uintptr
 				seed byte
-			}{{1, p, 20}, {0, q, 21}} {
-				if err := CopyToHost(s, a.dev, got, a.p); err != nil {
+			}{{devP, p, 20}, {devQ, q, 21}} {
+				if err := CopyToHost(d, a.dev, got, a.p); err != nil {
 					return err
 				}
 				if !bytes.Equal(got, pattern(shareChildSize, a.seed)) {
@@ -459,7 +487,7 @@ func shareChild() error {
 				return err
 			}
 		case "free":
-			if err := errors.Join(s.Free(p), s.Free(q)); err != nil {
+			if err := errors.Join(d.Free(p), d.Free(q)); err != nil {
 				return err
 			}
 			if err := c.send([]byte("freed"), -1); err != nil {
@@ -478,8 +506,14 @@ func shareChild() error {
 // memory and the mappings, and finds the handle share unusable once the
 // child freed it, while its mappings keep the memory.
 func TestSimShareCrossProcess(t *testing.T) {
-	if os.Getenv(shareChildEnv) != "" {
-		if err := shareChild(); err != nil {
+	testShareCrossProcess(t, "sim", NewSim(2))
+}
+
+// testShareCrossProcess runs the cross-process sharing test on driver d,
+// whose name the child process gets.
+func testShareCrossProcess(t *testing.T, name string, d Driver) {
+	if v := os.Getenv(shareChildEnv); v != "" {
+		if err := shareChild(v); err != nil {
 			fmt.Fprintln(os.Stderr, "share child:", err)
 			os.Exit(1)
 		}
@@ -490,8 +524,8 @@ func TestSimShareCrossProcess(t *testing.T) {
 	c := seqConn(fds[0])
 	defer unix.Close(fds[0])
 	childEnd := os.NewFile(uintptr(fds[1]), "child end")
-	cmd := exec.Command(os.Args[0], "-test.run=^TestSimShareCrossProcess$", "-test.count=1")
-	cmd.Env = append(os.Environ(), shareChildEnv+"=1")
+	cmd := exec.Command(os.Args[0], "-test.run=^"+t.Name()+"$", "-test.count=1")
+	cmd.Env = append(os.Environ(), shareChildEnv+"="+name)
 	cmd.ExtraFiles = []*os.File{childEnd}
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
@@ -515,50 +549,66 @@ func TestSimShareCrossProcess(t *testing.T) {
 	require.Equal(t, ShareHandle, sp.Kind)
 	require.Equal(t, ShareFD, sq.Kind)
 	require.GreaterOrEqual(t, sq.FD, 0, "the descriptor arrived")
-	h, err := decodeSimHandle(sp.Handle)
-	require.NoError(t, err)
-	require.Equal(t, cmd.Process.Pid, h.pid)
+	if name == "sim" {
+		h, err := decodeSimHandle(sp.Handle)
+		require.NoError(t, err)
+		require.Equal(t, cmd.Process.Pid, h.pid)
+	}
 
-	s := NewSim(2)
+	s := d.(Sharer)
+	devP, devQ, err := shareGPUs(d)
+	require.NoError(t, err)
 	mp, err := s.Import(sp, -1)
 	require.NoError(t, err)
 	mq, err := s.Import(sq, -1)
 	require.NoError(t, err)
 	require.NoError(t, unix.Close(sq.FD), "Import does not take the descriptor")
-	require.Equal(t, 2, s.Mappings())
-	require.Equal(t, 1, mp.Dev())
-	require.Equal(t, 0, mq.Dev())
-	require.Equal(t, pattern(shareChildSize, 10), readDevice(t, s, 1, mp.Ptr(), shareChildSize))
-	require.Equal(t, pattern(shareChildSize, 11), readDevice(t, s, 0, mq.Ptr(), shareChildSize))
+	if sim, ok := d.(*Sim); ok {
+		require.Equal(t, 2, sim.Mappings())
+	}
+	require.Equal(t, devP, mp.Dev(), "opened on the GPU of the same UUID")
+	require.Equal(t, devQ, mq.Dev())
+	require.Equal(t, pattern(shareChildSize, 10), readDevice(t, d, devP, mp.Ptr(), shareChildSize))
+	require.Equal(t, pattern(shareChildSize, 11), readDevice(t, d, devQ, mq.Ptr(), shareChildSize))
 
 	// Write one directly, the other through local memory and a
 	// device-to-device copy.
-	require.NoError(t, CopyToDevice(s, 1, mp.Ptr(), pattern(shareChildSize, 20)))
-	local, err := s.Alloc(0, shareChildSize)
+	require.NoError(t, CopyToDevice(d, devP, mp.Ptr(), pattern(shareChildSize, 20)))
+	local, err := d.Alloc(devQ, shareChildSize)
 	require.NoError(t, err)
-	defer func() { require.NoError(t, s.Free(local)) }()
-	require.NoError(t, CopyToDevice(s, 0, local, pattern(shareChildSize, 21)))
-	require.NoError(t, CopyDevice(s, 0, mq.Ptr(), local, shareChildSize))
+	defer func() { require.NoError(t, d.Free(local)) }()
+	require.NoError(t, CopyToDevice(d, devQ, local, pattern(shareChildSize, 21)))
+	require.NoError(t, CopyDevice(d, devQ, mq.Ptr(), local, shareChildSize))
 	require.NoError(t, c.send([]byte("verify"), -1))
 	msg, _, err := c.recv()
 	require.NoError(t, err, "child stderr: %s", &stderr)
 	require.Equal(t, "ok", string(msg))
 
+	if name == "cuda" {
+		// What CUDA does with the memory of a freed allocation that
+		// another process maps is the driver's business: close first.
+		require.NoError(t, mp.Close())
+		require.NoError(t, mq.Close())
+	}
 	require.NoError(t, c.send([]byte("free"), -1))
 	msg, _, err = c.recv()
 	require.NoError(t, err, "child stderr: %s", &stderr)
 	require.Equal(t, "freed", string(msg))
-	_, err = s.Import(sp, -1)
-	require.ErrorIs(t, err, ErrNotShareable, "the handle of a freed allocation")
-	require.Equal(t, pattern(shareChildSize, 20), readDevice(t, s, 1, mp.Ptr(), shareChildSize), "the mapping keeps the memory")
-	require.Equal(t, pattern(shareChildSize, 21), readDevice(t, s, 0, mq.Ptr(), shareChildSize), "the mapping keeps the memory")
+	if name == "sim" {
+		_, err = s.Import(sp, -1)
+		require.ErrorIs(t, err, ErrNotShareable, "the handle of a freed allocation")
+		require.Equal(t, pattern(shareChildSize, 20), readDevice(t, d, devP, mp.Ptr(), shareChildSize), "the mapping keeps the memory")
+		require.Equal(t, pattern(shareChildSize, 21), readDevice(t, d, devQ, mq.Ptr(), shareChildSize), "the mapping keeps the memory")
+	}
 
 	require.NoError(t, c.send([]byte("exit"), -1))
 	exited = true
 	require.NoError(t, cmd.Wait(), "child stderr: %s", &stderr)
-	_, err = s.Import(sp, -1)
-	require.ErrorIs(t, err, ErrNotShareable, "the handle of an exited process")
-	require.NoError(t, mp.Close())
-	require.NoError(t, mq.Close())
-	require.Zero(t, s.Mappings())
+	if name == "sim" {
+		_, err = s.Import(sp, -1)
+		require.ErrorIs(t, err, ErrNotShareable, "the handle of an exited process")
+		require.NoError(t, mp.Close())
+		require.NoError(t, mq.Close())
+		require.Zero(t, d.(*Sim).Mappings())
+	}
 }
