@@ -75,6 +75,15 @@ type Config struct {
 	// agent) may take to surface as [agent.ErrRemoteLost] on the active side
 	// or [agent.EventPeerLost] on the passive side. Default: 5 s.
 	LostWithin time.Duration
+	// DirectDevice is the path the backend names ([agent.DeviceDirect])
+	// for the transfers with GPU memory it moves itself, or "" if it moves
+	// none: the device cases then expect the agent's path rule, the
+	// backend's name and "+"+DirectDevice where no local GPU memory faces
+	// the peer's host memory, "+staging" otherwise (cma: "ipc", both sides
+	// simulated). Cases about staging itself (Overlap) are skipped: run
+	// [RunDevice] with a factory that turns the backend's own path off for
+	// them. Default: "".
+	DirectDevice string
 }
 
 // hangGuard bounds every wait the suite does, so that a broken backend
@@ -123,4 +132,42 @@ func Run(t *testing.T, cfg Config) {
 	t.Run("Fault", func(t *testing.T) { testFault(t, cfg) })
 	t.Run("Registration", func(t *testing.T) { testRegistration(t, cfg) })
 	t.Run("CrossProcess", func(t *testing.T) { testCrossProcess(t, cfg) })
+}
+
+// RunDevice runs only the suite's device-memory cases, in this process and
+// across processes (when cfg.CrossProcess): for a second configuration of
+// a backend whose other cases [Run] covers, such as cma with its device
+// path off. The child processes are built by the factory given to [Main],
+// whatever cfg.New builds.
+func RunDevice(t *testing.T, cfg Config) {
+	if cfg.New == nil {
+		t.Fatal("backendtest: Config.New is nil")
+	}
+	if cfg.LostWithin <= 0 {
+		cfg.LostWithin = 5 * time.Second
+	}
+	t.Run("Device", func(t *testing.T) { testDevice(t, cfg) })
+	if cfg.CrossProcess {
+		t.Run("CrossProcess/Device", func(t *testing.T) { crossDevice(t, cfg) })
+	}
+}
+
+// devicePath is the path a transfer of segs over backend takes under cfg:
+// the backend's own where it moves GPU memory itself (see
+// Config.DirectDevice), "+staging" where GPU memory is staged, the
+// backend's name alone for host memory.
+func devicePath(cfg Config, backend string, segs []agent.Segment) string {
+	local, remote, facing := false, false, false
+	for _, s := range segs {
+		local = local || s.Local.Kind == agent.KindVRAM
+		remote = remote || s.Remote.Kind == agent.KindVRAM
+		facing = facing || (s.Local.Kind == agent.KindVRAM && s.Remote.Kind == agent.KindDRAM)
+	}
+	switch {
+	case !local && !remote:
+		return backend
+	case cfg.DirectDevice != "" && !facing:
+		return backend + "+" + cfg.DirectDevice
+	}
+	return backend + "+staging"
 }

@@ -225,7 +225,8 @@ func parentActiveDev(t *testing.T, a *agent.Agent, sim *devmem.Sim, reach devRea
 	defer c.must(request{Cmd: "forget", ID: r.ID})
 	ab, aSeed := filled(t, a, sim, activeGPU, sizes, pl.local)
 	notify := []byte(fmt.Sprintf("parent %v %s done", op, pl.name))
-	x, err := a.Post(context.Background(), agent.Request{Op: op, Peer: c.info, Key: agent.Key(r.Key), Segments: segmentsOf(ab.locals, r.Regions, pSeed), Notify: notify})
+	segs := segmentsOf(ab.locals, r.Regions, pSeed)
+	x, err := a.Post(context.Background(), agent.Request{Op: op, Peer: c.info, Key: agent.Key(r.Key), Segments: segs, Notify: notify})
 	if anyOf(len(sizes), pl.remote) && !reach.remote {
 		require.ErrorIs(t, err, agent.ErrNoBackend, "%v of the child's device memory over a backend that cannot reach it", op)
 		require.Nil(t, x)
@@ -247,7 +248,7 @@ func parentActiveDev(t *testing.T, a *agent.Agent, sim *devmem.Sim, reach devRea
 		c.must(request{Cmd: "verify", ID: r.ID, Seed: want}) // in place when the notification arrived
 	}
 	require.NoError(t, waitXfer(t, x), "%v over %s", op, x.Path())
-	assert.Equal(t, x.Backend()+"+staging", x.Path())
+	assert.Equal(t, reach.path(x.Backend(), segs), x.Path())
 	require.Zero(t, a.Stats().StagingBuffers, "staging buffers in use once the transfer is done")
 	require.NoError(t, ab.Check(want), "parent memory")
 	c.must(request{Cmd: "verify", ID: r.ID, Seed: want})

@@ -27,12 +27,12 @@ type watchedDevice struct {
 	streams, copies, syncs atomic.Int64
 
 	mu    sync.Mutex
-	first map[string]chan struct{} // by "to-host", "to-device", and those with "+enqueued"
+	first map[string]chan struct{} // by "to-host", "to-device", "device-to-device", and those with "+enqueued"
 }
 
 func newWatched(sim *devmem.Sim) *watchedDevice {
 	d := &watchedDevice{Sim: sim, first: map[string]chan struct{}{}}
-	for _, k := range []string{"to-host", "to-device"} {
+	for _, k := range []string{"to-host", "to-device", "device-to-device"} {
 		d.first[k] = make(chan struct{})
 		d.first[k+"+enqueued"] = make(chan struct{})
 	}
@@ -40,7 +40,8 @@ func newWatched(sim *devmem.Sim) *watchedDevice {
 }
 
 // synced is closed once a Sync (or Close) has waited for a copy of kind
-// ("to-host" or "to-device"): a chunk has been staged.
+// ("to-host", "to-device" or "device-to-device"): a chunk has been staged,
+// or copied by a backend's own device path.
 func (d *watchedDevice) synced(kind string) <-chan struct{} { return d.first[kind] }
 
 // enqueued is closed once a copy of kind has been enqueued: staging has
@@ -69,8 +70,8 @@ func (d *watchedDevice) NewStream(dev int) (devmem.Stream, error) {
 // watchedStream is used by one goroutine at a time, as every Stream.
 type watchedStream struct {
 	devmem.Stream
-	d                *watchedDevice
-	toHost, toDevice bool // copies enqueued since the last Sync
+	d                     *watchedDevice
+	toHost, toDevice, d2d bool // copies enqueued since the last Sync
 }
 
 func (s *watchedStream) ToHost(dst []byte, src uintptr) error {
@@ -86,6 +87,14 @@ func (s *watchedStream) ToDevice(dst uintptr, src []byte) error {
 	s.toDevice = true
 	err := s.Stream.ToDevice(dst, src)
 	s.d.fire("to-device+enqueued")
+	return err
+}
+
+func (s *watchedStream) Copy(dst, src uintptr, n int) error {
+	s.d.copies.Add(1)
+	s.d2d = true
+	err := s.Stream.Copy(dst, src, n)
+	s.d.fire("device-to-device+enqueued")
 	return err
 }
 
@@ -109,7 +118,10 @@ func (s *watchedStream) synced() {
 	if s.toDevice {
 		s.d.fire("to-device")
 	}
-	s.toHost, s.toDevice = false, false
+	if s.d2d {
+		s.d.fire("device-to-device")
+	}
+	s.toHost, s.toDevice, s.d2d = false, false, false
 }
 
 // stageKind is the kind of copy that stages local device memory for op:
@@ -166,6 +178,9 @@ func testDeviceBatched(t *testing.T, cfg Config) {
 // wall-clock bound: a pipeline that stages chunk i+1 only once chunk i is
 // sent cannot pass it, however fast the machine.
 func testDeviceOverlap(t *testing.T, cfg Config) {
+	if cfg.DirectDevice != "" {
+		t.Skipf("the backend moves GPU memory itself (%s): staging's overlap is checked by RunDevice with its own path off", cfg.DirectDevice)
+	}
 	const (
 		chunk  = 256 << 10
 		chunks = 16
@@ -253,7 +268,7 @@ func lateCopies(events []devmem.Event, mark string) []devmem.Event {
 	}
 	var late []devmem.Event
 	for _, ev := range events {
-		if (ev.Kind == "to-host" || ev.Kind == "to-device") && at >= 0 && ev.End > at {
+		if (ev.Kind == "to-host" || ev.Kind == "to-device" || ev.Kind == "device-to-device") && at >= 0 && ev.End > at {
 			late = append(late, ev)
 		}
 	}
@@ -325,11 +340,16 @@ func slowStaged(t *testing.T, cfg Config, op agent.Op) (d *devPair, x *agent.Xfe
 	e = exposeLocals(t, d.p, op.Access(), pb.locals)
 	d.as.SetRate(16 << 20)
 	d.as.Record(true)
-	x, err := d.a.Post(context.Background(), agent.Request{Op: op, Peer: d.p.Info(), Key: e.Key(), Segments: segmentsOf(ab.locals, pb.regions(), 0)})
+	segs := segmentsOf(ab.locals, pb.regions(), 0)
+	x, err := d.a.Post(context.Background(), agent.Request{Op: op, Peer: d.p.Info(), Key: e.Key(), Segments: segs})
 	require.NoError(t, err)
 	t.Cleanup(func() { waitXfer(t, x) })
+	kind := stageKind(op)
+	if d.reach.direct(segs) {
+		kind = "device-to-device" // the backend copies the peer's mapped memory
+	}
 	select {
-	case <-wd.synced(stageKind(op)):
+	case <-wd.synced(kind):
 	case <-x.Done():
 		return d, x, ab, pb, e, pSeed, false
 	case <-time.After(hangGuard):
@@ -407,20 +427,32 @@ func closeWhileStaging(t *testing.T, cfg Config) bool {
 }
 
 // closeWhileLeased closes the passive agent while a peer's slow WRITE is
-// staged into its device memory (16 MiB at 64 MiB/s: several leases, each
+// staged into its device memory (64 MiB at 64 MiB/s: several leases, each
 // tens of milliseconds): Close returns once the leases are done, no copy
-// into its device ends after that, and it holds no staging memory.
+// into its device ends after that, and it holds no staging memory. Where
+// the backend copies into the peer's mapped memory itself (DirectDevice),
+// the copies are the active side's, watched and slowed there.
 func closeWhileLeased(t *testing.T, cfg Config) bool {
 	const size = 64 << 20 // more than cma leases ahead (4 × 4 MiB), so that Close interrupts it
-	ps := devmem.NewSim(2)
-	wd := newWatched(ps)
-	p, _ := newDevAgent(t, cfg, wd)
-	a, _ := newDevAgent(t, cfg, devmem.NewSim(2))
+	ps, as := devmem.NewSim(2), devmem.NewSim(2)
+	copier := ps // the simulator that copies into ps's memory
+	if cfg.DirectDevice != "" {
+		copier = as
+	}
+	wd := newWatched(copier)
+	var pd, ad devmem.Driver = ps, as
+	if copier == ps {
+		pd = wd
+	} else {
+		ad = wd
+	}
+	p, _ := newDevAgent(t, cfg, pd)
+	a, _ := newDevAgent(t, cfg, ad)
 	pb, _ := filled(t, p, ps, passiveGPU, []int{size}, onDevice)
 	ab, _ := side(t, a, []int{size})
 	e := exposeLocals(t, p, agent.AccessWrite, pb.locals)
-	ps.SetRate(64 << 20)
-	ps.Record(true)
+	copier.SetRate(64 << 20)
+	copier.Record(true)
 	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpWrite, Peer: p.Info(), Key: e.Key(), Segments: segmentsOf(ab.locals, pb.regions(), 0)})
 	require.NoError(t, err)
 	t.Cleanup(func() { waitXfer(t, x) })
@@ -435,7 +467,7 @@ func closeWhileLeased(t *testing.T, cfg Config) bool {
 		return false
 	}
 	require.NoError(t, CloseWithin(t, p, hangGuard, "Close during a peer's staged WRITE"))
-	ps.Mark("closed", 0)()
+	copier.Mark("closed", 0)()
 	st := p.Stats()
 	assert.Zero(t, st.StagingBuffers, "staging buffers in use after Close")
 	assert.Zero(t, st.StagingBytes, "staging memory held after Close")
@@ -445,9 +477,9 @@ func closeWhileLeased(t *testing.T, cfg Config) bool {
 		require.ErrorIs(t, err, agent.ErrRemoteLost)
 	}
 	time.Sleep(settle)
-	events := ps.Events()
-	ps.Record(false)
-	ps.SetRate(0)
+	events := copier.Events()
+	copier.Record(false)
+	copier.SetRate(0)
 	require.Empty(t, lateCopies(events, "closed"), "copies into the device ended after Close returned\n%s", timeline(events))
 	return err != nil
 }

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -53,6 +54,20 @@ type devReach struct {
 	// remote: some backend reaches a peer's device memory, staged by the
 	// peer's agent (agent.DeviceStager) or natively.
 	remote bool
+	// cfg is the suite's configuration: its DirectDevice says which
+	// transfers the backend moves without staging (devicePath).
+	cfg Config
+}
+
+// path is the path a transfer of segs over backend takes (devicePath).
+func (r devReach) path(backend string, segs []agent.Segment) string {
+	return devicePath(r.cfg, backend, segs)
+}
+
+// direct reports whether the backend moves segs' GPU memory itself
+// (Config.DirectDevice), without staging.
+func (r devReach) direct(segs []agent.Segment) bool {
+	return strings.HasSuffix(devicePath(r.cfg, "", segs), "+"+r.cfg.DirectDevice) && r.cfg.DirectDevice != ""
 }
 
 func reachOf(bs []agent.Backend) devReach {
@@ -84,7 +99,9 @@ func newDevAgent(t *testing.T, cfg Config, drv devmem.Driver, opts ...agent.Opti
 	t.Helper()
 	bs, err := cfg.New()
 	require.NoError(t, err, "factory")
-	return startDevAgent(t, bs, drv, opts...), reachOf(bs)
+	r := reachOf(bs)
+	r.cfg = cfg
+	return startDevAgent(t, bs, drv, opts...), r
 }
 
 func startDevAgent(t *testing.T, bs []agent.Backend, drv devmem.Driver, opts ...agent.Option) *agent.Agent {
@@ -186,7 +203,8 @@ func (d *devPair) transfer(t *testing.T, op agent.Op, sizes []int, pl placement,
 	pb, pSeed := filled(t, d.p, d.ps, passiveGPU, sizes, pl.remote)
 	ab, aSeed := filled(t, d.a, d.as, activeGPU, sizes, pl.local)
 	e := exposeLocals(t, d.p, op.Access(), pb.locals)
-	x, err := d.a.Post(context.Background(), agent.Request{Op: op, Peer: d.p.Info(), Key: e.Key(), Segments: segmentsOf(ab.locals, pb.regions(), pSeed), Notify: notify})
+	segs := segmentsOf(ab.locals, pb.regions(), pSeed)
+	x, err := d.a.Post(context.Background(), agent.Request{Op: op, Peer: d.p.Info(), Key: e.Key(), Segments: segs, Notify: notify})
 	if anyOf(len(sizes), pl.remote) && !d.reach.remote {
 		require.ErrorIs(t, err, agent.ErrNoBackend, "%v of a peer's device memory over a backend that cannot reach it", op)
 		require.ErrorContains(t, err, "GPU memory")
@@ -222,7 +240,7 @@ func (d *devPair) transfer(t *testing.T, op agent.Op, sizes []int, pl placement,
 	if notify == nil || op == agent.OpWrite {
 		require.NoError(t, pb.Check(want), "passive memory")
 	}
-	assert.Equal(t, x.Backend()+"+staging", x.Path(), "the path of device memory staged through host buffers")
+	assert.Equal(t, d.reach.path(x.Backend(), segs), x.Path(), "the path of device memory")
 	assert.Equal(t, uint64(sum(sizes)), x.Bytes())
 	assert.Equal(t, d.a.ID(), e.Peer(), "exposure's peer")
 	if notify == nil {

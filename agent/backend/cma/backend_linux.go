@@ -74,6 +74,8 @@ type Backend struct {
 	wg    sync.WaitGroup // goroutines but the accepted connections' (conns)
 	stop  chan struct{}  // closed when the last transfer is done: workers exit
 
+	dev devState // the agent's device driver, for the device path (ipc_linux.go)
+
 	retry time.Duration // how long a failed verdict stands: retryFailed
 	swept time.Time     // when expired verdicts were last dropped
 }
@@ -212,6 +214,9 @@ func (b *Backend) Close() error {
 	close(b.stop)
 	b.wg.Wait()
 	b.conns.Wait()
+	if b.dev.drv != nil {
+		b.dev.close()
+	}
 	return err
 }
 

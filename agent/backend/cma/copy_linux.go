@@ -116,6 +116,9 @@ func (b *Backend) copyTask(t task, v *iovecs) {
 }
 
 func (st *xstate) copyChunk(t task, v *iovecs) error {
+	if t.w.devs != nil || st.localDev {
+		return st.copyDevice(t)
+	}
 	l, r := v.local[:t.pieces], v.remote[:t.pieces]
 	i, seg := 0, t.start.Seg
 	for pc := range st.x.Pieces(t.start, t.n) {

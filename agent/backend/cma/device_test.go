@@ -27,8 +27,17 @@ import (
 )
 
 // devAgent starts an agent on a cma backend with opts whose device memory
-// is drv; pool, if not 0, is its staging pool (256 KiB chunks).
+// is drv; pool, if not 0, is its staging pool (256 KiB chunks). The
+// same-host device path is off (WithDeviceIPC(false)): these tests are
+// about staging; ipcAgent's have it on.
 func devAgent(t testing.TB, drv devmem.Driver, pool int, opts ...Option) (*agent.Agent, *Backend) {
+	t.Helper()
+	return ipcAgent(t, drv, pool, append([]Option{WithDeviceIPC(false)}, opts...)...)
+}
+
+// ipcAgent is devAgent with the device path as opts leave it: on by
+// default.
+func ipcAgent(t testing.TB, drv devmem.Driver, pool int, opts ...Option) (*agent.Agent, *Backend) {
 	t.Helper()
 	b := New(opts...)
 	aopts := []agent.Option{agent.WithBackends(b), agent.WithDevice(drv)}

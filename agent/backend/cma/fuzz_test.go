@@ -18,6 +18,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/devmem"
 )
 
 func frameBytes(h header, table [][2]uint64, payload []byte) []byte {
@@ -238,6 +239,106 @@ func FuzzClientGrants(f *testing.F) {
 		case <-x.Done():
 		case <-time.After(10 * time.Second):
 			t.Fatal("the READ did not end")
+		}
+	})
+}
+
+// shareBytes encodes a tShare for sh.
+func shareBytes(sh devmem.Share) []byte {
+	b := make([]byte, hdrSize, hdrSize+shareSize)
+	(&header{typ: tShare, status: uint8(sh.Kind), id: sh.ID, length: shareSize}).put(b)
+	return putShare(b, sh)
+}
+
+// entryBytes encodes a grant whose table holds (address, share) entries.
+func entryBytes(h header, es ...grantEntry) []byte {
+	b := make([]byte, hdrSize)
+	h.put(b)
+	for _, e := range es {
+		b = binary.LittleEndian.AppendUint64(b, e.addr)
+		b = binary.LittleEndian.AppendUint64(b, e.share)
+	}
+	return b
+}
+
+// FuzzDeviceFrames decodes arbitrary frames as a copier on a connection
+// that agreed capDevice does, then the device parts of what it accepts
+// (getShare, grantEntries, for a request whose range count and lengths
+// the input chooses): nothing panics, every refusal is a protocol
+// violation, a share that decodes spans a range that neither is empty
+// nor wraps and encodes back to the same bytes, and a grant's entries are
+// one per range, none at 0, none whose range wraps.
+func FuzzDeviceFrames(f *testing.F) {
+	h := devmem.Share{Kind: devmem.ShareHandle, GPU: [16]byte{1, 2}, ID: 7, Base: 0x7f0000000000, Size: 1 << 21, FD: -1}
+	h.Handle[0], h.Handle[63] = 0xAA, 0x55
+	f.Add(uint8(2), uint64(4096), shareBytes(h))
+	f.Add(uint8(1), uint64(1), shareBytes(devmem.Share{Kind: devmem.ShareFD, ID: 8, Base: 0x1000, Size: 4096}))
+	f.Add(uint8(1), uint64(1), shareBytes(devmem.Share{Kind: devmem.ShareFD, ID: 9, Base: ^uintptr(0) - 10, Size: 4096}))
+	f.Add(uint8(2), uint64(4096), entryBytes(header{typ: tGrant, status: stOK, count: 2, id: 1}, grantEntry{0x1000, 7}, grantEntry{0x2000, 0}))
+	f.Add(uint8(2), uint64(4096), entryBytes(header{typ: tGrant, status: stOK, count: 1, id: 1}, grantEntry{0x1000, 7}))
+	f.Add(uint8(1), uint64(1<<20), entryBytes(header{typ: tGrant, status: stOK, count: 1, id: 1}, grantEntry{^uint64(0) - 100, 7}))
+	f.Add(uint8(1), uint64(1), frameBytes(header{typ: tUnshare, id: 7}, nil, nil))
+	f.Add(uint8(1), uint64(1), frameBytes(header{typ: tUnshare}, nil, nil))
+	lim := limits{maxRanges: 64, maxNotify: 1 << 10, entry: devEntrySize}
+	f.Fuzz(func(t *testing.T, ranges uint8, n uint64, data []byte) {
+		r := bytes.NewReader(data)
+		var hdr [hdrSize]byte
+		var buf []byte
+		var fr frame
+		for {
+			err := readFrame(r, hdr[:], &buf, lim, &fr)
+			if err != nil {
+				if !errors.Is(err, errProtocol) && !errors.Is(err, io.EOF) && !errors.Is(err, io.ErrUnexpectedEOF) {
+					t.Fatalf("unexpected error %v", err)
+				}
+				return
+			}
+			switch fr.typ {
+			case tShare:
+				sh, err := getShare(&fr)
+				if err != nil {
+					if !errors.Is(err, errProtocol) {
+						t.Fatalf("unexpected error %v", err)
+					}
+					continue
+				}
+				if sh.size == 0 || sh.base == 0 || sh.base+sh.size < sh.base {
+					t.Fatalf("share [0x%x, +%d) accepted", sh.base, sh.size)
+				}
+				back := putShare(nil, devmem.Share{Kind: sh.kind, GPU: sh.gpu, ID: sh.id, Base: uintptr(sh.base), Size: sh.size, Handle: sh.hdl})
+				if sh.kind == devmem.ShareHandle && !bytes.Equal(back, fr.payload) {
+					t.Fatalf("share %d encodes back as %x, decoded from %x", sh.id, back, fr.payload)
+				}
+			case tGrant:
+				lens := func(yield func(uint64) bool) {
+					for i := range int(ranges) {
+						if !yield(n + uint64(i)) {
+							return
+						}
+					}
+				}
+				es, err := grantEntries(&fr, int(ranges), lens)
+				if err != nil {
+					if !errors.Is(err, errProtocol) {
+						t.Fatalf("unexpected error %v", err)
+					}
+					continue
+				}
+				if es == nil {
+					if fr.count != 0 {
+						t.Fatalf("a table of %d entries decoded as none", fr.count)
+					}
+					continue
+				}
+				if len(es) != int(ranges) {
+					t.Fatalf("%d entries for %d ranges", len(es), ranges)
+				}
+				for i, e := range es {
+					if e.addr == 0 || e.addr+n+uint64(i) < e.addr {
+						t.Fatalf("range %d of %d bytes accepted at 0x%x", i, n+uint64(i), e.addr)
+					}
+				}
+			}
 		}
 	})
 }

@@ -25,7 +25,15 @@ type window struct {
 	// addrs are where the peer's grant says to copy each piece of the
 	// window, in order: staging buffers for its device memory. nil: at
 	// the pieces' remote addresses. Set by the reader before the answer.
-	addrs  []uint64
+	addrs []uint64
+	// staged: some of addrs are the peer's staging buffers, not the
+	// ranges' own addresses (a WRITE then asks for tFlushed).
+	staged bool
+	// devs are where the pieces lie in the peer's device allocations
+	// mapped here (capDevice), nil if none does; ims hold those mappings
+	// until the window ends. Set by the reader before the answer.
+	devs   []devAt
+	ims    []*imported
 	inline bool      // the reader handles the answer: a one-chunk transfer
 	held   bool      // granted and not yet ended; under st.p.mu
 	parked bool      // waiting in st.p.parked for room; under st.p.mu
@@ -279,7 +287,7 @@ func (w *window) done(err error) {
 	// w.id no longer changes: whoever finishes w took it out under p.mu.
 	requested := w.id != 0
 	written := err == nil && st.write && w.dispatched && !w.short.Load()
-	ack := written && w.addrs != nil
+	ack := written && w.staged
 	p.mu.Lock()
 	// Awaited before the end goes out: the answer may come at once.
 	awaited := false
@@ -324,6 +332,10 @@ func (w *window) done(err error) {
 	if last {
 		p.shut() // the peer failed while w copied: no copy runs any more
 	}
+	for _, im := range w.ims { // no copy runs on them any more
+		im.release()
+	}
+	w.ims = nil
 	if awaited {
 		return
 	}

@@ -18,6 +18,21 @@ func TestMain(m *testing.M) {
 	backendtest.MainAfter(m, factory, benchTarget.Stop)
 }
 
+// The suite with the same-host device path on (the default): GPU memory on
+// the peer is mapped and copied on this side's GPU ("cma+ipc"). Its
+// windows are 1 MiB here, not 256: the fault cases cancel, close and kill
+// in the middle of transfers of a few MiB copied at simulated rates of
+// tens of MiB/s, and need several windows to land between (TestIPC* run
+// the default).
 func TestConformance(t *testing.T) {
-	backendtest.Run(t, backendtest.Config{New: factory, CrossProcess: true})
+	small := func() ([]agent.Backend, error) { return []agent.Backend{cma.New(cma.WithDeviceWindow(1 << 20))}, nil }
+	backendtest.Run(t, backendtest.Config{New: small, CrossProcess: true, DirectDevice: "ipc"})
+}
+
+// The device cases again with the device path off on this side, which
+// turns it off for the pair: GPU memory is staged by the agent that holds
+// it, also against a child whose path is on.
+func TestConformanceStaged(t *testing.T) {
+	staged := func() ([]agent.Backend, error) { return []agent.Backend{cma.New(cma.WithDeviceIPC(false))}, nil }
+	backendtest.RunDevice(t, backendtest.Config{New: staged, CrossProcess: true})
 }

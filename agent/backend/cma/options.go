@@ -41,7 +41,15 @@ type config struct {
 
 	maxConnsPerProc int
 	maxHandshakes   int
+
+	ipc      bool
+	ipcLease int // the device path's window (WithDeviceWindow)
 }
+
+// ipcLease is the device path's default window (ipc_linux.go): copies run
+// on the GPU, so a window is large, a lease round trip costing more than
+// the copy of a small one.
+const ipcLease = 256 << 20
 
 func defaults() config {
 	return config{
@@ -56,6 +64,9 @@ func defaults() config {
 
 		maxConnsPerProc: 1024,
 		maxHandshakes:   64,
+
+		ipc:      true,
+		ipcLease: ipcLease,
 	}
 }
 
@@ -117,4 +128,32 @@ func WithMaxConnsPerProcess(n int) Option {
 // [Stats] LimitRejected. Default: 64; n in [1, 2^20].
 func WithMaxHandshakes(n int) Option {
 	return intOption(n, 1, 1<<20, "handshakes in progress", "[1, 1048576]", func(c *config) { c.maxHandshakes = n })
+}
+
+// WithDeviceIPC turns the same-host device path on or off. On (the
+// default), two agents whose device drivers share memory (CUDA, or both
+// simulated) move device memory on either side by mapping the exposing
+// process's GPU allocations (CUDA IPC: legacy handles, or VMM file
+// descriptors over the connection) and copying on the copying side's GPU:
+// device to device, or one copy between device and host memory. Off, the
+// agent on each side stages its device memory through pinned host buffers
+// instead. A mapping reaches the whole allocation it belongs to: turn it
+// off where the processes on the host must not trust each other that far
+// (docs/gpu.md). Off on either side turns it off for the pair.
+func WithDeviceIPC(on bool) Option {
+	return optionFunc(func(c *config) error {
+		c.ipc = on
+		return nil
+	})
+}
+
+// WithDeviceWindow sets the most bytes one lease covers on the same-host
+// device path (WithDeviceIPC): a window's copies are enqueued on the GPU
+// together and waited for once, and the exposing side's Revoke or Close
+// waits for the windows in flight (up to four per transfer) to be copied.
+// Smaller windows end a cancelled or revoked transfer sooner on a slow
+// link; larger ones need fewer lease round trips. Default: 256 MiB; n in
+// [64 KiB, 1 GiB].
+func WithDeviceWindow(n int) Option {
+	return intOption(n, 64<<10, 1<<30, "device window", "[64 KiB, 1 GiB]", func(c *config) { c.ipcLease = n })
 }

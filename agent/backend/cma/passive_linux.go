@@ -133,6 +133,19 @@ type server struct {
 	pid     int
 	ptracer bool // pid is named in the Yama ptracer exception
 	staged  bool // the dialler takes staged grants (capStaged)
+	device  bool // the dialler maps device shares (capDevice)
+
+	// Device allocations shared on the connection (capDevice), under
+	// shareMu, which also orders tShare, tGrant and tUnshare frames: a
+	// grant follows the shares it names, a share's end follows its
+	// grants. One watcher per exposure key takes the key's shares back
+	// when the exposure is gone, or ends with the connection (done).
+	shareMu sync.Mutex
+	exports map[uint64]*exported
+	byKey   map[agent.Key][]*exported
+	watched map[agent.Key]bool
+	done    chan struct{}
+	watchWG sync.WaitGroup
 
 	// mu guards the leases and their renewal, the read deadline, and the
 	// stager's queue: the reader and the stager share them.
@@ -272,7 +285,9 @@ func (b *Backend) serve(c *net.UnixConn, pid int, pass *serve.Pass) {
 	defer b.byPID.Release(pid)
 	defer pass.Done()
 	defer c.Close()
-	s := &server{b: b, c: c, pid: pid, pass: pass, leases: map[uint64]held{}}
+	s := &server{b: b, c: c, pid: pid, pass: pass, leases: map[uint64]held{}, done: make(chan struct{})}
+	defer s.watchWG.Wait()
+	defer close(s.done)
 	if err := s.handshake(); err != nil {
 		if !b.stopping() && !errors.Is(err, serve.ErrEvicted) && b.dropped(err, true, "pid", pid) {
 			b.host.Refused()
@@ -373,7 +388,10 @@ func (s *server) handshake() error {
 		out.probe, out.nonce, out.leases = b.probeAddr(), *b.probe, maxLeases
 		// Zero to a dialler that announced nothing: it reads the leases
 		// field as a u32 that covers caps.
-		out.caps = in.caps & localCaps
+		out.caps = in.caps & capStaged
+		if in.caps&capStaged != 0 {
+			out.caps |= b.agreeDevice(in.caps)
+		}
 	}
 	if err == nil && b.scope == 1 {
 		// Before the answer: the peer probes as soon as it has it. The
@@ -393,6 +411,7 @@ func (s *server) handshake() error {
 	}
 	s.peer, s.link = in.self, agent.NewLink(in.self)
 	s.staged = out.caps&capStaged != 0
+	s.device = out.caps&capDevice != 0
 	_ = s.c.SetDeadline(time.Time{})
 	return nil
 }
@@ -499,6 +518,11 @@ func (s *server) begin(f *frame) error {
 		r, ok := lease.Region(f.rangeAt(i))
 		if !ok || r.Kind == agent.KindDRAM {
 			continue // Slice says why it is refused
+		}
+		if s.device {
+			if handled, err := s.grantDevice(f, lease, acc); handled {
+				return err
+			}
 		}
 		if !s.staged {
 			lease.Release()
@@ -771,11 +795,27 @@ func (s *server) answer(typ uint8, id uint64, status uint8, why error, addrs []u
 	(&header{typ: typ, status: status, count: uint32(len(addrs)), id: id, length: uint32(len(msg))}).put(b)
 	for _, a := range addrs {
 		b = binary.LittleEndian.AppendUint64(b, a)
+		if s.device {
+			b = binary.LittleEndian.AppendUint64(b, 0) // host memory: no share
+		}
 	}
 	b = append(b, msg...)
 	if cap(b) <= 64<<10 {
 		s.out = b
 	}
+	return s.writeLocked(b, nil)
+}
+
+// write writes one frame, b, with oob attached to its first byte if set
+// (a file descriptor, SCM_RIGHTS).
+func (s *server) write(b, oob []byte) error {
+	s.wmu.Lock()
+	defer s.wmu.Unlock()
+	return s.writeLocked(b, oob)
+}
+
+// writeLocked is write for a caller that holds s.wmu.
+func (s *server) writeLocked(b, oob []byte) error {
 	// The write may wait for the peer to read for the timeout, and no
 	// longer than leases stay unrenewed.
 	writeBy := time.Now().Add(s.b.cfg.timeout)
@@ -787,7 +827,16 @@ func (s *server) answer(typ uint8, id uint64, status uint8, why error, addrs []u
 		}
 		s.mu.Unlock()
 		_ = s.c.SetWriteDeadline(d)
-		n, err := s.c.Write(b)
+		var n int
+		var err error
+		if oob != nil {
+			n, _, err = s.c.WriteMsgUnix(b, oob, nil)
+			if n > 0 {
+				oob = nil // went with the first byte
+			}
+		} else {
+			n, err = s.c.Write(b)
+		}
 		b = b[n:]
 		var ne net.Error
 		if err != nil && errors.As(err, &ne) && ne.Timeout() && time.Now().Before(writeBy) {
@@ -795,6 +844,9 @@ func (s *server) answer(typ uint8, id uint64, status uint8, why error, addrs []u
 				return err
 			}
 			continue // renewal's deadline, not the write's
+		}
+		if err == nil && len(b) > 0 {
+			continue
 		}
 		return err
 	}

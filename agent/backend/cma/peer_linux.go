@@ -32,6 +32,12 @@ type peer struct {
 	// staged: the peer stages its device memory for us, naming where to
 	// copy in its grants (capStaged); set before ready is closed.
 	staged bool
+	// device: the peer shares its device memory with us (capDevice): its
+	// grants name shares, which its tShare frames carry. Set before ready
+	// is closed, with lim (the frame limits, whose grant entries then
+	// have two words).
+	device bool
+	lim    limits
 
 	ready   chan struct{} // closed once connect has set verdict and failed
 	verdict error         // nil: connected and permitted
@@ -60,6 +66,9 @@ type peer struct {
 	// waiting holds the lease requests awaiting their answer (nil:
 	// abandoned, answer still due) and the staged WRITEs awaiting tFlushed.
 	waiting map[uint64]*window
+	// shares are the peer's device allocations mapped for this
+	// connection, by share ID (capDevice); dropped when it fails.
+	shares map[uint64]*shareRef
 	// holding counts granted windows whose copies may still run. Once the
 	// peer failed, the connection is closed only when it drops to zero:
 	// the exposing side releases a connection's leases when it closes, so
@@ -127,7 +136,8 @@ func (p *peer) dial() error {
 	deadline, _ := ctx.Deadline()
 	_ = p.c.SetDeadline(deadline)
 	var hs [hsSize]byte
-	(&handshake{self: b.id, expect: p.id, pid: uint32(b.pid), status: uint8(p.acc), nonce: p.key, caps: localCaps}).put(hs[:])
+	caps := uint16(capStaged) | b.device().caps
+	(&handshake{self: b.id, expect: p.id, pid: uint32(b.pid), status: uint8(p.acc), nonce: p.key, caps: caps}).put(hs[:])
 	if _, err := p.c.Write(hs[:]); err != nil {
 		return fmt.Errorf("handshake with peer %s: %w: %w", p.id, agent.ErrRemoteLost, err)
 	}
@@ -146,6 +156,13 @@ func (p *peer) dial() error {
 		p.limit = maxLeases // an agent that predates the field holds that many
 	}
 	p.staged = in.caps&capStaged != 0
+	p.lim = b.lim
+	if in.caps&capDevice != 0 {
+		if in.caps&(capDevice|capSim) != caps&(capDevice|capSim) {
+			return fmt.Errorf("%w: peer %s answers device caps %#x to a hello of %#x", errProtocol, p.id, in.caps, caps)
+		}
+		p.device, p.lim.entry = true, devEntrySize
+	}
 	if err := b.probePeer(int(p.ci.pid), in); err != nil {
 		return fmt.Errorf("peer %s: %w", p.id, err)
 	}
@@ -210,16 +227,29 @@ func (p *peer) read() {
 var errBye = errors.New("peer said goodbye")
 
 func (p *peer) loop() error {
-	br := bufio.NewReaderSize(p.c, 4<<10)
+	rr := &rightsReader{c: p.c}
+	defer rr.close()
+	defer p.dropShares()
+	br := bufio.NewReaderSize(rr, 4<<10)
 	var hdr [hdrSize]byte
 	var buf []byte
 	var f frame
 	for {
-		if err := readFrame(br, hdr[:], &buf, p.b.lim, &f); err != nil {
+		if err := readFrame(br, hdr[:], &buf, p.lim, &f); err != nil {
 			return err
 		}
 		switch f.typ {
 		case tGrant:
+		case tShare:
+			if err := p.share(&f, rr); err != nil {
+				return err
+			}
+			continue
+		case tUnshare:
+			if err := p.unshare(f.id); err != nil {
+				return err
+			}
+			continue
 		case tFlushed:
 			if err := p.flushAnswer(&f); err != nil {
 				return err
@@ -252,7 +282,17 @@ func (p *peer) loop() error {
 			p.mu.Unlock()
 			return fmt.Errorf("%w: a second answer to lease %d", errProtocol, f.id)
 		}
-		if w != nil && err == nil {
+		if w != nil && err == nil && p.device {
+			// Where to copy: host addresses and mapped shares, checked
+			// against the request and the shares before the window may
+			// copy.
+			failed, perr := p.place(w, &f)
+			if perr != nil {
+				p.mu.Unlock()
+				return perr // fail answers w with the failure
+			}
+			err = failed // granted, not held: w ends the lease at once
+		} else if w != nil && err == nil {
 			// Where to copy, for ranges the peer staged: checked against
 			// the request before the window may copy.
 			addrs, serr := stagedAddrs(&f, w.pieces, w.lens())
@@ -260,7 +300,7 @@ func (p *peer) loop() error {
 				p.mu.Unlock()
 				return serr // fail answers w with the failure
 			}
-			w.addrs = addrs
+			w.addrs, w.staged = addrs, addrs != nil
 		}
 		delete(p.waiting, f.id)
 		if w != nil && err == nil {

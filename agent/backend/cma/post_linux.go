@@ -17,9 +17,12 @@ type xstate struct {
 	p     *peer
 	x     *agent.Work
 	write bool
-	slots chan struct{} // one per lease requested or held
-	lease uint64        // the most bytes one window covers
-	chunk uint64        // the most bytes one system call copies
+	// localDev: some local memory is device memory, which only the
+	// device path (copyDevice) reaches (the agent asked DirectDevice).
+	localDev bool
+	slots    chan struct{} // one per lease requested or held
+	lease    uint64        // the most bytes one window covers
+	chunk    uint64        // the most bytes one system call copies
 }
 
 // Windows over the peer's device memory, which its agent stages whole per
@@ -65,7 +68,19 @@ func (b *Backend) Post(x *agent.Work) error {
 	}
 	st := &xstate{b: b, p: p, x: x, write: x.Op == agent.OpWrite, lease: uint64(b.cfg.lease), chunk: uint64(b.cfg.chunk)}
 	depth := b.cfg.leaseDepth
-	if remoteVRAM(x.Segments) {
+	for i := range x.Segments {
+		st.localDev = st.localDev || x.Segments[i].Local.Kind == agent.KindVRAM
+	}
+	switch {
+	case st.localDev && !p.device:
+		b.xwg.Done()
+		return fmt.Errorf("cma: peer %s: %w: its connection maps no GPU memory (it was reconnected, or sharing is off), and this transfer's local memory is GPU memory", p.id, agent.ErrRemoteLost)
+	case p.device && (st.localDev || remoteVRAM(x.Segments)):
+		// Copies on the GPU: large windows, a task's worth each.
+		st.lease = uint64(b.cfg.ipcLease)
+		st.chunk = st.lease
+		depth = max(depth, ipcDepth)
+	case remoteVRAM(x.Segments):
 		if !p.staged {
 			b.xwg.Done()
 			return fmt.Errorf("cma: peer %s: %w: its cma predates staged grants and cannot reach its GPU memory", p.id, agent.ErrAccessDenied)
@@ -75,7 +90,9 @@ func (b *Backend) Post(x *agent.Work) error {
 	}
 	st.slots = make(chan struct{}, depth)
 	st.Init(x, p.notify, b.xwg.Done)
-	if end, n, pieces := agent.Span(x.Segments, cursor{}, st.chunk, iovMax); end.Seg == len(x.Segments) {
+	// A small transfer is copied on the connection's reader: at most a
+	// chunk (WithChunkSize), also on the GPU.
+	if end, n, pieces := agent.Span(x.Segments, cursor{}, min(st.chunk, uint64(b.cfg.chunk)), iovMax); end.Seg == len(x.Segments) {
 		// One chunk: request the lease here and copy when it is granted.
 		st.slots <- struct{}{}
 		w := &window{st: st, n: n, pieces: pieces, inline: true}

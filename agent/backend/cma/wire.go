@@ -11,6 +11,7 @@ import (
 
 	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/agent/backend/internal/framehdr"
+	"github.com/goxfer/goxfer/agent/devmem"
 )
 
 // The control protocol, over one Unix-domain stream socket per pair of
@@ -48,7 +49,8 @@ import (
 //	                  stFailed)
 //	  2  -       u16
 //	  4  count   u32  entries in the table: tBegin's ranges; a granted
-//	                  tGrant's staged addresses (0: none); else 0
+//	                  tGrant's staged addresses, or with capDevice its
+//	                  (address, share) pairs (0: none); else 0
 //	  8  id      u64  lease number, chosen by the requester
 //	 16  length  u32  payload bytes after the table
 //	 20  -       u32
@@ -90,6 +92,8 @@ const (
 	tNotify  = 4 // active→passive: length bytes of message for key
 	tBye     = 5 // either way: orderly close
 	tFlushed = 6 // passive→active: a staged WRITE reached the device, or stFailed and why
+	tShare   = 7 // passive→active: a device allocation the copier may map (capDevice)
+	tUnshare = 8 // passive→active: unmap that allocation: no exposure it served lives
 
 	// tEnd's status bits.
 	endWritten = 1 << 0 // every byte of the WRITE lease was written: copy it into the device
@@ -110,7 +114,25 @@ const (
 	// addresses (count > 0), for ranges of device memory, and tEnd may ask
 	// for tFlushed.
 	capStaged = 1 << 0
-	localCaps = capStaged // what this agent understands
+	// capDevice, in the handshake's caps: the dialler maps device
+	// allocations the exposing side shares (tShare) and copies them on its
+	// GPU; in the answer, the exposing side shares them, and its grants'
+	// tables hold two words per range (address, share). capSim names the
+	// simulated device (devmem.Sim) on both sides: a simulated allocation
+	// means nothing to the CUDA driver, nor the reverse, so the answer
+	// grants capDevice only to a dialler of the same kind.
+	capDevice = 1 << 1
+	capSim    = 1 << 2
+	localCaps = capStaged | capDevice | capSim // what this agent understands
+
+	// shareSize is a tShare's payload: GPU UUID [16], base u64, size u64,
+	// CUDA IPC handle [64] (zeros for a share by file descriptor, which
+	// rides on the frame's first byte as SCM_RIGHTS).
+	shareSize = 16 + 8 + 8 + devmem.HandleSize
+	// devEntrySize is a grant's table entry once capDevice is agreed: the
+	// address to copy at u64, and the share it lies in u64 (0: the
+	// exposing process's host memory, copied with process_vm_readv/writev).
+	devEntrySize = 16
 
 	// The handshake answer's ptracer field, under Yama mode 1.
 	ptrNone    = 0 // not asked for: no Yama mode 1, or the handshake was refused
@@ -159,6 +181,9 @@ func (h *header) get(b []byte) {
 type limits struct {
 	maxRanges int // ranges in one tBegin
 	maxNotify int // bytes in one tNotify
+	// entry is the size of a granted tGrant's table entry: addrSize, or
+	// devEntrySize on a connection that agreed capDevice.
+	entry int
 }
 
 // frame is a decoded frame. table and payload alias the reader's buffer and
@@ -241,7 +266,26 @@ func readFrame(r io.Reader, hdr []byte, buf *[]byte, lim limits, f *frame) error
 			if f.status != stOK || uint64(f.count) > uint64(lim.maxRanges) {
 				return fmt.Errorf("%w: grant with status %d and %d staged addresses, want status %d and at most %d", errProtocol, f.status, f.count, stOK, lim.maxRanges)
 			}
-			tableLen = int(f.count) * addrSize
+			entry := lim.entry
+			if entry == 0 {
+				entry = addrSize
+			}
+			tableLen = int(f.count) * entry
+		}
+	case tShare:
+		if lim.entry != devEntrySize {
+			return fmt.Errorf("%w: a device share on a connection that agreed none", errProtocol)
+		}
+		if f.status != uint8(devmem.ShareHandle) && f.status != uint8(devmem.ShareFD) {
+			return fmt.Errorf("%w: device share of kind %d, want %d or %d", errProtocol, f.status, devmem.ShareHandle, devmem.ShareFD)
+		}
+		if f.id == 0 || f.length != shareSize {
+			return fmt.Errorf("%w: device share %d of %d bytes, want a nonzero id and %d bytes", errProtocol, f.id, f.length, shareSize)
+		}
+		maxLen = shareSize
+	case tUnshare:
+		if lim.entry != devEntrySize || f.id == 0 {
+			return fmt.Errorf("%w: unshare of device share %d on a connection that agreed none", errProtocol, f.id)
 		}
 	case tNotify:
 		maxLen = lim.maxNotify
@@ -363,3 +407,81 @@ func parseConnInfo(b []byte) (connInfo, error) {
 
 // cursor is a position in a transfer's segments (agent.Cursor).
 type cursor = agent.Cursor
+
+// share is a decoded tShare: a device allocation of the exposing process
+// the copier may map. Untrusted until [devmem.Sharer.Import] accepts it.
+type share struct {
+	id   uint64
+	kind devmem.ShareKind
+	gpu  [16]byte
+	base uint64
+	size uint64
+	hdl  [devmem.HandleSize]byte
+}
+
+// getShare decodes a tShare frame, already checked by readFrame. A base
+// whose range wraps, or a size of 0, is a protocol violation.
+func getShare(f *frame) (share, error) {
+	b := f.payload
+	sh := share{id: f.id, kind: devmem.ShareKind(f.status)}
+	copy(sh.gpu[:], b[0:16])
+	sh.base = binary.LittleEndian.Uint64(b[16:])
+	sh.size = binary.LittleEndian.Uint64(b[24:])
+	copy(sh.hdl[:], b[32:32+devmem.HandleSize])
+	if sh.base == 0 || sh.size == 0 || sh.base+sh.size < sh.base {
+		return sh, fmt.Errorf("%w: device share %d spans [0x%x, +%d)", errProtocol, sh.id, sh.base, sh.size)
+	}
+	return sh, nil
+}
+
+// putShare appends a tShare's payload for s to b.
+func putShare(b []byte, s devmem.Share) []byte {
+	b = append(b, s.GPU[:]...)
+	b = binary.LittleEndian.AppendUint64(b, uint64(s.Base))
+	b = binary.LittleEndian.AppendUint64(b, s.Size)
+	if s.Kind == devmem.ShareHandle {
+		return append(b, s.Handle[:]...)
+	}
+	var zero [devmem.HandleSize]byte
+	return append(b, zero[:]...)
+}
+
+// grantEntry is one range of a grant on a connection that agreed
+// capDevice: where to copy, and in which share (0: host memory).
+type grantEntry struct {
+	addr  uint64
+	share uint64
+}
+
+// grantEntries decodes the table of a granted tGrant on a connection that
+// agreed capDevice, answering a request of the ranges whose lengths lens
+// yields: nil if the grant names no table (copy at the ranges' own
+// addresses). f comes from the peer: a table whose count is not the
+// request's, a host address that would wrap or is 0, is a protocol
+// violation; shares are checked by the caller, which knows them.
+func grantEntries(f *frame, ranges int, lens iter.Seq[uint64]) ([]grantEntry, error) {
+	if f.count == 0 {
+		return nil, nil
+	}
+	if int(f.count) != ranges || len(f.table) != ranges*devEntrySize {
+		return nil, fmt.Errorf("%w: grant of lease %d names %d entries for the %d ranges requested", errProtocol, f.id, f.count, ranges)
+	}
+	es := make([]grantEntry, ranges)
+	i := 0
+	for n := range lens {
+		if i == ranges {
+			return nil, fmt.Errorf("%w: lease %d requested more than the %d ranges its grant answers", errProtocol, f.id, ranges)
+		}
+		b := f.table[i*devEntrySize:]
+		e := grantEntry{addr: binary.LittleEndian.Uint64(b), share: binary.LittleEndian.Uint64(b[8:])}
+		if e.addr == 0 || e.addr+n < e.addr {
+			return nil, fmt.Errorf("%w: grant of lease %d places range %d (%d bytes) at 0x%x", errProtocol, f.id, i, n, e.addr)
+		}
+		es[i] = e
+		i++
+	}
+	if i != ranges {
+		return nil, fmt.Errorf("%w: lease %d requested %d ranges, its grant names %d entries", errProtocol, f.id, i, ranges)
+	}
+	return es, nil
+}
