@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backend/cma"
 	"github.com/goxfer/goxfer/agent/devmem"
 )
 
@@ -124,26 +125,37 @@ func (h2dFailStream) ToDevice(uintptr, []byte) error {
 
 // missedWrite has a peer WRITE into this side's GPU memory over backend
 // while every copy into the device fails, and returns both sides' errors.
+// Over "cma" the GPU memory is staged (the device path off on this side),
+// and the copies the passive agent makes into its device fail; over
+// "cma+ipc" the active side maps it and its own copies into the mapped
+// GPU memory fail.
 func missedWrite(t *testing.T, backend string) (activeErr, passiveErr error) {
 	t.Helper()
 	sim := devmem.NewSim(2)
 	const n = 256 << 10
 	ctx := guarded(t)
-	passive := newConnector(t, WithDevice(h2dFails{sim}))
-	act := newConnector(t, WithDevice(sim), WithBackend(backend))
+	var passive, act *Connector
+	switch backend {
+	case "cma":
+		passive = newConnector(t, WithDevice(h2dFails{sim}), WithCMAOptions(cma.WithDeviceIPC(false)))
+		act = newConnector(t, WithDevice(sim), WithBackend(backend))
+	case "cma+ipc":
+		passive = newConnector(t, WithDevice(sim))
+		act = newConnector(t, WithDevice(h2dFails{sim}), WithBackend("cma"))
+	default:
+		passive = newConnector(t, WithDevice(h2dFails{sim}))
+		act = newConnector(t, WithDevice(sim), WithBackend(backend))
+	}
 	p := gpuBuf(t, sim, 1, n, nil)
 	wop, err := passive.CreateWritable(ctx, NewDeviceDescriptor(p, n, CUDA(1)))
 	require.NoError(t, err)
 	defer wop.Close()
 	w, err := act.BeginWrite(ctx, wop.Metadata(), NewDescriptor(random(n)))
-	if backend == "cma" && err != nil {
-		t.Skipf("cma unavailable: %v", err)
-	}
 	require.NoError(t, err)
 	activeErr = w.Wait(ctx)
 	passiveErr = wop.Wait(ctx)
 	assert.Equal(t, StatusErrored, wop.Status())
-	t.Logf("active: %v; passive: %v", activeErr, passiveErr)
+	t.Logf("%s over %s: active: %v; passive: %v", backend, w.Path(), activeErr, passiveErr)
 	return activeErr, passiveErr
 }
 
@@ -151,13 +163,11 @@ func missedWrite(t *testing.T, backend string) (activeErr, passiveErr error) {
 // memory and every copy into the device fails. docs/gpu.md: "a chunk
 // written into the peer's GPU memory is acknowledged only once it is in
 // the device", and the passive operation "ends with an error ... instead
-// of completing". Neither side may report success. mem and tcp keep it;
-// over cma the active side reports success.
+// of completing". Neither side may report success, staged (mem, tcp, cma
+// with its device path off) or mapped (cma+ipc).
 func TestAttack14PeerWriteThatMissesTheGPU(t *testing.T) {
-	for _, backend := range []string{"mem", "tcp", "cma"} {
+	for _, backend := range []string{"mem", "tcp", "cma", "cma+ipc"} {
 		t.Run(backend, func(t *testing.T) {
-			if backend == "cma" {
-			}
 			aerr, perr := missedWrite(t, backend)
 			require.Error(t, perr, "the passive side completed a WRITE that never reached its GPU")
 			require.Error(t, aerr, "the active side reported success for a WRITE that never reached the peer's GPU")
@@ -166,16 +176,11 @@ func TestAttack14PeerWriteThatMissesTheGPU(t *testing.T) {
 }
 
 // TestAttack14PassiveErrorWrapsErrStaging: docs/gpu.md says the passive
-// operation then ends "with an error (wrapping agent.ErrStaging)". Over
-// mem and tcp the active side fails first and tells the passive side,
-// whose error is the peer's failure as text: it does not match
-// agent.ErrStaging, although the exposure's notification carried it
-// (Event.Err). (Over cma it does.)
+// operation then ends "with an error (wrapping agent.ErrStaging)" when its
+// agent's staging failed.
 func TestAttack14PassiveErrorWrapsErrStaging(t *testing.T) {
 	for _, backend := range []string{"mem", "tcp", "cma"} {
 		t.Run(backend, func(t *testing.T) {
-			if backend != "cma" {
-			}
 			_, perr := missedWrite(t, backend)
 			require.ErrorIs(t, perr, agent.ErrStaging)
 		})
