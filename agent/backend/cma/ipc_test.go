@@ -282,3 +282,49 @@ func TestIPCDepartureUnmaps(t *testing.T) {
 		})
 	}
 }
+
+// GPU memory the exposing side cannot share (here a mapping it imported
+// itself, which only its owner exports) is staged by its agent instead,
+// within its staging pool: the copier's windows over it shrink to a
+// staged lease's size after the first grant, so a transfer much larger
+// than the pool still moves, and every byte arrives.
+func TestIPCUnshareableStaged(t *testing.T) {
+	sim := devmem.NewSim(2)
+	act, _ := ipcAgent(t, sim, 0)
+	pas, _ := ipcAgent(t, sim, 8<<20) // 4 MiB for peers' leases
+	const n = 40<<20 + 3
+	for _, op := range []agent.Op{agent.OpRead, agent.OpWrite} {
+		t.Run(op.String(), func(t *testing.T) {
+			src := randomBytes(n)
+			var rfill, lfill []byte
+			if op == agent.OpRead {
+				rfill = src
+			} else {
+				lfill = src
+			}
+			owner := newGBuf(t, sim, true, n, rfill)
+			sh, err := sim.Export(owner.base, 1)
+			require.NoError(t, err)
+			m, err := sim.Import(sh, -1)
+			require.NoError(t, err)
+			defer m.Close()
+			remote := agent.Device(m.Ptr()+guardLen, n, agent.KindVRAM, uint32(m.Dev()))
+			_, err = sim.Export(m.Ptr(), m.Dev())
+			require.ErrorIs(t, err, devmem.ErrNotShareable, "the exposed memory cannot be shared")
+			exp, err := pas.Expose(op.Access(), []agent.Local{remote})
+			require.NoError(t, err)
+			defer exp.Revoke()
+			for _, localVRAM := range []bool{true, false} {
+				loc := newGBuf(t, sim, localVRAM, n, lfill)
+				x, err := act.Post(context.Background(), agent.Request{Op: op, Peer: pas.Info(), Key: exp.Key(),
+					Segments: []agent.Segment{{Local: loc.local(), Remote: remote.Region}}})
+				require.NoError(t, err)
+				backendtest.DoneWithin(t, x, time.Minute, "a transfer of unshareable GPU memory")
+				require.NoError(t, x.Err(), "local GPU memory: %v", localVRAM)
+				loc.check(t, src, "the local buffer")
+				owner.check(t, src, "the peer's buffer")
+				assert.Zero(t, pas.Stats().StagingBuffers)
+			}
+		})
+	}
+}

@@ -23,6 +23,12 @@ type xstate struct {
 	slots    chan struct{} // one per lease requested or held
 	lease    uint64        // the most bytes one window covers
 	chunk    uint64        // the most bytes one system call copies
+	// probe: the device path over the peer's device memory, which the
+	// peer shares, or stages if it cannot (memory not shareable) and then
+	// only in windows its staging pool holds. The first window is a
+	// staged one's size and is answered before any other is requested:
+	// its grant says which, and the windows after it are sized to match.
+	probe bool
 }
 
 // Windows over the peer's device memory, which its agent stages whole per
@@ -79,6 +85,7 @@ func (b *Backend) Post(x *agent.Work) error {
 		// Copies on the GPU: large windows, a task's worth each.
 		st.lease = uint64(b.cfg.ipcLease)
 		st.chunk = st.lease
+		st.probe = remoteVRAM(x.Segments) && st.lease > stagedLease
 		depth = max(depth, ipcDepth)
 	case remoteVRAM(x.Segments):
 		if !p.staged {
@@ -113,6 +120,10 @@ func (b *Backend) drive(st *xstate) {
 	defer st.Done(nil)
 	x, p := st.x, st.p
 	lease, chunk := st.lease, st.chunk
+	probing := st.probe
+	if probing {
+		lease, chunk = stagedLease, stagedLease
+	}
 	timer := time.NewTimer(b.cfg.timeout)
 	defer timer.Stop()
 	var pending []*window // requested, not yet answered
@@ -124,6 +135,9 @@ func (b *Backend) drive(st *xstate) {
 	var c cursor
 	for {
 		for c.Seg < len(x.Segments) && !st.Failed() {
+			if probing && len(pending) > 0 {
+				goto wait // the first grant sizes the windows after it
+			}
 			select {
 			case st.slots <- struct{}{}:
 			default:
@@ -165,6 +179,12 @@ func (b *Backend) drive(st *xstate) {
 				return
 			}
 			w.dispatch(chunk)
+			if probing {
+				probing = false
+				if !w.staged { // shared, not staged: large windows
+					lease, chunk = st.lease, st.chunk
+				}
+			}
 		case <-x.Cancelled():
 			st.Fail(x.CancelErr())
 			return
