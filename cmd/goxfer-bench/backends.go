@@ -43,6 +43,11 @@ type backendDef struct {
 	alloc func(b agent.Backend, n int) (buf []byte, free func() error, err error)
 }
 
+// ipcWindow is the most bytes one lease of cma's same-host device path
+// covers (cma.WithDeviceWindow, its default): the bytes of one batch of its
+// copies at most, what a "+ipc" row's copy rate is compared with.
+const ipcWindow = 256 << 20
+
 // heapSuffix names the rows of a backend with an allocator measured on Go
 // heap memory instead (-ucx-alloc both).
 const heapSuffix = " (Go heap)"
@@ -77,7 +82,9 @@ func builtBackends() []backendDef {
 	bs := []backendDef{
 		{name: "mem", inProcess: true, baseline: baseMemcpy, newFn: func(*config) agent.Backend { return mem.New() }},
 		{name: "tcp", baseline: baseTCP, newFn: func(c *config) agent.Backend { return tcp.New(tcp.WithListenAddr(c.listen)) }},
-		{name: "cma", baseline: basePVM, newFn: func(*config) agent.Backend { return cma.New() }},
+		{name: "cma", baseline: basePVM, newFn: func(c *config) agent.Backend {
+			return cma.New(cma.WithDeviceIPC(c.deviceIPC), cma.WithDeviceWindow(ipcWindow))
+		}},
 	}
 	return append(bs, extraBackends...)
 }

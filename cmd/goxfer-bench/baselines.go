@@ -23,14 +23,16 @@ const (
 	basePVM      = "process_vm"
 	basePingPong = "raw-tcp-pingpong"
 	baseUCX      = "ucx_perftest" // the better of its UCX_TLS settings
-	baseCopy     = "cuMemcpy"     // pinned host memory to and from GPU memory; ops D2H, H2D
+	baseCopy     = "cuMemcpy"     // pinned host memory to and from GPU memory, GPU memory to GPU memory; ops D2H, H2D, D2D
 )
 
-// copyBaselines measures, for each size, what staging GPU memory through
-// pinned host memory is compared with: copies from GPU memory into pinned
-// host memory (D2H) and back (H2D) on one stream of the driver, each
-// enqueued and synced before the next, as many as a goxfer point of that
-// size runs.
+// copyBaselines measures, for each size, what device copies are compared
+// with, in this process on one stream of the driver, each copy enqueued
+// and synced before the next, as many as a goxfer point of that size runs:
+// copies from GPU memory into pinned host memory (D2H) and back (H2D),
+// what staging and cma's same-host device path between GPU and host
+// memory copy; and with GPU memory on both sides, from one allocation to
+// another on the same GPU (D2D), what that path copies between GPUs.
 func (in *initiator) copyBaselines(sizes []int) (out []Result, err error) {
 	d, gpu := in.drv, in.cfg.gpu
 	st, err := d.NewStream(gpu)
@@ -66,22 +68,38 @@ func (in *initiator) copyBaseline(st devmem.Stream, size int) (_ []Result, err e
 	if d.Name() == "sim" {
 		note = "SIMULATED GPU: " + note
 	}
+	dirs := []string{"D2H", "H2D"}
+	var dev2 uintptr // the D2D copy's destination
+	if in.cfg.mem.init == memVRAM && in.cfg.mem.target == memVRAM {
+		if dev2, err = d.Alloc(gpu, size); err != nil {
+			return nil, fmt.Errorf("GPU memory on GPU %d: %w", gpu, err)
+		}
+		defer func() { err = errors.Join(err, d.Free(dev2)) }()
+		dirs = append(dirs, "D2D")
+	}
 	var out []Result
-	for _, dir := range []string{"D2H", "H2D"} {
+	for _, dir := range dirs {
 		lat, elapsed, err := timeCalls(warmup, iters, func() error {
 			var err error
-			if dir == "D2H" {
+			switch dir {
+			case "D2H":
 				err = st.ToHost(host, dev)
-			} else {
+			case "H2D":
 				err = st.ToDevice(dev, host)
+			default:
+				err = st.Copy(dev2, dev, size)
 			}
 			return errors.Join(err, st.Sync())
 		})
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", dir, err)
 		}
+		n := note
+		if dir == "D2D" {
+			n = strings.Replace(note, "pinned host memory", "two allocations on the GPU", 1)
+		}
 		r := Result{Kind: "baseline", Name: baseCopy, Op: dir, Block: size, Descs: 1, Bytes: int64(size), Inflight: 1, Iters: iters,
-			Device: d.Name(), Note: note}
+			Device: d.Name(), Note: n}
 		r.setThroughput(int64(size), iters, elapsed)
 		r.P50, r.P99 = percentiles(lat)
 		out = append(out, r)

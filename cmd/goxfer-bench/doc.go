@@ -24,6 +24,7 @@
 //	goxfer-bench -runs 3 -o out.csv,out.json -chart bw.png
 //	goxfer-bench -backends tcp -blocks 4K,1M,64M -initiator-mem vram -target-mem vram
 //	goxfer-bench -backends tcp -preset kv -initiator-mem vram -target-mem vram  # or -shapes 64Kx4096,256Mx1
+//	goxfer-bench -backends cma -blocks 1M,64M -initiator-mem vram -target-mem vram  # cma+ipc; -device-ipc=false: staged
 //
 // GPU memory. -initiator-mem and -target-mem (dram, vram; nixlbench's
 // segment types) place the initiator's local buffers and the target's
@@ -35,8 +36,13 @@
 // the operation's bytes and of one staging chunk (-staging), so that every
 // VRAM row carries, from the same run: the path the bytes took
 // ("tcp+staging"), GB/s over the DRAM row, and the rate of its staging
-// copies over pinned cuMemcpy. Rows of several descriptors carry their ratio
-// to one descriptor of the same bytes (the KV hand-off against one region).
+// copies over pinned cuMemcpy. On one host cma maps the target's GPU
+// memory and copies on the GPU ("cma+ipc"; -device-ipc=false stages it
+// instead): its rows are compared with cuMemcpy of the same bytes in one
+// process (D2D with vram on both sides, measured then), and the meter
+// counts their device-to-device copies. Rows of several descriptors carry
+// their ratio to one descriptor of the same bytes (the KV hand-off against
+// one region).
 // On the simulator every such row, and the run, says SIMULATED GPU: its
 // figures say nothing about a GPU. Without a driver, asking for vram fails
 // before anything starts, saying what is missing.

@@ -11,8 +11,9 @@ import (
 )
 
 // GPU memory: where a side's buffers live (-initiator-mem, -target-mem), the
-// buffers themselves, and a meter on the device driver the connectors stage
-// through, so that a row can report how fast its staging copies ran.
+// buffers themselves, and a meter on the device driver the connectors copy
+// through (staging, or cma's same-host device path), so that a row can
+// report how fast its device copies ran.
 
 // memKind is where one side's buffers live, as nixlbench's segment types:
 // host memory (dram) or the memory of a GPU (vram).
@@ -228,7 +229,7 @@ func (r *region) release() error {
 	return err
 }
 
-// copyStat is what a meter saw of one direction of staging copies: bytes,
+// copyStat is what a meter saw of one direction of device copies: bytes,
 // the time from the first copy of a batch being enqueued to the stream's
 // Sync returning, summed over batches, and the batches.
 type copyStat struct {
@@ -253,21 +254,24 @@ func (c copyStat) gbps() float64 {
 	return float64(c.Bytes) / float64(c.Ns)
 }
 
-// stageStats is a meter's reading: device to host, host to device.
+// stageStats is a meter's reading: device to host, host to device, and
+// device to device (cma's same-host device path copying between its own
+// GPU memory and a mapping of the peer's).
 type stageStats struct {
 	D2H copyStat `json:"d2h"`
 	H2D copyStat `json:"h2d"`
+	D2D copyStat `json:"d2d"`
 }
 
 func (s stageStats) sub(o stageStats) stageStats {
-	return stageStats{s.D2H.sub(o.D2H), s.H2D.sub(o.H2D)}
+	return stageStats{s.D2H.sub(o.D2H), s.H2D.sub(o.H2D), s.D2D.sub(o.D2D)}
 }
 func (s stageStats) add(o stageStats) stageStats {
-	return stageStats{s.D2H.add(o.D2H), s.H2D.add(o.H2D)}
+	return stageStats{s.D2H.add(o.D2H), s.H2D.add(o.H2D), s.D2D.add(o.D2D)}
 }
 
-// meter counts the staging copies of the connectors whose driver it wraps
-// (meteredDriver). Safe for concurrent use.
+// meter counts the device copies of the connectors whose driver it wraps
+// (metered). Safe for concurrent use.
 type meter struct {
 	mu sync.Mutex
 	s  stageStats
@@ -279,26 +283,30 @@ func (m *meter) read() stageStats {
 	return m.s
 }
 
-func (m *meter) batch(d2h, h2d int64, ns int64) {
-	if d2h+h2d == 0 {
+// batch adds one batch of copies (bytes by direction) that took ns from
+// its first enqueue to its Sync.
+func (m *meter) batch(b stageStats, ns int64) {
+	total := b.D2H.Bytes + b.H2D.Bytes + b.D2D.Bytes
+	if total == 0 {
 		return
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	// A batch of both directions shares its time by bytes.
-	share := func(n int64) int64 { return int64(float64(ns) * float64(n) / float64(d2h+h2d)) }
-	if d2h > 0 {
-		m.s.D2H = m.s.D2H.add(copyStat{d2h, share(d2h), 1})
+	// A batch of several directions shares its time by bytes.
+	count := func(c copyStat) copyStat {
+		if c.Bytes == 0 {
+			return copyStat{}
+		}
+		return copyStat{c.Bytes, int64(float64(ns) * float64(c.Bytes) / float64(total)), 1}
 	}
-	if h2d > 0 {
-		m.s.H2D = m.s.H2D.add(copyStat{h2d, share(h2d), 1})
-	}
+	m.s = m.s.add(stageStats{count(b.D2H), count(b.H2D), count(b.D2D)})
 }
 
 // meteredDriver is the driver the connectors get (connect.WithDevice): it
 // passes everything to the real driver and times their streams' copies.
-// The agent enqueues a chunk's copies and syncs at once, so the time from
-// a batch's first enqueue to its Sync is the copy time.
+// The agent enqueues a chunk's copies and syncs at once, and so does cma's
+// device path a window's, so the time from a batch's first enqueue to its
+// Sync is the copy time.
 type meteredDriver struct {
 	devmem.Driver
 	m *meter
@@ -313,11 +321,32 @@ func (d meteredDriver) NewStream(dev int) (devmem.Stream, error) {
 	return &meteredStream{Stream: s, m: d.m}, nil
 }
 
+// meteredSharer is meteredDriver over a driver that shares memory across
+// processes: cma takes its same-host device path only when the agent's
+// driver is a devmem.Sharer, so the meter must not hide it. A value, as
+// meteredDriver: cma caches the peer mappings of a process by driver, and
+// the connectors of one meter then share them.
+type meteredSharer struct {
+	meteredDriver
+	devmem.Sharer
+}
+
+// metered wraps d so that m counts its streams' copies, keeping
+// devmem.Sharer when d has it.
+func metered(d devmem.Driver, m *meter) devmem.Driver {
+	md := meteredDriver{Driver: d, m: m}
+	if sh, ok := d.(devmem.Sharer); ok {
+		return meteredSharer{meteredDriver: md, Sharer: sh}
+	}
+	return md
+}
+
+// meteredStream counts a stream's copies by direction until its Sync.
 type meteredStream struct {
 	devmem.Stream
-	m        *meter
-	start    time.Time // zero: nothing enqueued since the last Sync
-	d2h, h2d int64
+	m     *meter
+	start time.Time  // zero: nothing enqueued since the last Sync
+	n     stageStats // bytes enqueued since start
 }
 
 func (s *meteredStream) begin() {
@@ -330,7 +359,7 @@ func (s *meteredStream) ToHost(dst []byte, src uintptr) error {
 	s.begin()
 	err := s.Stream.ToHost(dst, src)
 	if err == nil {
-		s.d2h += int64(len(dst))
+		s.n.D2H.Bytes += int64(len(dst))
 	}
 	return err
 }
@@ -339,7 +368,18 @@ func (s *meteredStream) ToDevice(dst uintptr, src []byte) error {
 	s.begin()
 	err := s.Stream.ToDevice(dst, src)
 	if err == nil {
-		s.h2d += int64(len(src))
+		s.n.H2D.Bytes += int64(len(src))
+	}
+	return err
+}
+
+// Copy counts device-to-device copies: cma's same-host device path
+// between local GPU memory and a mapping of the peer's.
+func (s *meteredStream) Copy(dst, src uintptr, n int) error {
+	s.begin()
+	err := s.Stream.Copy(dst, src, n)
+	if err == nil {
+		s.n.D2D.Bytes += int64(n)
 	}
 	return err
 }
@@ -347,9 +387,9 @@ func (s *meteredStream) ToDevice(dst uintptr, src []byte) error {
 func (s *meteredStream) end(err error) error {
 	if !s.start.IsZero() {
 		if err == nil {
-			s.m.batch(s.d2h, s.h2d, time.Since(s.start).Nanoseconds())
+			s.m.batch(s.n, time.Since(s.start).Nanoseconds())
 		}
-		s.start, s.d2h, s.h2d = time.Time{}, 0, 0
+		s.start, s.n = time.Time{}, stageStats{}
 	}
 	return err
 }
@@ -363,7 +403,7 @@ func (s *meteredStream) Close() error { return s.end(s.Stream.Close()) }
 func deviceOptions(cfg *config, m *meter) []connect.Option {
 	opts := []connect.Option{connect.WithStaging(cfg.stageChunk, cfg.stagePool)}
 	if d := deviceDriver(); d != nil {
-		opts = append(opts, connect.WithDevice(meteredDriver{Driver: d, m: m}))
+		opts = append(opts, connect.WithDevice(metered(d, m)))
 	}
 	return opts
 }

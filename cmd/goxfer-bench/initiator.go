@@ -118,6 +118,10 @@ func (in *initiator) runInfo() runInfo {
 	ri.InitiatorMem, ri.TargetMem = in.cfg.mem.init.String(), in.cfg.mem.target.String()
 	if in.cfg.mem.vram() {
 		ri.Device, ri.GPU, ri.StageChunk, ri.StagePool = in.drv.Name(), in.cfg.gpu, in.cfg.stageChunk, in.cfg.stagePool
+		ri.DeviceIPC = "off"
+		if in.cfg.deviceIPC {
+			ri.DeviceIPC = "on"
+		}
 		if ri.Device == "sim" {
 			ri.Notes = append(ri.Notes, simNotice)
 		}

@@ -56,6 +56,9 @@ type config struct {
 	gpu                   int
 	stageChunk, stagePool int
 	staging               string // -staging as given, passed on to a spawned target
+	// deviceIPC lets cma move GPU memory on one host by mapping the peer's
+	// allocations (cma.WithDeviceIPC); off, it is staged.
+	deviceIPC bool
 }
 
 // shape is one transfer: descs descriptors of block bytes.
@@ -147,10 +150,11 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.StringVar(&c.ucxAlloc, "ucx-alloc", "both", "buffers of the ucx rows, on both sides: on: allocated by UCX (ucp_mem_map ALLOCATE, as ucx_perftest's); off: Go heap; both: a row of each")
 	fs.IntVar(&c.latIters, "latency-iters", 2000, "round trips of the 4 KiB ping-pong and the control-plane measurements")
 	fs.StringVar(&c.progress, "progress", "auto", "auto: a progress bar on a terminal, one line per point otherwise; on; off")
-	fs.StringVar(&initMem, "initiator-mem", "dram", "where the initiator's local buffers live: dram, or vram (GPU memory, via the CUDA driver, or the simulator with GOXFER_DEVICE=sim); with vram on either side each point is also measured dram/dram, beside pinned cuMemcpy D2H and H2D baselines")
+	fs.StringVar(&initMem, "initiator-mem", "dram", "where the initiator's local buffers live: dram, or vram (GPU memory, via the CUDA driver, or the simulator with GOXFER_DEVICE=sim); with vram on either side each point is also measured dram/dram, beside cuMemcpy D2H and H2D baselines (and D2D with vram on both sides)")
 	fs.StringVar(&targetMem, "target-mem", "dram", "where the target's exposed buffers live: dram or vram (allocated by the target process)")
 	fs.IntVar(&c.gpu, "gpu", 0, "the GPU of vram buffers, on both sides")
 	fs.StringVar(&c.staging, "staging", "4M,64M", "CHUNK,POOL: how the connectors stage GPU memory through pinned host memory (connect.WithStaging); pass the same to a target started by hand")
+	fs.BoolVar(&c.deviceIPC, "device-ipc", true, "cma: move GPU memory on one host by mapping the peer's allocations (CUDA IPC, cma.WithDeviceIPC; path cma+ipc); false: stage it through pinned host memory (cma+staging); passed on to a spawned target")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}

@@ -377,6 +377,100 @@ func TestGPUMemory(t *testing.T) {
 	}
 }
 
+// TestDeviceIPC runs cma with GPU memory on the simulated device, every
+// byte checked: GPU memory of the target (either side's memory the
+// initiator's) moves by cma's same-host device path, "cma+ipc", each row
+// beside the in-process cuMemcpy of the copy it makes, of the same bytes,
+// and the meter sees that copy; the initiator's GPU memory facing the
+// target's host memory is staged, and so is everything with -device-ipc=false.
+func TestDeviceIPC(t *testing.T) {
+	for _, tc := range []struct {
+		init, target string
+		ipc          bool
+		path         string
+	}{
+		{"vram", "vram", true, "cma+ipc"},
+		{"dram", "vram", true, "cma+ipc"},
+		{"vram", "dram", true, "cma+staging"},
+		{"vram", "vram", false, "cma+staging"},
+	} {
+		t.Run(fmt.Sprintf("%s/%s ipc=%v", tc.init, tc.target, tc.ipc), func(t *testing.T) {
+			jsonPath := filepath.Join(t.TempDir(), "r.json")
+			code, stdout, stderr := benchChild(t, []string{"GOXFER_DEVICE=sim"}, "-backends", "cma", "-blocks", "4K,1M", "-descs", "1,3",
+				"-inflight", "1,2", "-iters", "4", "-warmup", "1", "-check", "-ucx", "off", "-control=false", "-latency-iters", "20",
+				"-progress", "off", "-initiator-mem", tc.init, "-target-mem", tc.target, "-device-ipc="+strconv.FormatBool(tc.ipc),
+				"-o", jsonPath, "-timeout", "20s")
+			require.Equal(t, 0, code, "stderr:\n%s", stderr)
+			assert.Contains(t, stdout, "SIMULATED GPU")
+			assert.Equal(t, tc.path == "cma+ipc", strings.Contains(stdout, "path cma+ipc:"), "the table explains cma+ipc where it has such rows")
+
+			run, rs := readResults(t, jsonPath)
+			assert.Equal(t, "sim", run.Device)
+			assert.Equal(t, map[bool]string{true: "on", false: "off"}[tc.ipc], run.DeviceIPC)
+			copies := map[string]bool{}
+			for _, r := range rs {
+				if r.Kind == "baseline" && r.Name == baseCopy {
+					copies[r.Op+" "+strconv.FormatInt(r.Bytes, 10)] = true
+					assert.Positive(t, r.GBps, r)
+				}
+			}
+			bothVRAM := tc.init == "vram" && tc.target == "vram"
+			for _, n := range []int{4 << 10, 12 << 10, 1 << 20, 3 << 20} {
+				for _, op := range []string{"D2H", "H2D", "D2D"} {
+					assert.Equal(t, op != "D2D" || bothVRAM, copies[op+" "+strconv.Itoa(n)], "cuMemcpy %s of %d bytes", op, n)
+				}
+			}
+			vramRows := 0
+			for _, r := range rs {
+				if r.Kind != "goxfer" {
+					continue
+				}
+				assert.True(t, r.Checked, r)
+				assert.Contains(t, r.Note, fmt.Sprintf("checked %s", fmtSize(float64(5*r.Bytes))), "every byte of the 5 operations: %+v", r)
+				if r.InitiatorMem == "dram" && r.TargetMem == "dram" {
+					assert.Equal(t, "cma", r.Path)
+					continue
+				}
+				vramRows++
+				assert.Equal(t, tc.path, r.Path, r)
+				assert.Contains(t, r.Note, "SIMULATED GPU")
+				assert.Positive(t, r.DRAMRatio, r)
+				if tc.path == "cma+staging" {
+					assert.Equal(t, basePVM, r.Baseline, "a staged row keeps cma's baseline: %+v", r)
+					assert.Zero(t, r.StageD2DGBps, "staging copies no device to device: %+v", r)
+					assert.Contains(t, r.Note, "staged ")
+					assert.Equal(t, min(int(r.Bytes), 4<<20), r.StageChunk)
+					continue
+				}
+				// The copy the IPC path makes, from the exposing side's memory
+				// to the copier's: READ target to initiator, WRITE the other way.
+				want := map[string]string{"vram/vram": "D2D", "dram/vram READ": "D2H", "dram/vram WRITE": "H2D"}
+				op := want[tc.init+"/"+tc.target]
+				if op == "" {
+					op = want[tc.init+"/"+tc.target+" "+r.Op]
+				}
+				require.NotEmpty(t, op)
+				assert.Equal(t, op, deviceCopy(r))
+				assert.Equal(t, baseCopy+" "+op, r.Baseline, r)
+				assert.Positive(t, r.BaseGBps, r)
+				assert.InDelta(t, r.GBps/r.BaseGBps, r.Ratio, 1e-9)
+				assert.Contains(t, r.Note, "copied "+op+" ", "the meter saw the IPC copies: %+v", r)
+				assert.Equal(t, int(r.Bytes), r.StageChunk, "one device window holds the whole operation")
+				stage := map[string]float64{"D2H": r.StageD2HRatio, "H2D": r.StageH2DRatio, "D2D": r.StageD2DRatio}
+				for dir, ratio := range stage {
+					if dir == op {
+						assert.Positive(t, ratio, "%s copies over cuMemcpy %s: %+v", dir, dir, r)
+					} else {
+						assert.Zero(t, ratio, "no %s copies: %+v", dir, r)
+					}
+				}
+			}
+			// 2 operations × 2 blocks × 2 descriptor counts × 2 depths
+			assert.Equal(t, 16, vramRows)
+		})
+	}
+}
+
 // TestKVShapeVRAM: the KV hand-off shape against one region of the same
 // bytes, both in simulated GPU memory, gives the ratio of the two.
 func TestKVShapeVRAM(t *testing.T) {
@@ -484,6 +578,34 @@ func TestMeter(t *testing.T) {
 	assert.Positive(t, s.D2H.Ns)
 	assert.Positive(t, s.H2D.Ns)
 	assert.Positive(t, s.D2H.gbps())
+	assert.Zero(t, s.D2D, "no device-to-device copy yet")
+
+	// Device to device (cma's same-host device path), through the driver
+	// the connectors get: it stays a Sharer, or cma would stage.
+	md := metered(sim, &m)
+	_, ok := md.(devmem.Sharer)
+	require.True(t, ok, "the metered simulator still shares memory")
+	assert.True(t, md == metered(sim, &m), "equal drivers for one meter: cma's mapping cache is keyed by driver")
+	_, ok = metered(meteredDriver{Driver: sim}, &m).(devmem.Sharer)
+	assert.False(t, ok, "a driver that cannot share is not made one")
+	q, err := sim.Alloc(0, 1<<20)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, sim.Free(q)) }()
+	fill(host, 3)
+	require.NoError(t, devmem.CopyToDevice(sim, 0, p, host))
+	st, err = md.NewStream(0)
+	require.NoError(t, err)
+	require.NoError(t, st.Copy(q, p, 1<<19))
+	require.NoError(t, st.Copy(q+1<<19, p+1<<19, 1<<19))
+	require.NoError(t, st.Sync())
+	require.NoError(t, st.Close())
+	got := make([]byte, 1<<20)
+	require.NoError(t, devmem.CopyToHost(sim, 0, got, q))
+	require.NoError(t, verify(got, 3), "the metered copy moved every byte")
+	s = m.read()
+	assert.Equal(t, copyStat{1 << 20, s.D2D.Ns, 1}, s.D2D)
+	assert.Positive(t, s.D2D.Ns)
+	assert.Equal(t, int64(2), s.D2H.Batches, "the other directions are untouched")
 }
 
 // TestGPURatios: the ratios of a VRAM row come from the rows of the same
@@ -499,7 +621,29 @@ func TestGPURatios(t *testing.T) {
 		{Kind: "baseline", Name: baseCopy, Op: "H2D", Block: 4 << 20, Descs: 1, Bytes: 4 << 20, GBps: 20},
 		{Kind: "baseline", Name: baseCopy, Op: "D2H", Block: 64 << 20, Descs: 1, Bytes: 64 << 20, GBps: 99},
 	}
+	ipc := []Result{
+		{Kind: "goxfer", Name: "cma", Op: "READ", Block: 64 << 20, Descs: 1, Bytes: 64 << 20, Inflight: 1, GBps: 45, InitiatorMem: "vram", TargetMem: "vram",
+			Path: "cma+ipc", StageChunk: 64 << 20, StageD2DGBps: 80},
+		{Kind: "goxfer", Name: "cma", Op: "WRITE", Block: 64 << 20, Descs: 1, Bytes: 64 << 20, Inflight: 1, GBps: 9, InitiatorMem: "dram", TargetMem: "vram",
+			Path: "cma+ipc", StageChunk: 64 << 20, StageH2DGBps: 18},
+		{Kind: "goxfer", Name: "cma", Op: "READ", Block: 64 << 20, Descs: 1, Bytes: 64 << 20, Inflight: 1, GBps: 5, InitiatorMem: "vram", TargetMem: "vram",
+			Path: "cma+staging"},
+		{Kind: "baseline", Name: basePVM, Op: "READ", Block: 64 << 20, Descs: 1, Bytes: 64 << 20, GBps: 10},
+		{Kind: "baseline", Name: baseCopy, Op: "D2D", Block: 64 << 20, Descs: 1, Bytes: 64 << 20, GBps: 50},
+		{Kind: "baseline", Name: baseCopy, Op: "H2D", Block: 64 << 20, Descs: 1, Bytes: 64 << 20, GBps: 20},
+	}
+	rs = append(rs, ipc...)
 	setRatios(rs)
+	d2d, h2d, staged := rs[7], rs[8], rs[9]
+	assert.Equal(t, baseCopy+" D2D", d2d.Baseline, "an IPC row between GPUs against a device-to-device copy")
+	assert.InDelta(t, 0.9, d2d.Ratio, 1e-12)
+	assert.InDelta(t, 1.6, d2d.StageD2DRatio, 1e-12)
+	assert.Zero(t, d2d.CopyD2HGBps, "no D2H copies to compare")
+	assert.Equal(t, baseCopy+" H2D", h2d.Baseline, "a WRITE from host memory into the peer's GPU memory")
+	assert.InDelta(t, 0.45, h2d.Ratio, 1e-12)
+	assert.InDelta(t, 0.9, h2d.StageH2DRatio, 1e-12)
+	assert.Equal(t, basePVM, staged.Baseline, "a staged row keeps its backend's baseline")
+	assert.InDelta(t, 0.5, staged.Ratio, 1e-12)
 	v := rs[1]
 	assert.InDelta(t, 4, v.DRAMGBps, 1e-12)
 	assert.InDelta(t, 0.9, v.DRAMRatio, 1e-12)
@@ -520,6 +664,10 @@ func TestGPUFlags(t *testing.T) {
 	assert.Equal(t, mems{memVRAM, memDRAM}, cfg.mem)
 	assert.Equal(t, 1, cfg.gpu)
 	assert.Equal(t, [2]int{8 << 20, 128 << 20}, [2]int{cfg.stageChunk, cfg.stagePool})
+	assert.True(t, cfg.deviceIPC, "cma's device path is on by default")
+	cfg, err = parseFlags([]string{"-initiator-mem", "vram", "-device-ipc=false"}, &bytes.Buffer{})
+	require.NoError(t, err)
+	assert.False(t, cfg.deviceIPC)
 
 	b, err := json.Marshal(roundReq{Op: dirRead, Mem: memVRAM})
 	require.NoError(t, err)

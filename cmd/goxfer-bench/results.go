@@ -40,7 +40,7 @@ type Result struct {
 
 	// Where a goxfer row's buffers lived (dram, vram: initiator's local
 	// ones, target's exposed ones) and how the bytes moved (the operations'
-	// Path: "tcp", "tcp+staging").
+	// Path: "tcp", "tcp+staging", "cma+ipc").
 	InitiatorMem string `json:"initiator_mem,omitempty"`
 	TargetMem    string `json:"target_mem,omitempty"`
 	Path         string `json:"path,omitempty"`
@@ -50,9 +50,14 @@ type Result struct {
 
 	// Ratios of a row with GPU memory, each of figures from the same run:
 	// GB/s over the same backend's dram/dram row of the same shape (DRAM),
-	// and the staging copies' rate (bytes over the time from enqueueing a
-	// batch of copies to its Sync, both sides, warm-up included) over the
-	// pinned cuMemcpy baseline of one staging chunk (StageChunk bytes).
+	// and the rate of the connectors' device copies (bytes over the time
+	// from enqueueing a batch of copies to its Sync, both sides, warm-up
+	// included), by direction, over the cuMemcpy baseline of StageChunk
+	// bytes: one staging chunk on a "+staging" path, one window of cma's
+	// device path on "cma+ipc", whose copies run between the mapped peer
+	// memory and local GPU memory (D2D) or host memory (D2H, H2D). A
+	// "cma+ipc" row's Baseline is the in-process cuMemcpy of the copy it
+	// makes, of the operation's bytes ("cuMemcpy D2D").
 	DRAMGBps      float64 `json:"dram_gbps,omitempty"`
 	DRAMRatio     float64 `json:"dram_ratio,omitempty"`
 	StageChunk    int     `json:"stage_chunk,omitempty"`
@@ -62,6 +67,9 @@ type Result struct {
 	StageH2DGBps  float64 `json:"stage_h2d_gbps,omitempty"`
 	CopyH2DGBps   float64 `json:"cumemcpy_h2d_gbps,omitempty"`
 	StageH2DRatio float64 `json:"stage_h2d_ratio,omitempty"`
+	StageD2DGBps  float64 `json:"stage_d2d_gbps,omitempty"`
+	CopyD2DGBps   float64 `json:"cumemcpy_d2d_gbps,omitempty"`
+	StageD2DRatio float64 `json:"stage_d2d_ratio,omitempty"`
 	// For a row of several descriptors: GB/s over the row of one
 	// descriptor of the same bytes (same backend, operation, depth and
 	// memory), as the KV hand-off against one region.
@@ -89,6 +97,9 @@ type runInfo struct {
 	GPU          int    `json:"gpu,omitempty"`
 	StageChunk   int    `json:"stage_chunk,omitempty"`
 	StagePool    int    `json:"stage_pool,omitempty"`
+	// DeviceIPC is -device-ipc with GPU memory: "on" (cma may map the
+	// peer's GPU memory, path cma+ipc) or "off" (it stages it).
+	DeviceIPC string `json:"device_ipc,omitempty"`
 }
 
 // simNotice heads every output of a run on the simulated device.
@@ -145,8 +156,41 @@ func (r Result) summary() string {
 	return s
 }
 
+// ipcPath reports whether every operation of a row took a same-host
+// device path ("cma+ipc"): path is the row's sorted, comma-joined paths.
+func ipcPath(path string) bool {
+	if path == "" {
+		return false
+	}
+	for p := range strings.SplitSeq(path, ",") {
+		if !strings.HasSuffix(p, "+ipc") {
+			return false
+		}
+	}
+	return true
+}
+
+// deviceCopy is the copy a same-host device path makes for row r: between
+// the exposing side's memory and the copier's (READ: target to initiator;
+// WRITE: the other way), "D2D", "D2H" or "H2D".
+func deviceCopy(r Result) string {
+	src, dst := r.TargetMem, r.InitiatorMem
+	if r.Op == dirWrite.String() {
+		src, dst = dst, src
+	}
+	end := func(mem string) string {
+		if mem == memVRAM.String() {
+			return "D"
+		}
+		return "H"
+	}
+	return end(src) + "2" + end(dst)
+}
+
 // setRatios sets each goxfer row's ratio to its backend's baseline for the
-// same operation and bytes, measured in the same run.
+// same operation and bytes, measured in the same run; a row of the
+// same-host device path ("cma+ipc"), to the in-process cuMemcpy of the
+// copy it makes, of the same bytes.
 func setRatios(rs []Result) {
 	base := map[string]string{}
 	for _, b := range builtBackends() {
@@ -155,6 +199,15 @@ func setRatios(rs []Result) {
 	for i := range rs {
 		r := &rs[i]
 		name := strings.TrimSuffix(r.Name, heapSuffix)
+		if r.Kind == "goxfer" && ipcPath(r.Path) {
+			op := deviceCopy(*r)
+			for _, b := range rs {
+				if b.Kind == "baseline" && b.Name == baseCopy && b.Op == op && b.Bytes == r.Bytes && b.GBps > 0 {
+					r.Baseline, r.BaseGBps, r.Ratio = baseCopy+" "+op, b.GBps, r.GBps/b.GBps
+				}
+			}
+			continue
+		}
 		if r.Kind != "goxfer" || base[name] == "" {
 			continue
 		}
@@ -203,10 +256,15 @@ func setGPURatios(rs []Result) {
 				b.Inflight == r.Inflight && b.InitiatorMem == r.InitiatorMem && b.TargetMem == r.TargetMem:
 				r.OneRegionGBps = b.GBps
 			case b.Kind == "baseline" && b.Name == baseCopy && vram && b.Bytes == int64(r.StageChunk):
-				if b.Op == "D2H" {
+				// Only the directions the row copied: the others compare
+				// nothing.
+				switch {
+				case b.Op == "D2H" && r.StageD2HGBps > 0:
 					r.CopyD2HGBps = b.GBps
-				} else {
+				case b.Op == "H2D" && r.StageH2DGBps > 0:
 					r.CopyH2DGBps = b.GBps
+				case b.Op == "D2D" && r.StageD2DGBps > 0:
+					r.CopyD2DGBps = b.GBps
 				}
 			}
 		}
@@ -214,6 +272,7 @@ func setGPURatios(rs []Result) {
 		r.OneRegionRatio = ratio(r.GBps, r.OneRegionGBps)
 		r.StageD2HRatio = ratio(r.StageD2HGBps, r.CopyD2HGBps)
 		r.StageH2DRatio = ratio(r.StageH2DGBps, r.CopyH2DGBps)
+		r.StageD2DRatio = ratio(r.StageD2DGBps, r.CopyD2DGBps)
 	}
 }
 
@@ -243,13 +302,20 @@ func writeTable(w io.Writer, rs []Result, ri runInfo) {
 	}
 	fmt.Fprintf(w, "  built backends: %s\n", strings.Join(ri.Backends, ", "))
 	if ri.Device != "" {
-		fmt.Fprintf(w, "GPU memory: initiator %s, target %s, GPU %d, %s driver; staging through pinned host memory in %s chunks, %s pool per side\n",
+		fmt.Fprintf(w, "GPU memory: initiator %s, target %s, GPU %d, %s driver; staging through pinned host memory in %s chunks, %s pool per side",
 			ri.InitiatorMem, ri.TargetMem, ri.GPU, ri.Device, fmtSize(float64(ri.StageChunk)), fmtSize(float64(ri.StagePool)))
+		if ri.DeviceIPC != "" {
+			fmt.Fprintf(w, "; cma's same-host device path (-device-ipc) %s", ri.DeviceIPC)
+		}
+		fmt.Fprintln(w)
 	}
 	if ri.Device == "sim" {
 		fmt.Fprintln(w, "*** "+simNotice+" ***")
 	}
 	fmt.Fprintln(w, "GB/s = 10^9 B/s; p50/p99: Begin to the active Wait; done: Begin to the target's passive Wait (same host only); ratio: GB/s over the baseline's, same run")
+	if slices.ContainsFunc(rs, func(r Result) bool { return r.Kind == "goxfer" && ipcPath(r.Path) }) {
+		fmt.Fprintln(w, "path cma+ipc: cma mapped the peer's GPU memory (same host) and copied on the GPU; its baseline is cuMemcpy of that copy in one process, same bytes")
+	}
 	if ri.Runs > 1 {
 		fmt.Fprintf(w, "every figure is the median of %d runs; ratios are medians of each run's own ratio\n", ri.Runs)
 	}
@@ -323,7 +389,7 @@ func rowName(r Result) string {
 func writeRatioTable(w io.Writer, rs []Result) {
 	var rows []Result
 	for _, r := range rs {
-		if r.Kind == "goxfer" && (r.DRAMGBps > 0 || r.OneRegionGBps > 0 || r.StageD2HGBps > 0 || r.StageH2DGBps > 0) {
+		if r.Kind == "goxfer" && (r.DRAMGBps > 0 || r.OneRegionGBps > 0 || r.StageD2HGBps > 0 || r.StageH2DGBps > 0 || r.StageD2DGBps > 0) {
 			rows = append(rows, r)
 		}
 	}
@@ -332,9 +398,9 @@ func writeRatioTable(w io.Writer, rs []Result) {
 	}
 	fmt.Fprintln(w)
 	fmt.Fprintln(w, "ratios from this run: ×DRAM: GB/s over the same backend's dram/dram row; ×1 region: over one descriptor of the same bytes;")
-	fmt.Fprintln(w, "staging: copy rate of the staging copies (enqueue to Sync, both sides) over pinned cuMemcpy of one staging chunk")
+	fmt.Fprintln(w, "stage: rate of the connectors' device copies (enqueue to Sync, both sides) over cuMemcpy of one chunk: a staging chunk (+staging), a device window (+ipc)")
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "backend\top\tmem (init/target)\tpath\tblock\tdescs\tin flight\tGB/s\tDRAM GB/s\t×DRAM\t1 region GB/s\t×1 region\tchunk\tstage D2H GB/s\tcuMemcpy D2H\t×\tstage H2D GB/s\tcuMemcpy H2D\t×\t")
+	fmt.Fprintln(tw, "backend\top\tmem (init/target)\tpath\tblock\tdescs\tin flight\tGB/s\tDRAM GB/s\t×DRAM\t1 region GB/s\t×1 region\tchunk\tstage D2H GB/s\tcuMemcpy D2H\t×\tstage H2D GB/s\tcuMemcpy H2D\t×\tstage D2D GB/s\tcuMemcpy D2D\t×\t")
 	for _, r := range rows {
 		chunk := ""
 		if r.StageChunk > 0 {
@@ -344,7 +410,8 @@ func writeRatioTable(w io.Writer, rs []Result) {
 			fmtSize(float64(r.Block)), strconv.Itoa(r.Descs), intOrBlank(r.Inflight), fmtF(r.GBps, 2),
 			fmtF(r.DRAMGBps, 2), fmtF(r.DRAMRatio, 2), fmtF(r.OneRegionGBps, 2), fmtF(r.OneRegionRatio, 2), chunk,
 			fmtF(r.StageD2HGBps, 2), fmtF(r.CopyD2HGBps, 2), fmtF(r.StageD2HRatio, 2),
-			fmtF(r.StageH2DGBps, 2), fmtF(r.CopyH2DGBps, 2), fmtF(r.StageH2DRatio, 2), ""}, "\t"))
+			fmtF(r.StageH2DGBps, 2), fmtF(r.CopyH2DGBps, 2), fmtF(r.StageH2DRatio, 2),
+			fmtF(r.StageD2DGBps, 2), fmtF(r.CopyD2DGBps, 2), fmtF(r.StageD2DRatio, 2), ""}, "\t"))
 	}
 	_ = tw.Flush()
 }
@@ -386,7 +453,7 @@ var csvHeader = []string{"kind", "name", "op", "shape", "block", "descs", "bytes
 	"p50_us", "p99_us", "done_p50_us", "done_p99_us", "baseline", "baseline_gbps", "ratio", "in_process", "checked", "note",
 	"initiator_mem", "target_mem", "path", "device", "dram_gbps", "dram_ratio", "stage_chunk",
 	"stage_d2h_gbps", "cumemcpy_d2h_gbps", "stage_d2h_ratio", "stage_h2d_gbps", "cumemcpy_h2d_gbps", "stage_h2d_ratio",
-	"one_region_gbps", "one_region_ratio"}
+	"one_region_gbps", "one_region_ratio", "stage_d2d_gbps", "cumemcpy_d2d_gbps", "stage_d2d_ratio"}
 
 func writeCSV(w io.Writer, rs []Result) error {
 	cw := csv.NewWriter(w)
@@ -398,7 +465,7 @@ func writeCSV(w io.Writer, rs []Result) error {
 			r.Baseline, f(r.BaseGBps), f(r.Ratio), strconv.FormatBool(r.InProcess), strconv.FormatBool(r.Checked), r.Note,
 			r.InitiatorMem, r.TargetMem, r.Path, r.Device, f(r.DRAMGBps), f(r.DRAMRatio), strconv.Itoa(r.StageChunk),
 			f(r.StageD2HGBps), f(r.CopyD2HGBps), f(r.StageD2HRatio), f(r.StageH2DGBps), f(r.CopyH2DGBps), f(r.StageH2DRatio),
-			f(r.OneRegionGBps), f(r.OneRegionRatio)})
+			f(r.OneRegionGBps), f(r.OneRegionRatio), f(r.StageD2DGBps), f(r.CopyD2DGBps), f(r.StageD2DRatio)})
 	}
 	cw.Flush()
 	return cw.Error()
@@ -477,6 +544,9 @@ var gpuFigures = []func(*Result) *float64{
 	func(r *Result) *float64 { return &r.StageH2DRatio },
 	func(r *Result) *float64 { return &r.OneRegionGBps },
 	func(r *Result) *float64 { return &r.OneRegionRatio },
+	func(r *Result) *float64 { return &r.StageD2DGBps },
+	func(r *Result) *float64 { return &r.CopyD2DGBps },
+	func(r *Result) *float64 { return &r.StageD2DRatio },
 }
 
 // render prints and writes the results of a previous run's JSON file.

@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"slices"
+	"strconv"
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
@@ -131,7 +132,8 @@ func (in *initiator) spawn() (stop func(), err error) {
 		return nil, err
 	}
 	cmd := exec.Command(exe, "-role", "target", "-nats", in.natsURL, "-session", in.cfg.session,
-		"-listen", in.cfg.listen, "-timeout", in.cfg.timeout.String(), "-backends", "all", "-staging", in.cfg.staging)
+		"-listen", in.cfg.listen, "-timeout", in.cfg.timeout.String(), "-backends", "all", "-staging", in.cfg.staging,
+		"-device-ipc="+strconv.FormatBool(in.cfg.deviceIPC))
 	cmd.Env = append(os.Environ(), childEnv+"=1")
 	cmd.Stdout = in.stderr
 	cmd.Stderr = in.stderr

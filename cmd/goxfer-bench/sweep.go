@@ -43,16 +43,17 @@ func (in *initiator) allocsFor(b backendDef, m mems) []bool {
 	return in.memories(b)
 }
 
-// newCopySizes returns the sizes of the pinned copy baselines that a shape
-// needs and seen does not hold yet, and adds them to seen: the bytes of an
-// operation, and those of one staging chunk when that is smaller (what the
-// staging copies are compared with).
+// newCopySizes returns the sizes of the copy baselines that a shape needs
+// and seen does not hold yet, and adds them to seen: the bytes of an
+// operation, and those of one staging chunk and of one window of cma's
+// device path when smaller (what their copies are compared with).
 func (in *initiator) newCopySizes(sh shape, seen map[int]bool) []int {
 	if !in.cfg.mem.vram() {
 		return nil
 	}
 	var out []int
-	for _, n := range []int{int(sh.bytes()), min(int(sh.bytes()), in.cfg.stageChunk)} {
+	bytes := int(sh.bytes())
+	for _, n := range []int{bytes, min(bytes, in.cfg.stageChunk), min(bytes, ipcWindow)} {
 		if !seen[n] {
 			seen[n] = true
 			out = append(out, n)
@@ -135,10 +136,10 @@ func (in *initiator) sweep(ctx context.Context) error {
 				in.prog.done(fmt.Sprintf("%d baselines", len(rs)))
 			}
 			if sizes := in.newCopySizes(sh, in.copySizes); len(sizes) > 0 {
-				in.prog.step(fmt.Sprintf("pinned %s D2H and H2D of %s", baseCopy, fmtSizes(sizes)))
+				in.prog.step(fmt.Sprintf("%s copies of %s", baseCopy, fmtSizes(sizes)))
 				rs, err := in.copyBaselines(sizes)
 				if err != nil {
-					return fmt.Errorf("pinned copy baselines of %s: %w", fmtSizes(sizes), err)
+					return fmt.Errorf("copy baselines of %s: %w", fmtSizes(sizes), err)
 				}
 				in.results = append(in.results, rs...)
 				in.prog.done(fmt.Sprintf("%d baselines", len(rs)))
@@ -214,17 +215,21 @@ func (in *initiator) measure(ctx context.Context, b backendDef, op direction, sh
 		r.Name += heapSuffix
 	}
 	if m.vram() {
-		// Both sides' staging copies, warm-up included: a rate, not a total.
+		// Both sides' device copies, warm-up included: a rate, not a total.
 		stage := in.meter.read().sub(staged).add(fin.Stage)
 		r.Device = in.drv.Name()
+		verb := "staged"
 		r.StageChunk = min(int(sh.bytes()), in.cfg.stageChunk)
-		r.StageD2HGBps, r.StageH2DGBps = stage.D2H.gbps(), stage.H2D.gbps()
+		if ipcPath(r.Path) {
+			verb, r.StageChunk = "copied", min(int(sh.bytes()), ipcWindow)
+		}
+		r.StageD2HGBps, r.StageH2DGBps, r.StageD2DGBps = stage.D2H.gbps(), stage.H2D.gbps(), stage.D2D.gbps()
 		for _, d := range []struct {
 			name string
 			c    copyStat
-		}{{"D2H", stage.D2H}, {"H2D", stage.H2D}} {
+		}{{"D2H", stage.D2H}, {"H2D", stage.H2D}, {"D2D", stage.D2D}} {
 			if d.c.Batches > 0 {
-				r.Note = joinNote(r.Note, fmt.Sprintf("staged %s %s per sync", d.name, fmtSize(float64(d.c.Bytes/d.c.Batches))))
+				r.Note = joinNote(r.Note, fmt.Sprintf("%s %s %s per sync", verb, d.name, fmtSize(float64(d.c.Bytes/d.c.Batches))))
 			}
 		}
 		if r.Device == "sim" {
