@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -226,7 +227,12 @@ func acquireImport(d *devState, pid int, sh share, fd int) (*imported, error) {
 		im.refs++
 		return im, nil
 	}
-	m, err := d.sharer.Import(devmem.Share{Kind: sh.kind, GPU: sh.gpu, ID: sh.id, Base: uintptr(sh.base), Size: sh.size, Handle: sh.hdl, FD: fd}, -1)
+	// The mapping serves every window of the process, whatever GPU its
+	// local memory is on: opened on the exporting GPU if this process
+	// sees it, else on GPU 0 (a process given one GPU, as
+	// CUDA_VISIBLE_DEVICES arranges, copies there), which other GPUs
+	// reach as a peer.
+	m, err := d.sharer.Import(devmem.Share{Kind: sh.kind, GPU: sh.gpu, ID: sh.id, Base: uintptr(sh.base), Size: sh.size, Handle: sh.hdl, FD: fd}, 0)
 	if err != nil {
 		return nil, err
 	}
@@ -297,8 +303,10 @@ func (r *rightsReader) Read(b []byte) (int, error) {
 	if len(r.fds) > maxQueuedFDs && r.err == nil {
 		r.err = fmt.Errorf("%w: %d file descriptors received and unclaimed, at most %d", errProtocol, len(r.fds), maxQueuedFDs)
 	}
-	if r.err != nil && n == 0 && err == nil {
-		err = r.err
+	if r.err != nil {
+		// The bytes that came with the descriptors too many are the
+		// hostile peer's: no frame among them is acted on.
+		return 0, r.err
 	}
 	return n, err
 }
@@ -427,6 +435,7 @@ func (p *peer) dropShares() {
 type devAt struct {
 	ptr uintptr // in this process; 0: the range is host memory of the peer
 	gpu int
+	im  *imported // the mapping ptr lies in
 }
 
 // place records where the peer's grant (f) tells w to copy, on a
@@ -466,7 +475,7 @@ func (p *peer) place(w *window, f *frame) (failed error, err error) {
 		if w.devs == nil {
 			w.devs = make([]devAt, len(es))
 		}
-		w.devs[i] = devAt{ptr: im.m.Ptr() + uintptr(e.addr-im.base), gpu: im.m.Dev()}
+		w.devs[i] = devAt{ptr: im.m.Ptr() + uintptr(e.addr-im.base), gpu: im.m.Dev(), im: im}
 		importsMu.Lock()
 		im.refs++
 		importsMu.Unlock()
@@ -502,6 +511,17 @@ type devCopy struct {
 	dev      uintptr
 	toHost   bool
 	n        uint64
+	// The mapping the peer's side lies in: a copy never runs from one
+	// mapping into another, however neighbouring they are.
+	im *imported
+	// Device to device, the local side: where it begins, and the local
+	// segment the copy's last piece lies in. The agent checked that each
+	// segment lies in one allocation; a copy that merged pieces of
+	// several has the lengths of its runs per segment in parts, and is
+	// split into them unless the driver finds local in one allocation.
+	local uintptr
+	seg   int
+	parts []uint64
 }
 
 // copyDevice copies task t of a window that involves device memory: on
@@ -522,20 +542,21 @@ func (st *xstate) copyDevice(t task) error {
 		local := pc.Seg.Local
 		at, onDev := t.w.devAddr(seg, pc)
 		remote := t.w.remoteAddr(seg, pc)
+		pseg := seg
 		if pc.Off+pc.Len == pc.Seg.Local.Len {
 			seg++
 		}
 		switch {
 		case onDev && local.Kind == agent.KindVRAM:
-			c := devCopy{gpu: int(local.Device), n: pc.Len}
+			c := devCopy{gpu: int(local.Device), n: pc.Len, im: at.im, local: uintptr(pc.LocalAddr()), seg: pseg}
 			if st.write {
-				c.dst, c.src = at.ptr, uintptr(pc.LocalAddr())
+				c.dst, c.src = at.ptr, c.local
 			} else {
-				c.dst, c.src = uintptr(pc.LocalAddr()), at.ptr
+				c.dst, c.src = c.local, at.ptr
 			}
 			copies = mergeCopy(copies, c)
 		case onDev:
-			copies = mergeCopy(copies, devCopy{gpu: at.gpu, host: pc.Local(), dev: at.ptr, toHost: !st.write, n: pc.Len})
+			copies = mergeCopy(copies, devCopy{gpu: at.gpu, host: pc.Local(), dev: at.ptr, toHost: !st.write, n: pc.Len, im: at.im})
 		case local.Kind == agent.KindVRAM:
 			if hostErr == nil {
 				hostErr = st.bounce(d, pc, remote)
@@ -554,15 +575,24 @@ func (st *xstate) copyDevice(t task) error {
 }
 
 // mergeCopy appends c to cs, or extends the last copy if c continues it on
-// both sides.
+// both sides, within one mapping of the peer's.
 func mergeCopy(cs []devCopy, c devCopy) []devCopy {
 	if n := len(cs); n > 0 {
 		l := &cs[n-1]
-		if l.gpu == c.gpu && l.host == nil && c.host == nil && l.dst+uintptr(l.n) == c.dst && l.src+uintptr(l.n) == c.src {
-			l.n += c.n
+		if l.gpu == c.gpu && l.im == c.im && l.host == nil && c.host == nil && l.dst+uintptr(l.n) == c.dst && l.src+uintptr(l.n) == c.src {
+			switch {
+			case l.seg != c.seg: // maybe another local allocation
+				if l.parts == nil {
+					l.parts = []uint64{l.n}
+				}
+				l.parts = append(l.parts, c.n)
+			case l.parts != nil:
+				l.parts[len(l.parts)-1] += c.n
+			}
+			l.n, l.seg = l.n+c.n, c.seg
 			return cs
 		}
-		if l.gpu == c.gpu && l.host != nil && c.host != nil && l.toHost == c.toHost && l.dev+uintptr(l.n) == c.dev && sameNext(l.host, c.host) {
+		if l.gpu == c.gpu && l.im == c.im && l.host != nil && c.host != nil && l.toHost == c.toHost && l.dev+uintptr(l.n) == c.dev && sameNext(l.host, c.host) {
 			l.host = l.host[:len(l.host)+len(c.host)]
 			l.n += c.n
 			return cs
@@ -611,6 +641,16 @@ func runCopies(d *devState, cs []devCopy) error {
 		}
 		var err error
 		switch {
+		case c.host == nil && c.parts != nil && d.drv.Check(c.local, c.n, c.gpu) != nil:
+			// Neighbouring segments of different allocations: a copy
+			// may not run from one into the other.
+			var off uintptr
+			for _, n := range c.parts {
+				if err = s.Copy(c.dst+off, c.src+off, int(n)); err != nil {
+					break
+				}
+				off += uintptr(n)
+			}
 		case c.host == nil:
 			err = s.Copy(c.dst, c.src, int(c.n))
 		case c.toHost:
@@ -699,19 +739,22 @@ type exported struct {
 	size uint64
 	dev  int
 	keys map[agent.Key]struct{}
+	// sh is what Export said, for the tShare; a descriptor it holds is
+	// closed once the grant is answered.
+	sh devmem.Share
 }
 
 // grantDevice answers a lease request (f, lease opened) that covers device
 // memory on a connection that agreed capDevice: every device range is
 // shared (tShare for allocations new to the connection) and the grant
-// names its share. It reports false, having answered nothing, when some
-// device range cannot be shared: the caller stages the request instead.
+// names its share. Every range is checked, and every allocation exported,
+// before anything is sent: a request refused for one range, or staged
+// because one allocation cannot be shared, hands out no share. It reports
+// false, having answered nothing, when some device range cannot be
+// shared: the caller stages the request instead.
 func (s *server) grantDevice(f *frame, lease agent.Lease, acc agent.Access) (bool, error) {
 	count := int(f.count)
-	d := s.b.device()
-	s.shareMu.Lock()
-	defer s.shareMu.Unlock()
-	es := make([]grantEntry, count)
+	regions := make([]agent.Region, count)
 	for i := range count {
 		addr, n := f.rangeAt(i)
 		r, ok := lease.Region(addr, n)
@@ -721,11 +764,28 @@ func (s *server) grantDevice(f *frame, lease agent.Lease, acc agent.Access) (boo
 			s.b.stats.Deny()
 			return true, s.answer(tGrant, f.id, stDenied, fmt.Errorf("range %d: %w", i, err), nil)
 		}
+		regions[i] = r
+	}
+	d := s.b.device()
+	s.shareMu.Lock()
+	defer s.shareMu.Unlock()
+	es := make([]grantEntry, count)
+	var used, fresh []*exported // the grant's allocations; those new to the connection
+	defer func() {
+		for _, ex := range fresh { // sent or not, the descriptor is done with
+			if ex.sh.Kind == devmem.ShareFD {
+				_ = unix.Close(ex.sh.FD)
+				ex.sh.FD = -1
+			}
+		}
+	}()
+	for i := range count {
+		addr, n := f.rangeAt(i)
 		es[i].addr = addr
-		if r.Kind != agent.KindVRAM {
+		if regions[i].Kind != agent.KindVRAM {
 			continue
 		}
-		id, err := s.shareFor(d, &lease, f.key, addr, n, int(r.Device))
+		ex, isNew, err := s.shareFor(d, f.key, addr, n, int(regions[i].Device), used)
 		if errors.Is(err, devmem.ErrNotShareable) || errors.Is(err, devmem.ErrNotDevice) || errors.Is(err, devmem.ErrUnavailable) {
 			s.b.log.Debug("cma: device memory not shareable; staging it", "peer", s.peer, "err", err)
 			return false, nil
@@ -734,7 +794,28 @@ func (s *server) grantDevice(f *frame, lease agent.Lease, acc agent.Access) (boo
 			lease.Release()
 			return true, err // the connection failed
 		}
-		es[i].share = id
+		if isNew {
+			fresh = append(fresh, ex)
+		}
+		if !slices.Contains(used, ex) {
+			used = append(used, ex)
+		}
+		es[i].share = ex.id
+	}
+	// The request is granted: the shares new to the connection go out
+	// before the grant that names them.
+	for _, ex := range fresh {
+		if err := s.sendShare(ex); err != nil {
+			lease.Release()
+			return true, err
+		}
+		if s.exports == nil {
+			s.exports, s.byKey = map[uint64]*exported{}, map[agent.Key][]*exported{}
+		}
+		s.exports[ex.id] = ex
+	}
+	for _, ex := range used {
+		s.serves(ex, f.key, &lease)
 	}
 	s.mu.Lock()
 	s.hold(f.id, held{lease: lease, key: f.key, acc: acc, since: time.Now()})
@@ -742,37 +823,53 @@ func (s *server) grantDevice(f *frame, lease agent.Lease, acc agent.Access) (boo
 	return true, s.answerEntries(f.id, es)
 }
 
-// shareFor returns the share of [addr, addr+n) of GPU dev for the
-// exposure behind lease (key), sharing its allocation on the connection if
-// it is new there. The caller holds s.shareMu.
-func (s *server) shareFor(d *devState, lease *agent.Lease, key agent.Key, addr, n uint64, dev int) (uint64, error) {
+// shareFor returns the allocation holding [addr, addr+n) of GPU dev for
+// the exposure key: one the connection shared for it already, one of
+// used (the grant's so far), or one exported now: shared on the
+// connection for another exposure, or new to it (isNew; a file
+// descriptor it holds is the caller's to close). The caller holds
+// s.shareMu.
+func (s *server) shareFor(d *devState, key agent.Key, addr, n uint64, dev int, used []*exported) (ex *exported, isNew bool, err error) {
 	for _, ex := range s.byKey[key] {
-		if ex.dev == dev && addr >= ex.base && addr+n <= ex.base+ex.size {
-			return ex.id, nil
+		if ex.covers(dev, addr, n) {
+			return ex, false, nil
+		}
+	}
+	for _, ex := range used {
+		if ex.covers(dev, addr, n) {
+			return ex, false, nil
 		}
 	}
 	sh, err := d.sharer.Export(uintptr(addr), dev)
 	if err != nil {
-		return 0, err
-	}
-	if sh.Kind == devmem.ShareFD {
-		defer unix.Close(sh.FD)
+		return nil, false, err
 	}
 	base, size := uint64(sh.Base), sh.Size
 	if sh.ID == 0 || addr < base || addr+n > base+size || base+size < base {
-		return 0, fmt.Errorf("%w: allocation %d [0x%x, +%d) does not hold [0x%x, +%d)", devmem.ErrNotShareable, sh.ID, base, size, addr, n)
-	}
-	ex := s.exports[sh.ID]
-	if ex == nil {
-		if err := s.sendShare(sh); err != nil {
-			return 0, err
+		if sh.Kind == devmem.ShareFD {
+			_ = unix.Close(sh.FD)
 		}
-		ex = &exported{id: sh.ID, base: base, size: size, dev: dev, keys: map[agent.Key]struct{}{}}
-		if s.exports == nil {
-			s.exports, s.byKey = map[uint64]*exported{}, map[agent.Key][]*exported{}
-		}
-		s.exports[sh.ID] = ex
+		return nil, false, fmt.Errorf("%w: allocation %d [0x%x, +%d) does not hold [0x%x, +%d)", devmem.ErrNotShareable, sh.ID, base, size, addr, n)
 	}
+	if ex := s.exports[sh.ID]; ex != nil { // shared for another exposure
+		if sh.Kind == devmem.ShareFD {
+			_ = unix.Close(sh.FD)
+		}
+		return ex, false, nil
+	}
+	return &exported{id: sh.ID, base: base, size: size, dev: dev, keys: map[agent.Key]struct{}{}, sh: sh}, true, nil
+}
+
+// covers reports whether ex is the allocation of GPU dev that holds
+// [addr, addr+n).
+func (ex *exported) covers(dev int, addr, n uint64) bool {
+	return ex.dev == dev && addr >= ex.base && addr+n <= ex.base+ex.size
+}
+
+// serves records that ex serves the exposure key, whose lease is lease,
+// and watches the exposure: once it is gone, the shares that served only
+// it are taken back. The caller holds s.shareMu.
+func (s *server) serves(ex *exported, key agent.Key, lease *agent.Lease) {
 	if _, ok := ex.keys[key]; !ok {
 		ex.keys[key] = struct{}{}
 		s.byKey[key] = append(s.byKey[key], ex)
@@ -780,20 +877,20 @@ func (s *server) shareFor(d *devState, lease *agent.Lease, key agent.Key, addr, 
 	if s.watched == nil {
 		s.watched = map[agent.Key]bool{}
 	}
-	if !s.watched[key] {
-		s.watched[key] = true
-		gone := lease.Gone()
-		s.watchWG.Add(1)
-		go func() {
-			defer s.watchWG.Done()
-			select {
-			case <-gone:
-				s.unshareKey(key)
-			case <-s.done:
-			}
-		}()
+	if s.watched[key] {
+		return
 	}
-	return ex.id, nil
+	s.watched[key] = true
+	gone := lease.Gone()
+	s.watchWG.Add(1)
+	go func() {
+		defer s.watchWG.Done()
+		select {
+		case <-gone:
+			s.unshareKey(key)
+		case <-s.done:
+		}
+	}()
 }
 
 // unshareKey takes back the shares that served only the exposure key,
@@ -818,9 +915,10 @@ func (s *server) unshareKey(key agent.Key) {
 	delete(s.watched, key)
 }
 
-// sendShare writes a tShare for sh, with its file descriptor attached if
+// sendShare writes a tShare for ex, with its file descriptor attached if
 // it has one.
-func (s *server) sendShare(sh devmem.Share) error {
+func (s *server) sendShare(ex *exported) error {
+	sh := ex.sh
 	b := make([]byte, hdrSize, hdrSize+shareSize)
 	(&header{typ: tShare, status: uint8(sh.Kind), id: sh.ID, length: shareSize}).put(b)
 	b = putShare(b, sh)
