@@ -110,12 +110,12 @@ func BenchmarkToken(b *testing.B) {
 			md := expose(b, newConnector(b), KindRead, buffers(uniform(n, 64), 1)).Metadata()
 			b.ReportAllocs()
 			for b.Loop() {
-				if _, err := ParseMetadata(md.String()); err != nil {
+				if _, err := ParseMetadata(md.Text()); err != nil {
 					b.Fatal(err)
 				}
 			}
 			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*n), "ns/descriptor")
-			b.ReportMetric(float64(md.Size()), "token-bytes")
+			b.ReportMetric(float64(md.EncodedLen()), "token-bytes")
 		})
 	}
 }

@@ -247,7 +247,7 @@ func (s *childServer) handle(req childRequest) childResponse {
 		}
 		s.last++
 		s.passive[s.last] = &childPassive{op: op, mem: mem}
-		return childResponse{ID: s.last, Token: op.Metadata().String()}
+		return childResponse{ID: s.last, Token: op.Metadata().Text()}
 	case "begin":
 		return s.begin(req)
 	case "cancel", "await":
@@ -441,7 +441,7 @@ func crossProcessTransfer(t *testing.T, backend string, layouts []struct {
 						mem.Fill(seed)
 					}
 					pop := expose(t, parent, kind, mem.Bufs())
-					resp := c.must(childRequest{Cmd: "begin", Token: pop.Metadata().String(), Seed: seed})
+					resp := c.must(childRequest{Cmd: "begin", Token: pop.Metadata().Text(), Seed: seed})
 					assert.Equal(t, backend, resp.Backend)
 					assert.Equal(t, "DONE", resp.Status)
 
@@ -535,7 +535,7 @@ func cutActive(t *testing.T, kind OperationKind, stop func(*child), how string, 
 	k := cut{parent: newConnector(t, opts...), c: startChild(t, env...)}
 	pop := expose(t, k.parent, kind, pattern.NewSlab([]int{largeTransfer}).Bufs())
 	k.op = pop
-	k.c.must(childRequest{Cmd: "begin", Token: pop.Metadata().String(), Async: true})
+	k.c.must(childRequest{Cmd: "begin", Token: pop.Metadata().Text(), Async: true})
 	awaitPeer(t, pop)
 	return k, k.stop(t, ctx, stop, fmt.Sprintf("passive %v heard", kind), "active process "+how)
 }
@@ -599,7 +599,7 @@ func TestCrossProcessActiveCancelled(t *testing.T) {
 		mem := pattern.NewSlab([]int{stopTransfer})
 		mem.Fill(seed)
 		pop := expose(t, parent, kind, mem.Bufs())
-		r := c.must(childRequest{Cmd: "begin", Token: pop.Metadata().String(), Seed: seed, Async: true})
+		r := c.must(childRequest{Cmd: "begin", Token: pop.Metadata().Text(), Seed: seed, Async: true})
 		assert.Equal(t, "PROC", r.Status, "the child's operation after Begin")
 		assert.Equal(t, sameHost, r.Backend)
 		awaitPeer(t, pop) // bytes are moving
@@ -649,7 +649,7 @@ func TestCrossProcessClosedPassive(t *testing.T) {
 			mem := pattern.NewSlab(sizes)
 			mem.Fill(seed)
 			pop := expose(t, parent, kind, mem.Bufs())
-			token := pop.Metadata().String()
+			token := pop.Metadata().Text()
 			require.NoError(t, pop.Close())
 			require.ErrorIs(t, pop.Wait(ctx), ErrClosed)
 			requireUnregistered(t, parent)
@@ -681,7 +681,7 @@ func TestCrossProcessCloseMidTransfer(t *testing.T) {
 		seed := pattern.NextSeed()
 		mem := pattern.NewSlab([]int{stopTransfer})
 		pop := expose(t, parent, kind, mem.Bufs())
-		r := c.must(childRequest{Cmd: "begin", Token: pop.Metadata().String(), Seed: seed, Async: true})
+		r := c.must(childRequest{Cmd: "begin", Token: pop.Metadata().Text(), Seed: seed, Async: true})
 		awaitPeer(t, pop)
 		require.NoError(t, pop.Close())
 		// The memory is ours again: reuse it while the child's

@@ -9,8 +9,9 @@
 // (in-process copy, same-host cross-memory attach, TCP, ...). Both sides
 // await completion with Wait: the active side's Wait returns once every
 // byte is in place, then the passive side hears of it. Tokens travel
-// however the application likes (NATS, HTTP, a file): they are plain
-// strings.
+// however the application likes (NATS, HTTP, a file) as plain strings
+// ([Metadata.Text]); they are capabilities, so printing or logging one
+// shows a redacted form instead.
 //
 // The happy path, READ:
 //
@@ -18,7 +19,7 @@
 //	defer conn.Close()
 //
 //	op, err := conn.CreateReadable(ctx, connect.NewDescriptor(src)) // passive side
-//	token := op.Metadata().String()           // send it to the peer
+//	token := op.Metadata().Text()             // send it to the peer; a secret
 //	err = op.Wait(ctx)                        // the peer has read src
 //	op.Close()                                // src is the caller's again
 //

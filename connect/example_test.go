@@ -31,7 +31,7 @@ func Example_read() {
 		log.Fatal(err)
 	}
 	defer op.Close()
-	token := op.Metadata().String() // travels over NATS, HTTP, ...
+	token := op.Metadata().Text() // the capability: travels over NATS, HTTP, ...
 
 	// Active side: read the block into local memory of the same size.
 	md, err := connect.ParseMetadata(token)

@@ -2,6 +2,7 @@ package connect
 
 import (
 	"bytes"
+	"encoding/base64"
 	"errors"
 	"testing"
 )
@@ -14,6 +15,11 @@ import (
 //	go test -fuzz FuzzUnmarshalMetadata ./connect
 
 func FuzzParseMetadata(f *testing.F) {
+	// Pasted and cut forms of a valid token, besides the corpus.
+	s := base64.RawURLEncoding.EncodeToString(validRaw().token())
+	for _, in := range []string{" " + s + "\n", `"` + s + `"`, "'\t" + s + " '", "`" + s + "\"", s[:len(s)-1], s[:len(s)-2], s[:40]} {
+		f.Add(in)
+	}
 	f.Fuzz(func(t *testing.T, s string) {
 		md, err := ParseMetadata(s)
 		if err != nil {
@@ -23,10 +29,18 @@ func FuzzParseMetadata(f *testing.F) {
 			return
 		}
 		checkDecoded(t, md)
-		if got := md.String(); got != s {
-			t.Fatalf("a valid token must have one text form:\n in: %q\nout: %q", s, got)
+		// Pasted text is trimmed of whitespace and quotes around it; what
+		// is left is the one text form of the token.
+		if got, want := md.Text(), trimmed(s); got != want {
+			t.Fatalf("a valid token must have one text form:\n in: %q\nout: %q", want, got)
 		}
 	})
+}
+
+// trimmed is s without what ParseMetadata ignores around a token.
+func trimmed(s string) string {
+	t, _ := trimPasted(s)
+	return t
 }
 
 func FuzzUnmarshalMetadata(f *testing.F) {
@@ -64,9 +78,9 @@ func checkDecoded(t *testing.T, md Metadata) {
 	if err := md.check(); err != nil {
 		t.Fatalf("decoded an invalid token: %v", err)
 	}
-	again, err := ParseMetadata(md.String())
-	if err != nil || again.Size() != md.Size() {
-		t.Fatalf("text round trip: %v (size %d != %d)", err, again.Size(), md.Size())
+	again, err := ParseMetadata(md.Text())
+	if err != nil || again.EncodedLen() != md.EncodedLen() {
+		t.Fatalf("text round trip: %v (size %d != %d)", err, again.EncodedLen(), md.EncodedLen())
 	}
 }
 

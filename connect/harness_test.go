@@ -300,7 +300,7 @@ func lifetimeRounds(full int) int {
 // Wait blocked on the queue.
 func notice(t *testing.T, from *Connector, md Metadata, msg []byte) {
 	t.Helper()
-	require.NoError(t, from.a.Notify(context.Background(), md.peer, md.key, msg))
+	require.NoError(t, from.a.Notify(context.Background(), md.peer, md.key.open(), msg))
 }
 
 // reportDone sends the completion notice to the operation md names, as the

@@ -2,12 +2,17 @@ package connect
 
 import (
 	"bytes"
+	"crypto/sha256"
 	"encoding/base64"
 	"encoding/binary"
+	"encoding/hex"
+	"errors"
 	"fmt"
 	"hash/crc32"
+	"log/slog"
 	"math"
 	"slices"
+	"strconv"
 	"strings"
 
 	"github.com/google/uuid"
@@ -45,8 +50,17 @@ func (k OperationKind) String() string {
 // descriptor). It grants access until the passive operation is closed, so
 // treat it as a secret for that long.
 //
+// Printing or logging a Metadata shows a redacted form that grants nothing
+// ([Metadata.String]): fmt with any verb, [log/slog] (it is a
+// [slog.LogValuer]) and errors that format it. The text that grants access
+// is asked for explicitly: [Metadata.Text], [Metadata.MarshalText] (which
+// [encoding/json] uses) or [Metadata.MarshalBinary]. So a struct, slice or
+// map holding a Metadata that goes through encoding/json carries the
+// capability, also when slog's JSON handler logs it: log the Metadata
+// itself.
+//
 // A Metadata is an immutable value, safe to copy and to use from several
-// goroutines. The zero Metadata is invalid: it encodes to "" and no
+// goroutines. The zero Metadata is invalid: its text is "" and no
 // operation accepts it.
 //
 // Its binary form ([Metadata.MarshalBinary]), version 1, is little-endian throughout,
@@ -64,13 +78,15 @@ func (k OperationKind) String() string {
 //	         uvarint device<<1 | memory kind (0 host, 1 GPU)
 //	crc      u32, CRC-32C (Castagnoli) of every byte before it
 //
-// Its text form ([Metadata.String], [Metadata.MarshalText], JSON) is the
-// binary form in unpadded
-// base64url. With the default backends a token with one descriptor takes
-// about 110 bytes of binary; each further descriptor takes at most 23 more.
+// Its text form ([Metadata.Text], [Metadata.MarshalText], JSON) is the
+// binary form in unpadded base64url. [Metadata.EncodedLen] gives the binary
+// length: with the default backends (mem, cma and tcp publish endpoints) a
+// token with one descriptor takes about 190 bytes, and 54 when compact;
+// each further descriptor takes at most 23 more (12 for host memory under
+// 2 MiB).
 type Metadata struct {
 	kind    OperationKind
-	key     agent.Key
+	key     sealedKey
 	peer    agent.Info
 	regions []agent.Region
 }
@@ -89,6 +105,9 @@ const (
 	minRegionLen = 8 + 1 + 1
 	// minLen is the shortest valid token: compact (no backends), one region.
 	minLen = headerLen + 1 + 1 + minRegionLen + crcLen
+	// maxRegions bounds the descriptor count truncatedLen believes: more
+	// than a token of 64 MiB holds.
+	maxRegions = 64 << 20 / minRegionLen
 )
 
 var (
@@ -105,15 +124,33 @@ func newMetadata(kind OperationKind, key agent.Key, info agent.Info, ls []agent.
 	for i, l := range ls {
 		regions[i] = l.Region
 	}
-	return Metadata{kind: kind, key: key, peer: info, regions: regions}
+	return Metadata{kind: kind, key: seal(key), peer: info, regions: regions}
 }
+
+// sealedKey is a key as a Metadata holds it: XORed with a random mask of
+// this process, so that fmt printing a value that holds a Metadata where
+// it cannot call Format (an unexported field) prints bytes that are not
+// the key.
+type sealedKey agent.Key
+
+var keyMask = agent.NewKey()
+
+func seal(k agent.Key) sealedKey {
+	for i := range k {
+		k[i] ^= keyMask[i]
+	}
+	return sealedKey(k)
+}
+
+// open returns the key.
+func (s sealedKey) open() agent.Key { return agent.Key(seal(agent.Key(s))) }
 
 // Agent returns the ID of the agent that made the token: the Connector
 // whose memory it names ([Connector.AgentInfo], [AgentInfo.ID]).
 func (m Metadata) Agent() uuid.UUID { return m.peer.ID }
 
 // Compact returns the token without the endpoints of the agent that made
-// it, which saves their bytes (about 70 with the default backends). A
+// it, which saves their bytes (about 140 with the default backends). A
 // Connector given a compact token looks the agent up with its [Resolver]
 // ([WithResolver]), such as a presence registry the agent joined; without
 // one, BeginRead and BeginWrite fail with [ErrNoBackend]. A compact token
@@ -144,9 +181,10 @@ func (m Metadata) Sizes() []int {
 	return s
 }
 
-// Size returns the length of the binary form in bytes (the text form is 4/3
-// of that). It returns 0 for the zero Metadata.
-func (m Metadata) Size() int {
+// EncodedLen returns the length of the binary form in bytes (the text form
+// is 4/3 of that): what the token costs in a message. It returns 0 for the
+// zero Metadata.
+func (m Metadata) EncodedLen() int {
 	if m.kind == 0 {
 		return 0
 	}
@@ -161,9 +199,14 @@ func (m Metadata) Size() int {
 // where packs a region's memory kind and device into one varint.
 func where(r agent.Region) uint64 { return uint64(r.Device)<<1 | uint64(r.Kind) }
 
-// String returns the token's text form: unpadded base64url, safe in URLs,
-// JSON and NATS headers. It returns "" for the zero Metadata.
-func (m Metadata) String() string {
+// Text returns the token's text form, the capability itself: unpadded
+// base64url, safe in URLs, JSON and NATS headers, which [ParseMetadata]
+// reads back. It returns "" for the zero Metadata. It is the one way to get
+// the text besides [Metadata.MarshalText], and named for what it returns,
+// the counterpart of ParseMetadata, so that every place a token leaves the
+// process in text is a call that says so: String, which fmt and loggers
+// call on their own, gives a redacted form instead.
+func (m Metadata) Text() string {
 	b, err := m.MarshalBinary()
 	if err != nil {
 		return ""
@@ -171,19 +214,159 @@ func (m Metadata) String() string {
 	return tokenEncoding.EncodeToString(b)
 }
 
-// ParseMetadata decodes a token's text form. s is untrusted: errors wrap
-// [ErrInvalidMetadata] and say what was expected and what was found, with
-// the token's own text quoted; it never panics, and it allocates at most a
-// small multiple of len(s).
+// String returns a redacted description of the token, for logs and
+// errors: its kind, the exposing agent's ID, the number of descriptors and
+// their total size, whether it is compact, and a fingerprint of its key
+// (the first 4 bytes of its SHA-256, which tell tokens apart and give
+// nothing of the key away), as in
+//
+//	token{READ agent=6ba7b810-9dad-11d1-80b4-00c04fd430c8 descriptors=3 bytes=196608 full key=sha256:1a2b3c4d}
+//
+// It is "token{zero}" for the zero Metadata. The text that grants access is
+// [Metadata.Text].
+func (m Metadata) String() string {
+	if m.kind == 0 {
+		return "token{zero}"
+	}
+	form := "full"
+	if m.IsCompact() {
+		form = "compact"
+	}
+	return "token{" + m.kind.String() + " agent=" + m.peer.ID.String() +
+		" descriptors=" + strconv.Itoa(len(m.regions)) +
+		" bytes=" + strconv.FormatUint(m.bytes(), 10) +
+		" " + form + " key=sha256:" + m.fingerprint() + "}"
+}
+
+// Format implements [fmt.Formatter], so that every verb prints the redacted
+// form of [Metadata.String], never the key: %v, %+v and %s print it, %q
+// quotes it, %x and %X print it in hex, %#v prints its fields Go-style,
+// and any other verb prints it as fmt prints a bad verb ("%!d(...)").
+// Width and flags apply as for a string.
+func (m Metadata) Format(f fmt.State, verb rune) {
+	switch {
+	case verb == 'v' && f.Flag('#'):
+		_, _ = fmt.Fprint(f, m.goString())
+	case verb == 'v', verb == 's', verb == 'q', verb == 'x', verb == 'X':
+		_, _ = fmt.Fprintf(f, fmt.FormatString(f, verb), m.String())
+	default:
+		_, _ = fmt.Fprintf(f, "%%!%c(connect.Metadata=%s)", verb, m.String())
+	}
+}
+
+// goString is %#v's form: the fields String shows, Go-style.
+func (m Metadata) goString() string {
+	if m.kind == 0 {
+		return "connect.Metadata{}"
+	}
+	return fmt.Sprintf("connect.Metadata{Kind: %v, Agent: %q, Descriptors: %d, Bytes: %d, Compact: %t, Key: %q}",
+		m.kind, m.peer.ID.String(), len(m.regions), m.bytes(), m.IsCompact(), "sha256:"+m.fingerprint())
+}
+
+// LogValue implements [slog.LogValuer]: a logged Metadata is a group of
+// the fields [Metadata.String] shows (kind, agent, descriptors, bytes,
+// compact, key: the fingerprint), whatever the handler, instead of the
+// text MarshalText would give slog's JSON and text handlers.
+func (m Metadata) LogValue() slog.Value {
+	if m.kind == 0 {
+		return slog.StringValue(m.String())
+	}
+	return slog.GroupValue(
+		slog.String("kind", m.kind.String()),
+		slog.String("agent", m.peer.ID.String()),
+		slog.Int("descriptors", len(m.regions)),
+		slog.Uint64("bytes", m.bytes()),
+		slog.Bool("compact", m.IsCompact()),
+		slog.String("key", "sha256:"+m.fingerprint()),
+	)
+}
+
+// fingerprint names the key in logs without revealing it: the first 4
+// bytes of its SHA-256 in hex.
+func (m Metadata) fingerprint() string {
+	key := m.key.open()
+	sum := sha256.Sum256(key[:])
+	return hex.EncodeToString(sum[:4])
+}
+
+// bytes is the total size of the descriptors, saturated at 2^64-1 (a
+// decoded token's sizes are each below 2^63, not their sum).
+func (m Metadata) bytes() uint64 {
+	var n uint64
+	for _, r := range m.regions {
+		if n+r.Len < n {
+			return math.MaxUint64
+		}
+		n += r.Len
+	}
+	return n
+}
+
+// ParseMetadata decodes a token's text form ([Metadata.Text]). Text pasted
+// from elsewhere is accepted: surrounding whitespace, and then one pair of
+// matching quotes (", ' or `) around the token, are ignored. s is
+// untrusted: errors wrap [ErrInvalidMetadata] and say what was expected and
+// what was found ("truncated" for a token cut short), with offsets into s;
+// it never panics, and it allocates at most a small multiple of len(s).
 func ParseMetadata(s string) (Metadata, error) {
-	if i := strings.IndexAny(s, "\r\n"); i >= 0 {
-		return Metadata{}, fmt.Errorf("%w: want unpadded base64url, found a line break at offset %d", ErrInvalidMetadata, i)
+	t, at := trimPasted(s)
+	if i := strings.IndexAny(t, "\r\n"); i >= 0 {
+		return Metadata{}, fmt.Errorf("%w: want unpadded base64url, found a line break at offset %d", ErrInvalidMetadata, at+i)
 	}
-	b, err := tokenEncoding.DecodeString(s)
-	if err != nil {
-		return Metadata{}, fmt.Errorf("%w: want unpadded base64url: %v", ErrInvalidMetadata, err)
+	b, err := tokenEncoding.DecodeString(t)
+	if err == nil {
+		md, need, err := decode(b)
+		if need > 0 {
+			return Metadata{}, cutShort(t, need)
+		}
+		return md, err
 	}
-	return decodeMetadata(b)
+	if b, lerr := lenient(t); lerr == nil {
+		if _, need, _ := decode(b); need > 0 {
+			return Metadata{}, cutShort(t, need)
+		}
+	}
+	var pos base64.CorruptInputError
+	if errors.As(err, &pos) {
+		err = base64.CorruptInputError(int64(pos) + int64(at))
+	}
+	return Metadata{}, fmt.Errorf("%w: want unpadded base64url: %v", ErrInvalidMetadata, err)
+}
+
+// cutShort is the error for the text t of a token cut short, whose fields
+// call for need bytes or more.
+func cutShort(t string, need int) error {
+	return fmt.Errorf("%w: want at least %d characters of base64url (%d bytes), found %d (truncated)",
+		ErrInvalidMetadata, tokenEncoding.EncodedLen(need), need, len(t))
+}
+
+// trimPasted strips what pasting a token tends to bring along: surrounding
+// whitespace, then one pair of matching quotes and whitespace inside them.
+// It returns the rest and its offset in s.
+func trimPasted(s string) (string, int) {
+	t := strings.TrimLeftFunc(s, isSpace)
+	at := len(s) - len(t)
+	t = strings.TrimRightFunc(t, isSpace)
+	if n := len(t); n >= 2 && t[0] == t[n-1] && (t[0] == '"' || t[0] == '\'' || t[0] == '`') {
+		inner := strings.TrimLeftFunc(t[1:n-1], isSpace)
+		at += n - 1 - len(inner)
+		t = strings.TrimRightFunc(inner, isSpace)
+	}
+	return t, at
+}
+
+// isSpace is the whitespace trimPasted strips: ASCII spaces, tabs and line
+// breaks, which is what copying from a terminal or an editor adds.
+func isSpace(r rune) bool { return r == ' ' || r == '\t' || r == '\n' || r == '\r' }
+
+// lenient decodes what it can of t, a text the strict decoder refused: a
+// token's text cut short may end mid-byte, with a lone last character or
+// with bits set that the strict decoder wants clear.
+func lenient(t string) ([]byte, error) {
+	if len(t)%4 == 1 {
+		t = t[:len(t)-1]
+	}
+	return base64.RawURLEncoding.DecodeString(t)
 }
 
 // MarshalText implements [encoding.TextMarshaler]; JSON encodes a Metadata as
@@ -213,10 +396,11 @@ func (m Metadata) MarshalBinary() ([]byte, error) {
 	if err := m.check(); err != nil {
 		return nil, err
 	}
-	b := make([]byte, 0, m.Size())
+	b := make([]byte, 0, m.EncodedLen())
 	b = append(b, metaMagic[:]...)
 	b = append(b, metaVersion, byte(m.kind))
-	b = append(b, m.key[:]...)
+	key := m.key.open()
+	b = append(b, key[:]...)
 	b = append(b, m.peer.ID[:]...)
 	b = appendConns(b, m.peer.Conns)
 	b = binary.AppendUvarint(b, uint64(len(m.regions)))
@@ -376,18 +560,32 @@ func unframe(b, magic []byte, version byte, minLen int) ([]byte, error) {
 // bytes that remain before allocating for it, so a short input cannot make
 // it allocate much.
 func decodeMetadata(b []byte) (Metadata, error) {
+	m, _, err := decode(b)
+	return m, err
+}
+
+// decode is decodeMetadata, which also returns, for b cut short (too short
+// for a token, or failing its checksum where its fields run past its end),
+// how many bytes its fields call for, at least; else 0.
+func decode(b []byte) (m Metadata, need int, err error) {
 	body, err := unframe(b, metaMagic[:], metaVersion, minLen)
 	if err != nil {
-		return Metadata{}, fmt.Errorf("%w: %w", ErrInvalidMetadata, err)
+		if need = truncatedLen(b); need > len(b) {
+			err = fmt.Errorf("want at least %d bytes, found %d (truncated)", need, len(b))
+		} else {
+			need = 0
+		}
+		return Metadata{}, need, fmt.Errorf("%w: %w", ErrInvalidMetadata, err)
 	}
 
-	var m Metadata
 	r := wire.NewReader(body[3:], 3)
 	m.kind = OperationKind(r.Byte("kind"))
 	if m.kind != KindRead && m.kind != KindWrite {
 		r.FailAtf(3, "want kind %d (READ) or %d (WRITE), found %d", KindRead, KindWrite, m.kind)
 	}
-	copy(m.key[:], r.Bytes(len(m.key), "key"))
+	var key agent.Key
+	copy(key[:], r.Bytes(len(key), "key"))
+	m.key = seal(key)
 	at := r.Offset()
 	copy(m.peer.ID[:], r.Bytes(len(m.peer.ID), "agent ID"))
 	if r.Err() == nil && m.peer.ID == uuid.Nil {
@@ -432,7 +630,89 @@ func decodeMetadata(b []byte) (Metadata, error) {
 		r.Failf("want the checksum next, found %d extra bytes", r.Remaining())
 	}
 	if err := r.Err(); err != nil {
-		return Metadata{}, fmt.Errorf("%w: %w", ErrInvalidMetadata, err)
+		return Metadata{}, 0, fmt.Errorf("%w: %w", ErrInvalidMetadata, err)
 	}
-	return m, nil
+	return m, 0, nil
+}
+
+// truncatedLen tells a token cut short from a damaged one: for b that
+// starts as a token does (magic and version), it walks the fields, checking
+// nothing but their lengths, and returns how many bytes they call for with
+// the checksum, at least. More than len(b) means b was cut short. It
+// returns 0 for b that is no token's start, or whose fields no token has.
+func truncatedLen(b []byte) int {
+	head := append(metaMagic[:], metaVersion)
+	if len(b) < len(head) || !bytes.Equal(b[:len(head)], head) {
+		return 0
+	}
+	p := headerLen
+	// short is the fewest bytes of a token whose fields run out at p (or
+	// past b), with at least more bytes and regions more descriptors to
+	// come before the checksum.
+	short := func(more int, regions uint64) int {
+		return max(p, len(b)+1) + more + int(regions)*minRegionLen + crcLen
+	}
+	// uvarint reads the varint at p; out when b ends first, bad when it
+	// overflows.
+	uvarint := func() (v uint64, out, bad bool) {
+		if p >= len(b) {
+			return 0, true, false
+		}
+		v, n := binary.Uvarint(b[p:])
+		switch {
+		case n == 0:
+			return 0, true, false
+		case n < 0:
+			return 0, false, true
+		}
+		p += n
+		return v, false, false
+	}
+	if p > len(b) {
+		return short(2, 1) // the counts of backends and descriptors
+	}
+	nc, out, bad := uvarint()
+	switch {
+	case bad || nc > maxConns:
+		return 0
+	case out:
+		return short(1, 1)
+	}
+	for range nc {
+		if p >= len(b) {
+			return short(1, 1)
+		}
+		p += 1 + int(b[p]) // the name's length and the name
+		dlen, out, bad := uvarint()
+		switch {
+		case bad || dlen > maxConnDataLen:
+			return 0
+		case out:
+			return short(1, 1)
+		}
+		p += int(dlen)
+	}
+	n, out, bad := uvarint()
+	switch {
+	case bad || n > maxRegions:
+		return 0
+	case out:
+		return short(0, 1)
+	}
+	for i := range n {
+		if p += 8; p > len(b) {
+			return short(2, n-i-1)
+		}
+		if _, out, bad := uvarint(); bad {
+			return 0
+		} else if out {
+			return short(1, n-i-1)
+		}
+		if _, out, bad := uvarint(); bad {
+			return 0
+		} else if out {
+			return short(0, n-i-1)
+		}
+	}
+	return p + crcLen
 }

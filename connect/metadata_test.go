@@ -5,8 +5,10 @@ import (
 	"encoding/base64"
 	"encoding/binary"
 	"encoding/json"
+	"fmt"
 	"hash/crc32"
 	"runtime"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -48,13 +50,13 @@ func TestMetadataRoundTrip(t *testing.T) {
 			md := testMetadata(kind, n)
 			bin, err := md.MarshalBinary()
 			require.NoError(t, err)
-			assert.Len(t, bin, md.Size())
+			assert.Len(t, bin, md.EncodedLen())
 
 			var fromBin Metadata
 			require.NoError(t, fromBin.UnmarshalBinary(bin))
 			assert.Equal(t, md, fromBin)
 
-			s := md.String()
+			s := md.Text()
 			assert.Equal(t, base64.RawURLEncoding.EncodeToString(bin), s)
 			fromText, err := ParseMetadata(s)
 			require.NoError(t, err)
@@ -85,17 +87,17 @@ func TestMetadataDoesNotAliasInput(t *testing.T) {
 	require.NoError(t, err)
 	var md Metadata
 	require.NoError(t, md.UnmarshalBinary(bin))
-	want := md.String()
+	want := md.Text()
 	clear(bin)
-	assert.Equal(t, want, md.String())
+	assert.Equal(t, want, md.Text())
 }
 
 func TestMetadataSize(t *testing.T) {
 	for _, n := range []int{1, 4096} {
 		md := testMetadata(KindRead, n)
 		limit := 96 + 40*n
-		assert.LessOrEqual(t, md.Size(), limit, "%d descriptors", n)
-		t.Logf("%d descriptors: %d bytes binary, %d text (limit %d)", n, md.Size(), len(md.String()), limit)
+		assert.LessOrEqual(t, md.EncodedLen(), limit, "%d descriptors", n)
+		t.Logf("%d descriptors: %d bytes binary, %d text (limit %d)", n, md.EncodedLen(), len(md.Text()), limit)
 	}
 
 	// A real Connector's token stays in the same bounds.
@@ -103,13 +105,14 @@ func TestMetadataSize(t *testing.T) {
 	op, err := c.CreateReadable(t.Context(), descriptors(buffers(uniform(4096, 64), 0))...)
 	require.NoError(t, err)
 	defer func() { require.NoError(t, op.Close()) }()
-	assert.LessOrEqual(t, op.Metadata().Size(), 96+40*4096)
+	assert.LessOrEqual(t, op.Metadata().EncodedLen(), 96+40*4096)
 }
 
 func TestZeroMetadata(t *testing.T) {
 	var md Metadata
-	assert.Equal(t, "", md.String())
-	assert.Zero(t, md.Size())
+	assert.Equal(t, "", md.Text())
+	assert.Equal(t, "token{zero}", md.String())
+	assert.Zero(t, md.EncodedLen())
 	assert.Zero(t, md.Len())
 	_, err := md.MarshalBinary()
 	require.ErrorIs(t, err, ErrInvalidMetadata)
@@ -201,9 +204,9 @@ func TestCorruptMetadata(t *testing.T) {
 		{"json", []byte(`{"a":1}`), `want magic "gx" and a version, found "{\"a"`},
 		{"wrong version", func() []byte { r := validRaw(); r.version = 2; return r.token() }(), "want version 1, found version 2"},
 		{"truncated header", valid[:20], "want at least 52 bytes, found 20 (truncated)"},
-		{"truncated", valid[:len(valid)-1], "want CRC-32C"},
+		{"truncated", valid[:len(valid)-1], "want at least 84 bytes, found 83 (truncated)"},
 		{"bit flip", flipped, "computed"},
-		{"no checksum", validRaw().body(), "want CRC-32C"},
+		{"no checksum", validRaw().body(), "want at least 84 bytes, found 80 (truncated)"},
 		{"kind", func() []byte { r := validRaw(); r.kind = 3; return r.token() }(), "offset 3: want kind 1 (READ) or 2 (WRITE), found 3"},
 		{"nil agent", func() []byte { r := validRaw(); r.id = uuid.Nil; return r.token() }(), "offset 20: want an agent ID, found the nil UUID"},
 		{"many backends", func() []byte { r := validRaw(); r.nconns = u64(1 << 40); return r.token() }(), "offset 36: want 0 to 16 backends, found 1099511627776"},
@@ -247,6 +250,12 @@ func TestCorruptMetadata(t *testing.T) {
 			return withCRC(b[:len(b)-1])
 		}(), "memory kind: want a varint, found 0 bytes"},
 	}
+	// A text cut short counts characters.
+	texts := map[string]string{
+		"truncated header": "want at least 70 characters of base64url (52 bytes), found 27 (truncated)",
+		"truncated":        "want at least 112 characters of base64url (84 bytes), found 111 (truncated)",
+		"no checksum":      "want at least 112 characters of base64url (84 bytes), found 107 (truncated)",
+	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			var md Metadata
@@ -258,13 +267,17 @@ func TestCorruptMetadata(t *testing.T) {
 
 			_, err = ParseMetadata(base64.RawURLEncoding.EncodeToString(tt.in))
 			require.ErrorIs(t, err, ErrInvalidMetadata)
-			assert.ErrorContains(t, err, tt.want)
+			want, ok := texts[tt.name]
+			if !ok {
+				want = tt.want
+			}
+			assert.ErrorContains(t, err, want)
 		})
 	}
 }
 
 func TestCorruptMetadataText(t *testing.T) {
-	s := testMetadata(KindRead, 3).String()
+	s := testMetadata(KindRead, 3).Text()
 	tests := []struct {
 		name string
 		in   string
@@ -275,7 +288,7 @@ func TestCorruptMetadataText(t *testing.T) {
 		{"standard alphabet", strings.NewReplacer("-", "+", "_", "/").Replace(s) + "+/", "want unpadded base64url"},
 		{"padded", s + "==", "want unpadded base64url"},
 		{"line break", s[:10] + "\n" + s[10:], "want unpadded base64url, found a line break at offset 10"},
-		{"truncated", s[:len(s)-3], "want"},
+		{"truncated", s[:len(s)-3], "(truncated)"},
 		{"edited", s[:30] + map[bool]string{true: "B", false: "A"}[s[30] == 'A'] + s[31:], "CRC-32C"},
 		{"non-canonical trailing bits", s[:len(s)-1] + string(rune(s[len(s)-1])+1), "want"},
 	}
@@ -314,5 +327,74 @@ func TestMetadataDecodeAllocationBound(t *testing.T) {
 		runtime.ReadMemStats(&after)
 		perRun := (after.TotalAlloc - before.TotalAlloc) / runs
 		assert.LessOrEqual(t, perRun, uint64(4*len(in)+1024), "decoding %d bytes", len(in))
+	}
+}
+
+// Every token cut short, in binary or in text, says so, with how much it
+// wanted and how much it found; and a token damaged, not cut, does not.
+func TestTruncatedMetadata(t *testing.T) {
+	for _, md := range []Metadata{testMetadata(KindRead, 9), testMetadata(KindWrite, 1).Compact()} {
+		bin, err := md.MarshalBinary()
+		require.NoError(t, err)
+		for n := 3; n < len(bin); n++ {
+			_, err := decodeMetadata(bin[:n])
+			require.ErrorIs(t, err, ErrInvalidMetadata)
+			require.ErrorContains(t, err, fmt.Sprintf(", found %d (truncated)", n), "%d of %d bytes", n, len(bin))
+			require.ErrorContains(t, err, "want at least ", "%d of %d bytes", n, len(bin))
+		}
+		text := md.Text()
+		for n := 4; n < len(text); n++ {
+			_, err := ParseMetadata(text[:n])
+			require.ErrorIs(t, err, ErrInvalidMetadata)
+			require.ErrorContains(t, err, "(truncated)", "%d of %d characters", n, len(text))
+			require.ErrorContains(t, err, fmt.Sprintf("found %d", n), "%d of %d characters", n, len(text))
+		}
+		// The checksum is what is wrong: damaged, not truncated.
+		bin[len(bin)-1] ^= 1
+		_, err = decodeMetadata(bin)
+		require.ErrorContains(t, err, "want CRC-32C")
+		assert.NotContains(t, err.Error(), "found "+strconv.Itoa(len(bin)-1))
+	}
+	// The message a cut text gives names characters and bytes.
+	text := testMetadata(KindRead, 1).Text()
+	_, err := ParseMetadata(text[:len(text)-5])
+	assert.ErrorContains(t, err, fmt.Sprintf("want at least %d characters of base64url", len(text)))
+}
+
+// Text pasted from a terminal, an editor or JSON parses: whitespace and
+// line breaks around it, then one pair of matching quotes.
+func TestParsePastedMetadata(t *testing.T) {
+	md := testMetadata(KindRead, 3)
+	s := md.Text()
+	for _, in := range []string{
+		" " + s, s + "\n", "\t" + s + "\r\n", "\n\n  " + s + "  \n",
+		`"` + s + `"`, "'" + s + "'", "`" + s + "`",
+		"  \"" + s + "\"\n", "' " + s + " '", "\"\n" + s + "\n\"",
+	} {
+		got, err := ParseMetadata(in)
+		require.NoError(t, err, "%q", in)
+		assert.Equal(t, md, got, "%q", in)
+		var viaJSON Metadata
+		require.NoError(t, viaJSON.UnmarshalText([]byte(in)), "%q", in)
+		assert.Equal(t, md, viaJSON)
+	}
+	tests := []struct {
+		name, in, want string
+	}{
+		{"unmatched quotes", `"` + s + `'`, "want unpadded base64url: illegal base64 data at input byte 0"},
+		{"two pairs of quotes", `""` + s + `""`, "want unpadded base64url: illegal base64 data at input byte 1"},
+		{"only quotes", `""`, `want magic "gx" and a version, found ""`},
+		{"only space", " \n ", `want magic "gx" and a version, found ""`},
+		{"line break inside", "  " + s[:10] + "\n" + s[10:], "found a line break at offset 12"},
+		{"space inside", s[:10] + " " + s[10:], "illegal base64 data at input byte 10"},
+		{"bad byte after space", "   " + s[:5] + "!" + s[5:], "illegal base64 data at input byte 8"},
+		{"two tokens", s + " " + s, "illegal base64 data at input byte " + strconv.Itoa(len(s))},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := ParseMetadata(tt.in)
+			require.ErrorIs(t, err, ErrInvalidMetadata)
+			assert.ErrorContains(t, err, tt.want)
+		})
 	}
 }

@@ -389,7 +389,7 @@ type activeOp struct {
 	name string // "read" or "write"
 	x    *agent.Xfer
 	peer agent.Info
-	key  agent.Key
+	key  sealedKey // as in Metadata: fmt prints an op without the key
 	regs *agent.Registration
 
 	mu       sync.Mutex
@@ -444,7 +444,7 @@ func (c *Connector) begin(ctx context.Context, o *activeOp, op agent.Op, md Meta
 	c.watchers.Add(1)
 	c.mu.Unlock()
 	x, err := c.a.Post(ctx, agent.Request{
-		Op: op, Peer: peer, Key: md.key, Segments: segs,
+		Op: op, Peer: peer, Key: md.key.open(), Segments: segs,
 		Notify: doneNotice, Backend: c.force,
 		OnDone: o.finish,
 	})
@@ -529,7 +529,7 @@ func (o *activeOp) tellPeer(err error) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), tellPeerTimeout)
 	defer cancel()
-	if nerr := o.c.a.Notify(ctx, o.peer, o.key, encodeNotice(code, err.Error())); nerr != nil {
+	if nerr := o.c.a.Notify(ctx, o.peer, o.key.open(), encodeNotice(code, err.Error())); nerr != nil {
 		o.c.log.Debug("connect: could not tell the peer about a failed transfer", "op", o.name, "peer", o.peer.ID, "err", nerr)
 	}
 }

@@ -45,7 +45,7 @@ func TestTransfer(t *testing.T) {
 					assert.Equal(t, StatusInitialized, pop.Status())
 
 					// The token crosses a process boundary as text.
-					md, err := ParseMetadata(pop.Metadata().String())
+					md, err := ParseMetadata(pop.Metadata().Text())
 					require.NoError(t, err)
 					require.Equal(t, l.sizes, md.Sizes())
 

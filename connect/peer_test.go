@@ -87,9 +87,9 @@ func TestCompactToken(t *testing.T) {
 	require.True(t, md.IsCompact())
 	require.False(t, full.IsCompact())
 	assert.Equal(t, passive.AgentInfo().ID(), md.Agent())
-	assert.Less(t, md.Size(), full.Size()-40, "a compact token drops the endpoints")
+	assert.Less(t, md.EncodedLen(), full.EncodedLen()-40, "a compact token drops the endpoints")
 
-	parsed, err := ParseMetadata(md.String())
+	parsed, err := ParseMetadata(md.Text())
 	require.NoError(t, err)
 	require.True(t, parsed.IsCompact(), "compactness survives the text form")
 	assert.Equal(t, md, parsed)

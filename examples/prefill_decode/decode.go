@@ -287,7 +287,7 @@ func (d *decodeWorker) read(ctx context.Context, r *result, blocks *Blocks) erro
 			return fmt.Errorf("%w: block %d (%s): want %d bytes, the token says %d", errBadReply, i, d.layout.Locate(i), d.layout.BlockBytes(), size)
 		}
 	}
-	r.prefill, r.tokenSize = time.Since(start), md.Size()
+	r.prefill, r.tokenSize = time.Since(start), md.EncodedLen()
 
 	start = time.Now()
 	xctx, cancel := context.WithTimeout(ctx, exposeTimeout)
@@ -318,7 +318,7 @@ func (d *decodeWorker) write(ctx context.Context, r *result, blocks *Blocks) err
 	if d.cfg.compact {
 		md = md.Compact()
 	}
-	r.tokenSize = md.Size()
+	r.tokenSize = md.EncodedLen()
 	req, _ := json.Marshal(kvRequest{ID: r.id, PromptTokens: d.layout.PromptTokens})
 	if err := gxnats.Publish(ctx, d.nc, subjectOffer, md, req); err != nil {
 		return err

@@ -174,20 +174,20 @@ func (p *prefillWorker) serveRead(ctx context.Context, req *gxnats.ServiceReques
 		return nil, fmt.Errorf("request %s: expose its blocks: %w", r.ID, err)
 	}
 	md := op.Metadata()
-	full := md.Size()
+	full := md.EncodedLen()
 	if p.cfg.compact {
 		md = md.Compact()
 	}
-	if max := p.nc.MaxPayload() - 1024; int64(md.Size()) > max {
+	if max := p.nc.MaxPayload() - 1024; int64(md.EncodedLen()) > max {
 		p.release(op, blocks)
-		return nil, fmt.Errorf("request %s: the token for %d blocks takes %d bytes, more than NATS carries (max payload %d): use a larger -block-tokens", r.ID, l.Blocks(), md.Size(), p.nc.MaxPayload())
+		return nil, fmt.Errorf("request %s: the token for %d blocks takes %d bytes, more than NATS carries (max payload %d): use a larger -block-tokens", r.ID, l.Blocks(), md.EncodedLen(), p.nc.MaxPayload())
 	}
 	if !p.track(r.ID, &exposure{arrival: arrival, op: op}) {
 		p.release(op, blocks)
 		return nil, &gxnats.HandlerError{Code: "bad-request", Message: fmt.Sprintf("request %s: a later attempt of this request has arrived", r.ID)}
 	}
 	p.wg.Add(1)
-	go p.awaitRead(r, l, op, blocks, md.Size(), full)
+	go p.awaitRead(r, l, op, blocks, md.EncodedLen(), full)
 	data, _ := json.Marshal(kvReply{ID: r.ID, Blocks: l.Blocks()})
 	return &gxnats.Reply{Metadata: md, Data: data}, nil
 }

@@ -54,7 +54,7 @@ func run(backend string, blocks, blockSize int) error {
 		return err
 	}
 	defer readable.Close()
-	token := readable.Metadata().String()
+	token := readable.Metadata().Text() // the capability: hand it only to the reader
 	fmt.Printf("token for %d blocks: %d characters\n", blocks, len(token))
 
 	md, err := connect.ParseMetadata(token)
@@ -84,7 +84,7 @@ func run(backend string, blocks, blockSize int) error {
 		return err
 	}
 	defer writable.Close()
-	md, err = connect.ParseMetadata(writable.Metadata().String())
+	md, err = connect.ParseMetadata(writable.Metadata().Text())
 	if err != nil {
 		return err
 	}

@@ -263,7 +263,7 @@ func (s *childServer) expose(ctx context.Context, req opRequest) opReply {
 	s.exposed[req.ID] = e
 	s.n.Created++
 	s.mu.Unlock()
-	rep.Token = md.String()
+	rep.Token = md.Text()
 	return rep
 }
 

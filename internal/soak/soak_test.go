@@ -399,7 +399,7 @@ func (r *runner) parentPassive(ctx context.Context, o *outcome) {
 	}
 	r.count(func(n *counts) { n.Created++ })
 	var rep opReply
-	if err := r.request(ctx, opRequest{Cmd: "begin", ID: s.ID, Sizes: s.Sizes, Token: op.Metadata().String()}, &rep); err != nil {
+	if err := r.request(ctx, opRequest{Cmd: "begin", ID: s.ID, Sizes: s.Sizes, Token: op.Metadata().Text()}, &rep); err != nil {
 		o.parent.fail("op %d: begin: %v", s.ID, err)
 	}
 	o.child, o.backend = rep.Result, rep.Result.Backend

@@ -38,7 +38,7 @@ func BenchmarkRequestToken(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		tokenBytes = rep.Metadata.Size()
+		tokenBytes = rep.Metadata.EncodedLen()
 		if err := (<-ops).Close(); err != nil {
 			b.Fatal(err)
 		}

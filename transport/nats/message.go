@@ -43,7 +43,7 @@ func isOwnHeader(k string) bool {
 
 // encodeMessage frames md and data as a token message body.
 func encodeMessage(md connect.Metadata, data []byte) ([]byte, error) {
-	n := md.Size()
+	n := md.EncodedLen()
 	if n == 0 {
 		return nil, fmt.Errorf("%w: zero Metadata", connect.ErrInvalidMetadata)
 	}

@@ -19,7 +19,7 @@ func TestMessageRoundTrip(t *testing.T) {
 		require.NoError(t, err)
 		got, rest, err := decodeMessage(b)
 		require.NoError(t, err)
-		assert.Equal(t, md.String(), got.String())
+		assert.Equal(t, md.Text(), got.Text())
 		assert.Equal(t, len(payload), len(rest))
 		assert.True(t, bytes.Equal(payload, rest))
 	}

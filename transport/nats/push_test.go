@@ -57,7 +57,7 @@ func TestPublishReachesEverySubscriberWithoutAQueue(t *testing.T) {
 		o, err := s.Next(ctx)
 		require.NoError(t, err)
 		assert.Equal(t, "offers.x", o.Subject)
-		assert.Equal(t, md.String(), o.Metadata.String())
+		assert.Equal(t, md.Text(), o.Metadata.Text())
 		assert.Empty(t, o.Data)
 		assert.Nil(t, o.Header)
 	}
@@ -90,7 +90,7 @@ func TestPublishTooLargeIsNotSent(t *testing.T) {
 	var tl *PayloadTooLargeError
 	require.ErrorAs(t, err, &tl)
 	// magic, version, the token's length as a uvarint, the token, the data.
-	assert.Equal(t, int64(len(msgMagic)+1+wire.UvarintLen(uint64(md.Size()))+md.Size())+nc.MaxPayload(), tl.Size)
+	assert.Equal(t, int64(len(msgMagic)+1+wire.UvarintLen(uint64(md.EncodedLen()))+md.EncodedLen())+nc.MaxPayload(), tl.Size)
 	// Nothing went out: the next offer is the small one.
 	require.NoError(t, Publish(ctx, nc, "offers", md, []byte("small")))
 	o, err := s.Next(ctx)

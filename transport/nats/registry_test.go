@@ -154,8 +154,8 @@ func TestCompactTokenResolvedThroughTheRegistry(t *testing.T) {
 	rep, err := Request(ctx, dial(t, srv), "prefill.kv", nil)
 	require.NoError(t, err)
 	require.True(t, rep.Metadata.IsCompact())
-	assert.Less(t, rep.Metadata.Size(), op.Metadata().Size())
-	t.Logf("token: %d bytes full, %d compact", op.Metadata().Size(), rep.Metadata.Size())
+	assert.Less(t, rep.Metadata.EncodedLen(), op.Metadata().EncodedLen())
+	t.Logf("token: %d bytes full, %d compact", op.Metadata().EncodedLen(), rep.Metadata.EncodedLen())
 
 	readPattern(t, ctx, decode, rep.Metadata, seed)
 	require.NoError(t, op.Wait(ctx))
@@ -239,7 +239,7 @@ func TestFrozenPeerFailsOperationsThroughTheRegistry(t *testing.T) {
 		op := readable(t, parent, block)
 		child := testproc.Start[childRequest, childResponse](t, childEnv, testproc.Options{})
 		t.Cleanup(child.Kill) // before the operation closes: frees its blocked sends
-		resp := child.Do(childRequest{URL: srv.URL(), Bucket: defaultBucket, Heartbeat: testHeartbeat, Token: op.Metadata().String(), Size: size})
+		resp := child.Do(childRequest{URL: srv.URL(), Bucket: defaultBucket, Heartbeat: testHeartbeat, Token: op.Metadata().Text(), Size: size})
 		require.Empty(t, resp.Err)
 		require.Eventually(t, func() bool { return op.Status() != connect.StatusInitialized }, hangGuard, 100*time.Microsecond, "the child never read")
 

@@ -180,7 +180,7 @@ func (s *Service) handle(m *nats.Msg) {
 		}
 		return
 	}
-	if rep == nil || rep.Metadata.Size() == 0 {
+	if rep == nil || rep.Metadata.EncodedLen() == 0 {
 		s.respondError(m, codeHandler, "the handler returned no token (Reply.Metadata is zero)")
 		return
 	}

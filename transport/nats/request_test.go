@@ -339,7 +339,7 @@ func TestRequestSurvivesAServerRestart(t *testing.T) {
 		rep, err := Request(guarded(t), nc, "echo", want, WithRetry(50), WithAttemptTimeout(500*time.Millisecond))
 		require.NoError(t, err, "request %d", sent)
 		require.True(t, bytes.Equal(want, rep.Data), "request %d got %q", sent, rep.Data)
-		require.Equal(t, md.String(), rep.Metadata.String())
+		require.Equal(t, md.Text(), rep.Metadata.Text())
 		sent++
 		if after >= 0 {
 			after++
