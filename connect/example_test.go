@@ -2,6 +2,7 @@ package connect_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log"
 
@@ -99,6 +100,67 @@ func Example_write() {
 	// Output:
 	// WRITE 2 [5 7]
 	// keys! values!
+}
+
+// A decode worker that already holds the first two blocks of a prompt
+// (prefix caching) reads only the others, and of the last block only the
+// bytes it needs: Select narrows the token to those spans, and the local
+// descriptors mirror the narrowed sizes.
+func ExampleMetadata_Select() {
+	ctx := context.Background()
+	prefill, err := connect.NewConnector()
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer prefill.Close()
+	decode, err := connect.NewConnector()
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer decode.Close()
+
+	blocks := [][]byte{[]byte("block-0"), []byte("block-1"), []byte("block-2"), []byte("block-3 and padding")}
+	descs := make([]connect.Descriptor, len(blocks))
+	for i, b := range blocks {
+		descs[i] = connect.NewDescriptor(b)
+	}
+	op, err := prefill.CreateReadable(ctx, descs...)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer op.Close()
+
+	// Blocks 0 and 1 are cached: read block 2 whole (a Length of 0 runs to
+	// the descriptor's end) and the first 7 bytes of block 3.
+	md, err := op.Metadata().Select(connect.Span{Index: 2}, connect.Span{Index: 3, Offset: 0, Length: 7})
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println(md.Len(), md.Sizes())
+	local := make([]connect.Descriptor, md.Len())
+	bufs := make([][]byte, md.Len())
+	for i, n := range md.Sizes() {
+		bufs[i] = make([]byte, n)
+		local[i] = connect.NewDescriptor(bufs[i])
+	}
+	rop, err := decode.BeginRead(ctx, md, local...)
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := rop.Wait(ctx); err != nil {
+		log.Fatal(err)
+	}
+	if err := op.Wait(ctx); err != nil { // the passive side completes as with the whole token
+		log.Fatal(err)
+	}
+	fmt.Printf("%s %s\n", bufs[0], bufs[1])
+
+	_, err = op.Metadata().Select(connect.Span{Index: 3, Offset: 10, Length: 100})
+	fmt.Println(errors.Is(err, connect.ErrInvalidSpan), err)
+	// Output:
+	// 2 [7 7]
+	// block-2 block-3
+	// true connect: invalid span: span 0: descriptor 3 has 19 bytes: want at most 9 from offset 10, found a length of 100
 }
 
 func ExampleParseDevice() {

@@ -197,6 +197,9 @@ func TestErrorsWithMetadataAreRedacted(t *testing.T) {
 	_, err = act.BeginRead(ctx, md, descriptors(buffers([]int{64, 33}, 0))...)
 	require.ErrorIs(t, err, ErrSizeMismatch)
 	errs = append(errs, err)
+	_, err = md.Select(Span{Index: 2})
+	require.ErrorIs(t, err, ErrInvalidSpan)
+	errs = append(errs, err)
 	for _, err := range errs {
 		for _, verb := range []string{"%v", "%+v", "%s", "%q", "%#v"} {
 			requireRedacted(t, md, fmt.Sprintf(verb, err), verb+" of "+err.Error())
