@@ -227,12 +227,7 @@ func acquireImport(d *devState, pid int, sh share, fd int) (*imported, error) {
 		im.refs++
 		return im, nil
 	}
-	// The mapping serves every window of the process, whatever GPU its
-	// local memory is on: opened on the exporting GPU if this process
-	// sees it, else on GPU 0 (a process given one GPU, as
-	// CUDA_VISIBLE_DEVICES arranges, copies there), which other GPUs
-	// reach as a peer.
-	m, err := d.sharer.Import(devmem.Share{Kind: sh.kind, GPU: sh.gpu, ID: sh.id, Base: uintptr(sh.base), Size: sh.size, Handle: sh.hdl, FD: fd}, 0)
+	m, err := d.sharer.Import(devmem.Share{Kind: sh.kind, GPU: sh.gpu, ID: sh.id, Base: uintptr(sh.base), Size: sh.size, Handle: sh.hdl, FD: fd}, -1)
 	if err != nil {
 		return nil, err
 	}

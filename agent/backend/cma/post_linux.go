@@ -25,10 +25,90 @@ type xstate struct {
 	chunk    uint64        // the most bytes one system call copies
 	// probe: the device path over the peer's device memory, which the
 	// peer shares, or stages if it cannot (memory not shareable) and then
-	// only in windows its staging pool holds. The first window is a
-	// staged one's size and is answered before any other is requested:
-	// its grant says which, and the windows after it are sized to match.
+	// only in windows its staging pool holds; it stages a whole lease
+	// request if any of its memory cannot be shared. A window is large
+	// only over segments known to lie in allocations the peer shared (its
+	// grants name them, with their span); one that reaches a segment not
+	// known so is a staged one's size, and the windows over the rest of
+	// that segment wait for its grant (drive, windows).
 	probe bool
+}
+
+// What the grants showed of a remote segment's memory (windows).
+const (
+	segUnknown = iota
+	segShared  // in an allocation the peer shared, or host memory
+	segStaged  // staged by the peer: windows of at most stagedLease
+)
+
+// windows sizes a transfer's windows over the peer's device memory by
+// what the grants showed of it (xstate.probe); drive's alone.
+type windows struct {
+	st      *xstate
+	segs    []uint8              // by segment
+	shared  map[*imported]uint64 // the peer's allocations shared, by mapping: their ends
+	learned bool                 // a grant came back
+}
+
+func newWindows(st *xstate) *windows {
+	ws := &windows{st: st, segs: make([]uint8, len(st.x.Segments)), shared: map[*imported]uint64{}}
+	for i := range st.x.Segments {
+		if st.x.Segments[i].Remote.Kind != agent.KindVRAM {
+			ws.segs[i] = segShared
+		}
+	}
+	return ws
+}
+
+// state returns what is known of segment i.
+func (ws *windows) state(i int) uint8 {
+	if ws.segs[i] == segUnknown {
+		r := ws.st.x.Segments[i].Remote
+		for im, end := range ws.shared {
+			if r.Addr >= im.base && r.Addr+r.Len <= end {
+				ws.segs[i] = segShared
+				break
+			}
+		}
+	}
+	return ws.segs[i]
+}
+
+// span cuts the window from c: up to lease bytes over segments in
+// allocations the peer shared, else up to stagedLease.
+func (ws *windows) span(c cursor, lease uint64, maxRanges int) (cursor, uint64, int) {
+	segs := ws.st.x.Segments
+	k, n := c.Seg, uint64(0)
+	for k < len(segs) && k-c.Seg < maxRanges && n < lease && ws.state(k) == segShared {
+		n += segs[k].Local.Len
+		k++
+	}
+	if k == c.Seg {
+		return agent.Span(segs, c, stagedLease, maxRanges)
+	}
+	return agent.Span(segs[:k], c, lease, maxRanges)
+}
+
+// wait reports whether the window from c should wait for the grants
+// requested before it, which will say whether the memory there is shared
+// or staged: no grant came back yet (the transfer's first window is a
+// probe), or c is inside a segment whose start they asked for.
+func (ws *windows) wait(c cursor) bool {
+	return ws.state(c.Seg) == segUnknown && (c.Off > 0 || !ws.learned)
+}
+
+// learn records what w's grant showed: the allocations it shared, and the
+// segments it staged.
+func (ws *windows) learn(w *window) {
+	ws.learned = true
+	for _, im := range w.ims {
+		ws.shared[im] = im.base + im.size
+	}
+	for i := range w.pieces {
+		if seg := w.start.Seg + i; ws.segs[seg] == segUnknown && (w.devs == nil || w.devs[i].ptr == 0) {
+			ws.segs[seg] = segStaged
+		}
+	}
 }
 
 // Windows over the peer's device memory, which its agent stages whole per
@@ -120,9 +200,9 @@ func (b *Backend) drive(st *xstate) {
 	defer st.Done(nil)
 	x, p := st.x, st.p
 	lease, chunk := st.lease, st.chunk
-	probing := st.probe
-	if probing {
-		lease, chunk = stagedLease, stagedLease
+	var ws *windows
+	if st.probe {
+		ws = newWindows(st)
 	}
 	timer := time.NewTimer(b.cfg.timeout)
 	defer timer.Stop()
@@ -135,8 +215,8 @@ func (b *Backend) drive(st *xstate) {
 	var c cursor
 	for {
 		for c.Seg < len(x.Segments) && !st.Failed() {
-			if probing && len(pending) > 0 {
-				goto wait // the first grant sizes the windows after it
+			if ws != nil && len(pending) > 0 && ws.wait(c) {
+				goto wait // the grant of the segment's start sizes the windows over the rest
 			}
 			select {
 			case st.slots <- struct{}{}:
@@ -154,7 +234,14 @@ func (b *Backend) drive(st *xstate) {
 					return
 				}
 			}
-			end, n, pieces := agent.Span(x.Segments, c, lease, b.cfg.maxRanges)
+			var end cursor
+			var n uint64
+			var pieces int
+			if ws != nil {
+				end, n, pieces = ws.span(c, lease, b.cfg.maxRanges)
+			} else {
+				end, n, pieces = agent.Span(x.Segments, c, lease, b.cfg.maxRanges)
+			}
 			w := &window{st: st, start: c, n: n, pieces: pieces, granted: make(chan error, 1)}
 			st.Add()
 			pending = append(pending, w)
@@ -178,13 +265,10 @@ func (b *Backend) drive(st *xstate) {
 				w.done(err) // a refused lease holds nothing
 				return
 			}
-			w.dispatch(chunk)
-			if probing {
-				probing = false
-				if !w.staged { // shared, not staged: large windows
-					lease, chunk = st.lease, st.chunk
-				}
+			if ws != nil {
+				ws.learn(w)
 			}
+			w.dispatch(chunk)
 		case <-x.Cancelled():
 			st.Fail(x.CancelErr())
 			return
