@@ -35,8 +35,9 @@ import (
 // Attacks on the same-host device path (issue 15): shares handed out by
 // the exposing side only after every check, a hostile exposing side's
 // frames and file descriptors, revocation, Close and departure while a
-// peer's allocation is mapped, deadlines, and races. Helpers are prefixed
-// a15.
+// peer's allocation is mapped, deadlines, races, copies merged across
+// allocations, and windows over memory the peer shares and memory it
+// stages. Helpers are prefixed a15.
 
 // a15DeviceHello handshakes p as this process, expecting agent to,
 // announcing that it maps simulated device shares.
