@@ -29,3 +29,5 @@ func simFileSize(int) (int64, error) { return 0, errSimUnix }
 func simFDName(int) (string, bool, error) { return "", false, errSimUnix }
 
 func simOpenPeer(int, int, string) (int, error) { return -1, errSimUnix }
+
+func simSealed(int) error { return errSimUnix }

@@ -240,6 +240,9 @@ func (s *Sim) Import(sh Share, near int) (Mapping, error) {
 		}
 		from = pid
 	}
+	if err := simSealed(fd); err != nil {
+		return nil, fmt.Errorf("%w: sim: share of allocation %d: %w", ErrNotDevice, sh.ID, err)
+	}
 	size := (sh.Size + uint64(pageSize()) - 1) &^ uint64(pageSize()-1)
 	got, err := simFileSize(fd)
 	if err != nil {

@@ -612,3 +612,37 @@ func testShareCrossProcess(t *testing.T, name string, d Driver) {
 		require.Zero(t, d.(*Sim).Mappings())
 	}
 }
+
+// A memory file's size is sealed: the exporter (or anyone holding the
+// descriptor) cannot shrink it under an importer's mapping, whose copies
+// would then fault; a file of the right name whose size is not sealed is
+// refused.
+func TestSimShareSealed(t *testing.T) {
+	exp, imp := NewSim(2), NewSim(2)
+	const n = 3 * 4096
+	p, err := exp.AllocShareable(0, n)
+	require.NoError(t, err)
+	defer exp.Free(p)
+	sh, err := exp.Export(p, 0)
+	require.NoError(t, err)
+	defer unix.Close(sh.FD)
+	require.Error(t, unix.Ftruncate(sh.FD, 4096), "the exported file shrank")
+	require.Error(t, unix.Ftruncate(sh.FD, 1<<20), "the exported file grew")
+
+	// A hostile exporter's own memfd, named as the simulator names them,
+	// but not sealed.
+	fd, err := unix.MemfdCreate(simFileName(os.Getpid(), sh.ID), unix.MFD_CLOEXEC)
+	require.NoError(t, err)
+	defer unix.Close(fd)
+	require.NoError(t, unix.Ftruncate(fd, n))
+	bad := sh
+	bad.FD = fd
+	_, err = imp.Import(bad, -1)
+	require.ErrorIs(t, err, ErrNotDevice)
+	assert.Contains(t, err.Error(), "not sealed")
+	assert.Zero(t, imp.Mappings())
+
+	m, err := imp.Import(sh, -1)
+	require.NoError(t, err)
+	require.NoError(t, m.Close())
+}

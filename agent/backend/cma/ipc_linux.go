@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"reflect"
 	"slices"
 	"strconv"
 	"sync"
@@ -54,6 +55,9 @@ const (
 	// maxQueuedFDs bounds the descriptors received and not yet claimed by
 	// a tShare: a peer that sends more is hostile.
 	maxQueuedFDs = 16
+	// maxShares bounds the allocations one connection's peer may have
+	// this process map: each costs address space and a driver mapping.
+	maxShares = 4096
 )
 
 // devState is what the backend knows of the agent's device driver, found
@@ -203,7 +207,7 @@ type imported struct {
 // importKey names an allocation: the driver that mapped it, the exporting
 // process and the allocation's ID there.
 type importKey struct {
-	drv devmem.Driver
+	drv any // the driver, or its devState if the driver is no map key
 	pid int
 	id  uint64
 }
@@ -217,7 +221,11 @@ var (
 // mapping. A share whose ID names a mapping of another span is refused:
 // the exporting process reuses no ID.
 func acquireImport(d *devState, pid int, sh share, fd int) (*imported, error) {
-	k := importKey{drv: d.drv, pid: pid, id: sh.id}
+	var drv any = d
+	if reflect.ValueOf(d.drv).Comparable() {
+		drv = d.drv // process-wide: the CUDA driver maps a handle once
+	}
+	k := importKey{drv: drv, pid: pid, id: sh.id}
 	importsMu.Lock()
 	defer importsMu.Unlock()
 	if im := imports[k]; im != nil {
@@ -227,7 +235,10 @@ func acquireImport(d *devState, pid int, sh share, fd int) (*imported, error) {
 		im.refs++
 		return im, nil
 	}
-	m, err := d.sharer.Import(devmem.Share{Kind: sh.kind, GPU: sh.gpu, ID: sh.id, Base: uintptr(sh.base), Size: sh.size, Handle: sh.hdl, FD: fd}, -1)
+	// On the exporting GPU where this process sees it (matched by UUID),
+	// else on its first GPU, reaching the memory peer to peer: one GPU per
+	// process (CUDA_VISIBLE_DEVICES) is the usual deployment.
+	m, err := d.sharer.Import(devmem.Share{Kind: sh.kind, GPU: sh.gpu, ID: sh.id, Base: uintptr(sh.base), Size: sh.size, Handle: sh.hdl, FD: fd}, 0)
 	if err != nil {
 		return nil, err
 	}
@@ -344,6 +355,10 @@ func (p *peer) share(f *frame, rr *rightsReader) error {
 		p.mu.Unlock()
 		return nil // failed: maps nothing more
 	}
+	if len(p.shares) >= maxShares {
+		p.mu.Unlock()
+		return fmt.Errorf("%w: more than %d device allocations shared on one connection", errLimit, maxShares)
+	}
 	if _, dup := p.shares[sh.id]; dup {
 		p.mu.Unlock()
 		return fmt.Errorf("%w: device share %d shared twice", errProtocol, sh.id)
@@ -361,10 +376,13 @@ func (p *peer) share(f *frame, rr *rightsReader) error {
 			err = fmt.Errorf("%w: the process exited: %w", agent.ErrRemoteLost, err)
 		}
 		ref = &shareRef{err: fmt.Errorf("cma: mapping GPU memory of peer %s (pid %d): %w", p.id, p.ci.pid, err)}
-		p.b.log.Warn("cma: could not map a peer's GPU memory; transfers of it fail", "peer", p.id, "err", err)
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if ref.err != nil && !p.mapWarned { // once a connection: a hostile peer could send thousands
+		p.mapWarned = true
+		p.b.log.Warn("cma: could not map a peer's GPU memory; transfers of it fail", "peer", p.id, "err", ref.err)
+	}
 	if p.waiting == nil { // failed meanwhile: its shares were dropped
 		if im != nil {
 			im.release()
@@ -781,13 +799,12 @@ func (s *server) grantDevice(f *frame, lease agent.Lease, acc agent.Access) (boo
 			continue
 		}
 		ex, isNew, err := s.shareFor(d, f.key, addr, n, int(regions[i].Device), used)
-		if errors.Is(err, devmem.ErrNotShareable) || errors.Is(err, devmem.ErrNotDevice) || errors.Is(err, devmem.ErrUnavailable) {
-			s.b.log.Debug("cma: device memory not shareable; staging it", "peer", s.peer, "err", err)
-			return false, nil
-		}
 		if err != nil {
-			lease.Release()
-			return true, err // the connection failed
+			// Not shareable (ErrNotShareable: managed memory, a pool, a
+			// mapping of another process's), or the driver failed to
+			// export it: staged instead, as without the device path.
+			s.b.log.Debug("cma: device memory not shared; staging it", "peer", s.peer, "err", err)
+			return false, nil
 		}
 		if isNew {
 			fresh = append(fresh, ex)

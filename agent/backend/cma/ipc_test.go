@@ -5,6 +5,7 @@ package cma
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"testing"
 	"time"
@@ -327,4 +328,36 @@ func TestIPCUnshareableStaged(t *testing.T) {
 			}
 		})
 	}
+}
+
+// exportFails is the simulator, whose exports fail as a driver call may.
+type exportFails struct{ *devmem.Sim }
+
+func (exportFails) Export(uintptr, int) (devmem.Share, error) {
+	return devmem.Share{}, errors.New("injected: the driver could not export the allocation")
+}
+
+// An exposing side whose driver fails to export its GPU memory stages it
+// instead: the transfer completes, and the connection stays up.
+func TestIPCExportFailureStages(t *testing.T) {
+	sim := devmem.NewSim(2)
+	act, ab := ipcAgent(t, sim, 0)
+	pas, _ := ipcAgent(t, exportFails{sim}, 0)
+	const n = 9<<20 + 1
+	src := randomBytes(n)
+	rem := newGBuf(t, sim, true, n, src)
+	exp, err := pas.Expose(agent.AccessRead, []agent.Local{rem.local()})
+	require.NoError(t, err)
+	defer exp.Revoke()
+	for range 2 {
+		loc := newGBuf(t, sim, true, n, nil)
+		x, err := act.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: pas.Info(), Key: exp.Key(),
+			Segments: []agent.Segment{{Local: loc.local(), Remote: rem.local().Region}}})
+		require.NoError(t, err)
+		backendtest.DoneWithin(t, x, 30*time.Second, "a READ of GPU memory its driver cannot export")
+		require.NoError(t, x.Err())
+		loc.check(t, src, "the READ")
+	}
+	assert.Zero(t, sim.Mappings(), "nothing mapped")
+	assert.Zero(t, ab.Stats().ProtocolErrors)
 }

@@ -69,6 +69,8 @@ type peer struct {
 	// shares are the peer's device allocations mapped for this
 	// connection, by share ID (capDevice); dropped when it fails.
 	shares map[uint64]*shareRef
+	// mapWarned: a share that could not be mapped was logged.
+	mapWarned bool
 	// holding counts granted windows whose copies may still run. Once the
 	// peer failed, the connection is closed only when it drops to zero:
 	// the exposing side releases a connection's leases when it closes, so
