@@ -2,12 +2,13 @@ package agent
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"math"
 	"math/bits"
 	"math/rand/v2"
 	"sort"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -186,9 +187,18 @@ func TestKeysAreRandomAndUnique(t *testing.T) {
 func TestKeyStringIsAFingerprint(t *testing.T) {
 	k := Key{0xde, 0xad, 0xbe, 0xef, 0x01, 0x23, 0x45, 0x67, 0x89, 0xab, 0xcd, 0xef, 0xfe, 0xdc, 0xba, 0x98}
 	s := k.String()
-	assert.True(t, strings.HasPrefix(s, "deadbeef"), s)
-	assert.NotContains(t, s, "01234567")
-	assert.NotContains(t, s, "fedcba98")
+	sum := sha256.Sum256(k[:])
+	assert.Equal(t, "sha256:"+hex.EncodeToString(sum[:4]), s, "the first 4 bytes of the key's SHA-256")
+	for i := 0; i+2 <= len(k); i++ {
+		assert.NotContains(t, s, hex.EncodeToString(k[i:i+2]), "no 2 bytes of the key appear")
+	}
+
+	// ErrAccessDenied names the exposure by the same fingerprint.
+	a := newTestAgent(t)
+	_, err := a.open(NewLink(uuid.New()), k, AccessRead, false)
+	require.ErrorIs(t, err, ErrAccessDenied)
+	assert.Contains(t, err.Error(), s)
+	assert.NotContains(t, err.Error(), "deadbeef")
 }
 
 func TestRevokeWaitsForLeases(t *testing.T) {

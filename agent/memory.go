@@ -3,6 +3,7 @@ package agent
 import (
 	"cmp"
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -98,9 +99,14 @@ func NewKey() Key {
 	return k
 }
 
-// String returns a short, non-secret fingerprint of the key for logs: the
-// first four bytes in hex. The full key is never printed.
-func (k Key) String() string { return hex.EncodeToString(k[:4]) + "…" }
+// String returns a fingerprint of the key for logs and errors, such as
+// "sha256:1a2b3c4d": the first 4 bytes of the key's SHA-256 in hex. It
+// reveals no byte of the key, and is the fingerprint a redacted
+// connect.Metadata shows, so that log lines about one exposure match.
+func (k Key) String() string {
+	sum := sha256.Sum256(k[:])
+	return "sha256:" + hex.EncodeToString(sum[:4])
+}
 
 // Registrar is an optional [Backend] interface for backends that must prepare
 // memory before it is used (pinning, RDMA registration). The agent calls

@@ -2,10 +2,8 @@ package connect
 
 import (
 	"bytes"
-	"crypto/sha256"
 	"encoding/base64"
 	"encoding/binary"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"hash/crc32"
@@ -235,7 +233,7 @@ func (m Metadata) String() string {
 	return "token{" + m.kind.String() + " agent=" + m.peer.ID.String() +
 		" descriptors=" + strconv.Itoa(len(m.regions)) +
 		" bytes=" + strconv.FormatUint(m.bytes(), 10) +
-		" " + form + " key=sha256:" + m.fingerprint() + "}"
+		" " + form + " key=" + m.fingerprint() + "}"
 }
 
 // Format implements [fmt.Formatter], so that every verb prints the redacted
@@ -260,7 +258,7 @@ func (m Metadata) goString() string {
 		return "connect.Metadata{}"
 	}
 	return fmt.Sprintf("connect.Metadata{Kind: %v, Agent: %q, Descriptors: %d, Bytes: %d, Compact: %t, Key: %q}",
-		m.kind, m.peer.ID.String(), len(m.regions), m.bytes(), m.IsCompact(), "sha256:"+m.fingerprint())
+		m.kind, m.peer.ID.String(), len(m.regions), m.bytes(), m.IsCompact(), m.fingerprint())
 }
 
 // LogValue implements [slog.LogValuer]: a logged Metadata is a group of
@@ -277,17 +275,14 @@ func (m Metadata) LogValue() slog.Value {
 		slog.Int("descriptors", len(m.regions)),
 		slog.Uint64("bytes", m.bytes()),
 		slog.Bool("compact", m.IsCompact()),
-		slog.String("key", "sha256:"+m.fingerprint()),
+		slog.String("key", m.fingerprint()),
 	)
 }
 
-// fingerprint names the key in logs without revealing it: the first 4
-// bytes of its SHA-256 in hex.
-func (m Metadata) fingerprint() string {
-	key := m.key.open()
-	sum := sha256.Sum256(key[:])
-	return hex.EncodeToString(sum[:4])
-}
+// fingerprint names the key in logs without revealing it, as the agent
+// does in its errors ([agent.Key.String]): "sha256:" and the first 4 bytes
+// of its SHA-256 in hex.
+func (m Metadata) fingerprint() string { return m.key.open().String() }
 
 // bytes is the total size of the descriptors, saturated at 2^64-1 (a
 // decoded token's sizes are each below 2^63, not their sum).
