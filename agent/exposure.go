@@ -5,6 +5,7 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/google/uuid"
 )
@@ -78,6 +79,7 @@ type Exposure struct {
 	// that never presented the key, whatever agent ID it claims, is not
 	// among them.
 	links []uint64
+	used  time.Time // when a lease last ended or a notification arrived
 }
 
 // eventBuffer bounds the events queued per exposure; a passive operation
@@ -91,6 +93,16 @@ const eventBuffer = 8
 // fail with [ErrInvalid], a closed agent with [ErrClosed]. Safe for
 // concurrent use.
 func (a *Agent) Expose(acc Access, regions []Local) (*Exposure, error) {
+	return a.ExposeQueue(acc, regions, eventBuffer)
+}
+
+// ExposeQueue is [Agent.Expose] with room for queue events on
+// [Exposure.Events] (at least 1) instead of 8: for an exposure that many
+// peers use, each reporting its own outcome.
+func (a *Agent) ExposeQueue(acc Access, regions []Local, queue int) (*Exposure, error) {
+	if queue < 1 {
+		return nil, fmt.Errorf("%w: event queue of %d", ErrInvalid, queue)
+	}
 	if acc != AccessRead && acc != AccessWrite {
 		return nil, fmt.Errorf("%w: access %v", ErrInvalid, acc)
 	}
@@ -106,7 +118,7 @@ func (a *Agent) Expose(acc Access, regions []Local) (*Exposure, error) {
 			return nil, err
 		}
 	}
-	e := &Exposure{a: a, key: NewKey(), access: acc, set: newRegionSet(regions), devs: devs, gone: make(chan struct{}), events: make(chan Event, eventBuffer)}
+	e := &Exposure{a: a, key: NewKey(), access: acc, set: newRegionSet(regions), devs: devs, gone: make(chan struct{}), events: make(chan Event, queue)}
 	e.drained.L = &e.mu
 	a.expMu.Lock()
 	defer a.expMu.Unlock()
@@ -136,6 +148,16 @@ func (e *Exposure) Peer() uuid.UUID {
 	return e.peer
 }
 
+// Use reports how many leases peers hold on the exposure now, and when one
+// last ended or a notification last arrived (the zero Time if never): an
+// exposure with no lease whose last use is old enough is unused. A lease
+// granted counts as a use too.
+func (e *Exposure) Use() (leases int, last time.Time) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.leases, e.used
+}
+
 // Revoke ends access: no new lease is granted, and Revoke returns once every
 // outstanding lease has been released, so no remote agent can touch the
 // memory afterwards. How long that takes is bounded by the backends, which
@@ -161,8 +183,10 @@ func (e *Exposure) Revoke() {
 
 // bind records that l presented the exposure's key. The first peer to do
 // so becomes the exposure's peer; the links of that peer are remembered so
-// that their loss, and no other, reaches the exposure. Callers hold e.mu.
+// that their loss, and no other, reaches the exposure. It marks the
+// exposure used. Callers hold e.mu.
 func (e *Exposure) bind(l Link) {
+	e.used = time.Now()
 	if l.Peer == uuid.Nil || l.id == 0 {
 		return // not made by NewLink: binds nothing
 	}
@@ -302,6 +326,7 @@ func (l *Lease) Release() {
 		})
 	}
 	e.mu.Lock()
+	e.used = time.Now()
 	if e.leases--; e.leases == 0 && e.revoked {
 		e.drained.Broadcast()
 	}

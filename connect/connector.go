@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/google/uuid"
 
@@ -25,13 +26,15 @@ type Connector struct {
 	log   *slog.Logger
 	force string
 
-	resolver Resolver // for compact tokens; nil if none
+	resolver Resolver      // for compact tokens; nil if none
+	expiry   time.Duration // of passive operations, from WithExpiry; 0: none
 
-	mu      sync.Mutex
-	closing bool
-	calls   sync.WaitGroup // Create and Begin calls in progress
-	passive map[*passiveOp]struct{}
-	active  map[*activeOp]struct{}
+	mu        sync.Mutex
+	closing   bool
+	calls     sync.WaitGroup // Create and Begin calls in progress
+	passive   map[*passiveOp]struct{}
+	exposures map[*Exposure]struct{}
+	active    map[*activeOp]struct{}
 
 	watchers sync.WaitGroup // one per active operation until it finishes, and its notice to the peer
 
@@ -82,13 +85,15 @@ func NewConnector(opts ...Option) (*Connector, error) {
 		return nil, fmt.Errorf("%w: WithBackend(%q): the backends are %q", ErrInvalidOption, o.force, a.Backends())
 	}
 	return &Connector{
-		a:        a,
-		info:     a.Info(),
-		log:      a.Logger(),
-		force:    o.force,
-		resolver: o.resolver,
-		passive:  make(map[*passiveOp]struct{}),
-		active:   make(map[*activeOp]struct{}),
+		a:         a,
+		info:      a.Info(),
+		log:       a.Logger(),
+		force:     o.force,
+		resolver:  o.resolver,
+		expiry:    o.expiry,
+		passive:   make(map[*passiveOp]struct{}),
+		exposures: make(map[*Exposure]struct{}),
+		active:    make(map[*activeOp]struct{}),
 	}, nil
 }
 
@@ -103,8 +108,9 @@ func closeBackends(bs []agent.Backend) {
 // operations are cancelled (their Wait returns an error matching [ErrClosed]
 // and [ErrCancelled], unless the transfer had already ended), and Close
 // waits for their transfers to end and for the notices telling their peers
-// (each bounded by 10 s). Then passive operations are closed (their Wait
-// returns [ErrClosed] unless the operation already had an outcome), and the
+// (each bounded by 10 s). Then passive operations and exposures are closed
+// (their Wait returns [ErrClosed] unless the operation already had an
+// outcome; an [Exposure]'s Events channel is closed), and the
 // agent and its backends stop ([agent.Agent.Close]). It returns once no
 // backend touches any operation's memory and every goroutine the Connector
 // started has ended. Errors from releasing memory and stopping backends are
@@ -126,6 +132,10 @@ func (c *Connector) Close() error {
 		for o := range c.passive {
 			passive = append(passive, o)
 		}
+		exposures := make([]*Exposure, 0, len(c.exposures))
+		for e := range c.exposures {
+			exposures = append(exposures, e)
+		}
 		c.mu.Unlock()
 
 		for _, o := range active {
@@ -135,6 +145,9 @@ func (c *Connector) Close() error {
 		var errs []error
 		for _, o := range passive {
 			errs = append(errs, o.Close())
+		}
+		for _, e := range exposures {
+			errs = append(errs, e.Close())
 		}
 		errs = append(errs, c.a.Close())
 		c.closeErr = errors.Join(errs...)

@@ -47,6 +47,14 @@ var (
 	// ErrInvalidDescriptor reports a descriptor that names no memory: an
 	// empty buffer, a zero Descriptor, a null pointer or an invalid Device.
 	ErrInvalidDescriptor = errors.New("connect: invalid descriptor")
+	// ErrExpired reports an exposure the Connector closed because no peer
+	// used it for as long as [WithExpiry] allows: a passive operation's
+	// Wait, and an [Exposure]'s last event and Err, return it.
+	ErrExpired = errors.New("connect: exposure expired unused")
+	// ErrReleased reports a peer that gave back a token it will not use
+	// ([Connector.Release]): a passive operation's Wait, or an [Exposure]'s
+	// event for that peer, returns it in a [*TransferError].
+	ErrReleased = errors.New("connect: token released")
 )
 
 // errPeerFailed reports a peer that told us its transfer failed; the peer's
@@ -60,9 +68,9 @@ var errPeerFailed = errors.New("connect: peer reports the transfer failed")
 type TransferError struct {
 	Op     string // "read", "write" (active side), "readable", "writable" (passive side)
 	Remote string // the peer agent's ID, or "" when no peer is known
-	// Backend is the backend that moved the bytes; for a transfer that
-	// could not start, the one [WithBackend] forced, or "". Passive
-	// operations leave it "".
+	// Backend is the backend the transfer was posted to; "" when no
+	// backend moved a byte (the transfer could not start, or its context
+	// was done before it did). Passive operations leave it "".
 	Backend string
 	Err     error
 }

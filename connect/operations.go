@@ -26,8 +26,9 @@ const (
 	// StatusComplete: every byte is in place (active side), or the peer
 	// reported completion (passive side).
 	StatusComplete
-	// StatusCancelled: cancelled by Cancel, a context, the peer, or Close
-	// (the operation's error matches [ErrCancelled] or [ErrClosed]).
+	// StatusCancelled: cancelled by Cancel, a context, the peer, Close or
+	// its expiry, or released by the peer (the operation's error matches
+	// [ErrCancelled], [ErrClosed], [ErrExpired] or [ErrReleased]).
 	StatusCancelled
 	// StatusErrored: failed for any other reason; Wait returns why.
 	StatusErrored
@@ -57,7 +58,8 @@ func statusOf(err error) Status {
 	switch {
 	case err == nil:
 		return StatusComplete
-	case errors.Is(err, ErrCancelled), errors.Is(err, ErrClosed):
+	case errors.Is(err, ErrCancelled), errors.Is(err, ErrClosed),
+		errors.Is(err, ErrExpired), errors.Is(err, ErrReleased):
 		return StatusCancelled
 	}
 	return StatusErrored
@@ -93,9 +95,11 @@ type WriteOperation struct{ activeOp }
 // CreateReadable exposes descs for reading by the holder of the returned
 // operation's [Metadata]. The memory is registered with the Connector's
 // backends (registrations are reference-counted, so several operations may
-// share a buffer) and stays readable until the operation is closed. ctx is
+// share a buffer) and stays readable until the operation is closed, or
+// until it expires unused when the Connector was given [WithExpiry]. ctx is
 // checked only on entry: creating waits on no peer. Invalid descriptors
 // fail with [ErrInvalidDescriptor], a closed Connector with [ErrClosed].
+// For memory that many peers read, many times, see [Connector.Expose].
 func (c *Connector) CreateReadable(ctx context.Context, descs ...Descriptor) (*ReadableOperation, error) {
 	o := &ReadableOperation{}
 	return made(o, c.create(ctx, &o.passiveOp, KindRead, descs))
@@ -114,11 +118,19 @@ func (c *Connector) CreateWritable(ctx context.Context, descs ...Descriptor) (*W
 // sizes (else [ErrSizeMismatch]); both are checked before any byte moves.
 // A compact token ([Metadata.Compact]) is resolved first, with ctx, through
 // the Connector's [Resolver]. Invalid arguments, a failed resolution, a
-// closed Connector ([ErrClosed]) and a ctx already done come as plain
-// errors; a transfer the agent could not start (no backend both sides share
-// reaches the peer, a backend refused it) comes as a [*TransferError], and
-// the peer is told, best effort (for at most 10 s), from a goroutine the
-// Connector owns.
+// closed Connector ([ErrClosed]) come as plain errors; a ctx already done
+// comes as a [*TransferError] matching [ErrCancelled] and ctx.Err(), as
+// when it ends during the transfer, and so does a transfer the agent could
+// not start (no backend both sides share reaches the peer, a backend
+// refused it), with an empty Backend. The peer is told of these, and of
+// local descriptors of the wrong sizes, best effort (for at most 10 s),
+// from a goroutine the Connector owns: a passive operation then fails
+// (size mismatch) or is cancelled (ctx), but survives a transfer that could
+// not start, since no byte moved and a retry may succeed; a reader that
+// gives up should then [Connector.Release] the token.
+//
+// A note put on ctx with [ContextWithNote] travels with the completion
+// notice to the passive side, where an [Exposure] reports it.
 //
 // ctx bounds the whole transfer, not just the call, as with
 // [exec.CommandContext]: if it ends before the transfer finishes, the
@@ -154,6 +166,7 @@ type passiveOp struct {
 	md   Metadata
 	exp  *agent.Exposure
 	regs *agent.Registration
+	life *expiry // nil without one
 
 	closeOnce sync.Once
 	closeErr  error
@@ -207,6 +220,7 @@ func (c *Connector) create(ctx context.Context, o *passiveOp, kind OperationKind
 	c.mu.Lock()
 	c.passive[o] = struct{}{}
 	c.mu.Unlock()
+	o.life = startExpiry(c.expiry, exp, func() { o.closeWith(ErrExpired) })
 	return nil
 }
 
@@ -216,9 +230,11 @@ func (o *passiveOp) Metadata() Metadata { return o.md }
 
 // Wait blocks until the peer reports completion (nil), reports that it
 // failed or was cancelled (a [*TransferError], matching [ErrCancelled] when
-// the peer cancelled), is lost (a [*TransferError] matching
+// the peer cancelled), releases the token unused (a [*TransferError]
+// matching [ErrReleased]), is lost (a [*TransferError] matching
 // [ErrRemoteLost]), until the operation or its Connector is closed
-// ([ErrClosed]), or until ctx is done (ctx.Err(), unwrapped). A context
+// ([ErrClosed]), until it expires ([ErrExpired], with [WithExpiry]), or
+// until ctx is done (ctx.Err(), unwrapped). A context
 // that ends leaves the operation open and its status unchanged: Wait may be
 // called again, and the peer's access is not affected. The operation's
 // outcome is the first of these events, other than ctx's end; once it has
@@ -295,6 +311,15 @@ func (o *passiveOp) Status() Status {
 // registration. Close is idempotent and safe to call concurrently; every
 // call returns the first call's result.
 func (o *passiveOp) Close() error {
+	o.closeWith(ErrClosed)
+	o.life.stop() // after closeWith: an expiry firing now closes nothing, and ends
+	return o.closeErr
+}
+
+// closeWith closes the operation, recording why (ErrClosed, ErrExpired)
+// unless it already has an outcome. It does not stop the expiry, which
+// calls it.
+func (o *passiveOp) closeWith(why error) {
 	o.closeOnce.Do(func() {
 		o.exp.Revoke()
 		o.closeErr = o.regs.Release()
@@ -303,13 +328,15 @@ func (o *passiveOp) Close() error {
 		// that came before is either queued, for drain, or recorded.
 		o.acquire()
 		o.drain()
-		o.finish(StatusCancelled, ErrClosed)
+		o.finish(StatusCancelled, why)
 		o.release()
 		o.c.mu.Lock()
 		delete(o.c.passive, o)
 		o.c.mu.Unlock()
+		if why == ErrExpired {
+			o.c.log.Debug("connect: an exposure expired unused", "op", o.name, "token", o.md)
+		}
 	})
-	return o.closeErr
 }
 
 // drain handles the events queued so far, without waiting for more. The
@@ -346,39 +373,56 @@ func (o *passiveOp) finish(s Status, err error) {
 // the outcome, and events that decide nothing, are dropped. The caller holds
 // the turn.
 func (o *passiveOp) handle(ev agent.Event) {
-	fail := func(err error) *TransferError {
-		return &TransferError{Op: o.name, Remote: ev.From.String(), Err: err}
+	code, ok, err := readEvent(o.name, ev)
+	switch {
+	case !ok:
+		o.c.log.Debug("connect: dropped a malformed notification", "op", o.name, "from", ev.From, "len", len(ev.Msg))
+	case code == noticeUnstarted: // no byte moved: the peer may try again
+		o.c.log.Debug("connect: a peer's transfer could not start", "op", o.name, "from", ev.From, "err", err)
+	default:
+		o.finish(statusOf(err), err)
 	}
-	switch ev.Kind {
-	case agent.EventPeerLost:
+}
+
+// readEvent reads what an exposure event reports of a peer's use of the
+// operation named name: the notice's code (0 for the peer's loss), false
+// for a notification that is malformed or of an unknown code, and the
+// outcome, nil for a completion.
+func readEvent(name string, ev agent.Event) (code byte, ok bool, err error) {
+	fail := func(err error) error {
+		return &TransferError{Op: name, Remote: ev.From.String(), Err: err}
+	}
+	if ev.Kind == agent.EventPeerLost {
 		err := ev.Err
 		if !errors.Is(err, ErrRemoteLost) {
 			err = fmt.Errorf("%w: %w", ErrRemoteLost, err)
 		}
-		o.finish(StatusErrored, fail(err))
-	case agent.EventNotify:
-		code, reason, ok := decodeNotice(ev.Msg)
-		if !ok {
-			o.c.log.Debug("connect: dropped a malformed notification", "op", o.name, "from", ev.From, "len", len(ev.Msg))
-			return
-		}
-		switch code {
-		case noticeDone:
-			if ev.Err != nil { // the peer's WRITE did not all reach GPU memory
-				o.finish(StatusErrored, fail(ev.Err))
-				return
-			}
-			o.finish(StatusComplete, nil)
-		case noticeCancelled:
-			o.finish(StatusCancelled, fail(fmt.Errorf("%w by the peer: %q", ErrCancelled, reason)))
-		case noticeFailed:
-			if ev.Err != nil { // the peer failed because its WRITE did not reach this side's GPU memory
-				o.finish(StatusErrored, fail(fmt.Errorf("%w: %w: %q", ev.Err, errPeerFailed, reason)))
-				return
-			}
-			o.finish(StatusErrored, fail(fmt.Errorf("%w: %q", errPeerFailed, reason)))
-		}
+		return 0, true, fail(err)
 	}
+	if ev.Kind != agent.EventNotify {
+		return 0, false, nil
+	}
+	code, reason, ok := decodeNotice(ev.Msg)
+	if !ok {
+		return 0, false, nil
+	}
+	switch code {
+	case noticeDone:
+		if ev.Err != nil { // the peer's WRITE did not all reach GPU memory
+			return code, true, fail(ev.Err)
+		}
+		return code, true, nil
+	case noticeCancelled:
+		return code, true, fail(fmt.Errorf("%w by the peer: %q", ErrCancelled, reason))
+	case noticeReleased:
+		return code, true, fail(fmt.Errorf("%w by the peer", ErrReleased))
+	case noticeUnstarted:
+		return code, true, fail(fmt.Errorf("%w before any byte moved: %q", errPeerFailed, reason))
+	}
+	if ev.Err != nil { // the peer failed because its WRITE did not reach this side's GPU memory
+		return code, true, fail(fmt.Errorf("%w: %w: %q", ev.Err, errPeerFailed, reason))
+	}
+	return code, true, fail(fmt.Errorf("%w: %q", errPeerFailed, reason))
 }
 
 // activeOp is the side that moves the bytes. Its transfer's completion
@@ -411,7 +455,13 @@ func (c *Connector) begin(ctx context.Context, o *activeOp, op agent.Op, md Meta
 	case md.kind != want:
 		return fmt.Errorf("%w: %s needs a %v token, got a %v token", ErrKindMismatch, call, want, md.kind)
 	case len(descs) != md.Len():
-		return fmt.Errorf("%w: %d local descriptors != %d remote descriptors", ErrSizeMismatch, len(descs), md.Len())
+		err := fmt.Errorf("%w: %d local descriptors != %d remote descriptors", ErrSizeMismatch, len(descs), md.Len())
+		c.tell(md, noticeFailed, err)
+		return err
+	}
+	note, err := noteOf(ctx)
+	if err != nil {
+		return err
 	}
 	ls, err := c.locals(descs)
 	if err != nil {
@@ -421,23 +471,35 @@ func (c *Connector) begin(ctx context.Context, o *activeOp, op agent.Op, md Meta
 	for i, l := range ls {
 		r := md.regions[i]
 		if l.Len != r.Len {
-			return fmt.Errorf("%w: descriptor %d: local size %d != remote size %d", ErrSizeMismatch, i, l.Len, r.Len)
+			err := fmt.Errorf("%w: descriptor %d: local size %d != remote size %d", ErrSizeMismatch, i, l.Len, r.Len)
+			c.tell(md, noticeFailed, err)
+			return err
 		}
 		segs[i] = agent.Segment{Local: l, Remote: r}
 	}
 	if c.isClosing() { // spare a closed Connector the resolver's round trip
 		return ErrClosed
 	}
+	name := op.String()
+	if ctx.Err() != nil {
+		return c.unstarted(ctx, name, md)
+	}
 	peer, err := c.resolve(ctx, md)
 	if err != nil {
+		if ctx.Err() != nil {
+			return c.unstarted(ctx, name, md)
+		}
 		return err
 	}
 	regs, err := c.enter(ctx, ls)
 	if err != nil {
+		if ctx.Err() != nil {
+			return c.unstarted(ctx, name, md)
+		}
 		return err
 	}
 	defer c.calls.Done()
-	*o = activeOp{c: c, name: op.String(), peer: peer, key: md.key, regs: regs, done: make(chan struct{})}
+	*o = activeOp{c: c, name: name, peer: peer, key: md.key, regs: regs, done: make(chan struct{})}
 	// Tracked before posting: a small transfer may finish inside Post.
 	c.mu.Lock()
 	c.active[o] = struct{}{}
@@ -445,7 +507,7 @@ func (c *Connector) begin(ctx context.Context, o *activeOp, op agent.Op, md Meta
 	c.mu.Unlock()
 	x, err := c.a.Post(ctx, agent.Request{
 		Op: op, Peer: peer, Key: md.key.open(), Segments: segs,
-		Notify: doneNotice, Backend: c.force,
+		Notify: encodeDone(note), Backend: c.force,
 		OnDone: o.finish,
 	})
 	if err != nil {
@@ -453,11 +515,19 @@ func (c *Connector) begin(ctx context.Context, o *activeOp, op agent.Op, md Meta
 		delete(c.active, o)
 		c.mu.Unlock()
 		_ = regs.Release()
-		err = &TransferError{Op: o.name, Remote: o.peer.ID.String(), Backend: c.force, Err: err}
+		if ctx.Err() != nil && !errors.Is(err, ErrCancelled) {
+			err = fmt.Errorf("%w: %w", ErrCancelled, ctxErr(ctx))
+		}
+		// No backend moved a byte: Backend stays empty.
+		err = &TransferError{Op: o.name, Remote: o.peer.ID.String(), Err: err}
 		// Telling the peer may take a connection: not on the caller's time.
 		go func() {
 			defer c.watchers.Done()
-			o.tellPeer(err)
+			code := byte(noticeUnstarted)
+			if errors.Is(err, ErrCancelled) {
+				code = noticeCancelled
+			}
+			o.notifyPeer(code, err)
 		}()
 		return err
 	}
@@ -520,18 +590,58 @@ const tellPeerTimeout = 10 * time.Second
 // was cancelled, so that its Wait returns instead of waiting for a
 // completion that will never come.
 func (o *activeOp) tellPeer(err error) {
-	if errors.Is(err, ErrRemoteLost) {
-		return // nobody to tell
-	}
 	code := byte(noticeFailed)
 	if errors.Is(err, ErrCancelled) || errors.Is(err, ErrClosed) {
 		code = noticeCancelled
+	}
+	o.notifyPeer(code, err)
+}
+
+// notifyPeer sends the passive side a notice of code with err as the
+// reason, best effort, unless the peer is lost.
+func (o *activeOp) notifyPeer(code byte, err error) {
+	if errors.Is(err, ErrRemoteLost) {
+		return // nobody to tell
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), tellPeerTimeout)
 	defer cancel()
 	if nerr := o.c.a.Notify(ctx, o.peer, o.key.open(), encodeNotice(code, err.Error())); nerr != nil {
 		o.c.log.Debug("connect: could not tell the peer about a failed transfer", "op", o.name, "peer", o.peer.ID, "err", nerr)
 	}
+}
+
+// unstarted is the error of an operation whose ctx ended before it was
+// posted: the shape of one cancelled by its ctx in flight, with no
+// backend. The peer is told.
+func (c *Connector) unstarted(ctx context.Context, name string, md Metadata) error {
+	err := &TransferError{Op: name, Remote: md.Agent().String(), Err: fmt.Errorf("%w: %w", ErrCancelled, ctxErr(ctx))}
+	c.tell(md, noticeCancelled, err)
+	return err
+}
+
+// tell sends the passive side md names a notice of code with err as the
+// reason, best effort (for at most 10 s), from a goroutine the Connector
+// owns: for an operation that failed before it had a peer to post to.
+func (c *Connector) tell(md Metadata, code byte, err error) {
+	c.mu.Lock()
+	if c.closing {
+		c.mu.Unlock()
+		return
+	}
+	c.watchers.Add(1)
+	c.mu.Unlock()
+	go func() {
+		defer c.watchers.Done()
+		ctx, cancel := context.WithTimeout(context.Background(), tellPeerTimeout)
+		defer cancel()
+		peer, nerr := c.resolve(ctx, md)
+		if nerr == nil {
+			nerr = c.a.Notify(ctx, peer, md.key.open(), encodeNotice(code, err.Error()))
+		}
+		if nerr != nil {
+			c.log.Debug("connect: could not tell the peer about a failed transfer", "peer", md.Agent(), "err", nerr)
+		}
+	}()
 }
 
 // Wait blocks until every byte is in place (nil: for a read, landed in local
@@ -599,19 +709,69 @@ func (o *activeOp) Backend() string { return o.x.Backend() }
 func (o *activeOp) Path() string { return o.x.Path() }
 
 // Notifications from the active side to the passive side: one code byte,
-// then for failures a UTF-8 reason of at most maxReason bytes. They are
+// then for a completion the active side's note (at most [MaxNote] bytes),
+// for the other codes a UTF-8 reason of at most maxReason bytes. They are
 // remote input, so decodeNotice trusts nothing in them.
 const (
 	noticeDone      = 1
 	noticeCancelled = 2
 	noticeFailed    = 3
+	// noticeUnstarted: a transfer failed before any byte moved (it could
+	// not be posted); a retry may follow, so the passive side carries on.
+	noticeUnstarted = 4
+	// noticeReleased: the holder of the token will not use it.
+	noticeReleased = 5
 
 	maxReason = 256
 )
 
-// doneNotice is the notification of a successful transfer; backends only
-// read it.
+// MaxNote is the most bytes a note ([ContextWithNote]) may hold.
+const MaxNote = 256
+
+// doneNotice is the notification of a successful transfer with no note;
+// backends only read it.
 var doneNotice = encodeNotice(noticeDone, "")
+
+// encodeDone is the notification of a successful transfer carrying note.
+func encodeDone(note []byte) []byte {
+	if len(note) == 0 {
+		return doneNotice
+	}
+	return append([]byte{noticeDone}, note...)
+}
+
+// decodeNote returns the note of a completion notice msg, a copy cut at
+// MaxNote bytes, or nil.
+func decodeNote(msg []byte) []byte {
+	if len(msg) < 2 || msg[0] != noticeDone {
+		return nil
+	}
+	n := msg[1:]
+	return append([]byte(nil), n[:min(len(n), MaxNote)]...)
+}
+
+type noteKey struct{}
+
+// ContextWithNote returns a copy of ctx that carries note: a
+// [Connector.BeginRead] or [Connector.BeginWrite] given it sends note to
+// the passive side with its completion, as NIXL's notif_msg does, and an
+// [Exposure] reports it in the peer's [ExposureEvent] ("layer 7 done").
+// A note holds at most [MaxNote] bytes; Begin fails with [ErrInvalidOption]
+// given a longer one. note is copied. One-shot passive operations ignore
+// notes. The note travels like gRPC's outgoing metadata: on the context,
+// so that the Begin calls keep their signatures.
+func ContextWithNote(ctx context.Context, note []byte) context.Context {
+	return context.WithValue(ctx, noteKey{}, append([]byte(nil), note...))
+}
+
+// noteOf returns the note ctx carries, or nil.
+func noteOf(ctx context.Context) ([]byte, error) {
+	note, _ := ctx.Value(noteKey{}).([]byte)
+	if len(note) > MaxNote {
+		return nil, fmt.Errorf("%w: ContextWithNote: want a note of at most %d bytes, found %d", ErrInvalidOption, MaxNote, len(note))
+	}
+	return note, nil
+}
 
 func encodeNotice(code byte, reason string) []byte {
 	if len(reason) > maxReason {
@@ -624,7 +784,7 @@ func encodeNotice(code byte, reason string) []byte {
 // that is empty or carries an unknown code (from a newer peer, perhaps), which
 // the caller ignores. A reason too long is cut, invalid UTF-8 replaced.
 func decodeNotice(msg []byte) (code byte, reason string, ok bool) {
-	if len(msg) == 0 || msg[0] < noticeDone || msg[0] > noticeFailed {
+	if len(msg) == 0 || msg[0] < noticeDone || msg[0] > noticeReleased {
 		return 0, "", false
 	}
 	r := msg[1:]

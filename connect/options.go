@@ -3,6 +3,7 @@ package connect
 import (
 	"fmt"
 	"log/slog"
+	"time"
 
 	"github.com/google/uuid"
 
@@ -36,6 +37,7 @@ type options struct {
 	id       uuid.UUID
 	device   devmem.Driver
 	staging  [2]int // chunk, pool; zero: the agent's defaults
+	expiry   time.Duration
 }
 
 // WithDevice sets the device-memory driver that checks GPU descriptors and
