@@ -60,7 +60,7 @@ func runInitiator(ctx context.Context, cfg *config, stdout, stderr io.Writer) er
 	}
 	var cleanup undo // NATS, then the targets, then the connections: undone in reverse
 	defer cleanup.run()
-	if err := in.connectNATS(&cleanup); err != nil {
+	if err := in.connectNATS(ctx, &cleanup); err != nil {
 		return err
 	}
 	if err := in.startTargets(ctx, &cleanup); err != nil {

@@ -47,7 +47,7 @@ func (u *undo) run() {
 // connectNATS connects to -nats, or to an embedded server it starts first
 // (on -listen's host with -role initiator, which then prints how to start
 // the target). u gets the disconnect and the server's shutdown.
-func (in *initiator) connectNATS(u *undo) (err error) {
+func (in *initiator) connectNATS(ctx context.Context, u *undo) (err error) {
 	cfg := in.cfg
 	in.natsURL = cfg.natsURL
 	if in.natsURL == "" {
@@ -55,7 +55,7 @@ func (in *initiator) connectNATS(u *undo) (err error) {
 		if cfg.role == "initiator" {
 			host, _, _ = net.SplitHostPort(cfg.listen)
 		}
-		srv, err := natsserver.Start(natsserver.WithoutJetStream(), natsserver.WithHost(host),
+		srv, err := natsserver.Start(ctx, natsserver.WithoutJetStream(), natsserver.WithHost(host),
 			natsserver.WithServerOptions(func(o *server.Options) { o.MaxPayload = 8 << 20 }))
 		if err != nil {
 			return fmt.Errorf("start the embedded NATS server: %w", err)

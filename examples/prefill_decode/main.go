@@ -310,7 +310,7 @@ func (o *orchestrator) run(ctx context.Context) error {
 
 	url := cfg.natsURL
 	if url == "" {
-		srv, err := natsserver.Start()
+		srv, err := natsserver.Start(ctx)
 		if err != nil {
 			return fmt.Errorf("start the embedded NATS server: %w", err)
 		}

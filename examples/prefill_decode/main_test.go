@@ -230,7 +230,7 @@ func TestMismatchDetectedDeviceSim(t *testing.T) {
 // simulator itself. Then a decode worker in host memory: only prefill's
 // side is GPU memory, and the path still says it was staged.
 func TestSeparateWorkersDeviceSim(t *testing.T) {
-	srv, err := natsserver.Start()
+	srv, err := natsserver.Start(t.Context())
 	require.NoError(t, err)
 	t.Cleanup(srv.Shutdown)
 
@@ -318,7 +318,7 @@ func TestDeviceSimNoSuchGPU(t *testing.T) {
 func TestNATSServerRestart(t *testing.T) {
 	for _, mode := range []string{"read", "write"} {
 		t.Run(mode, func(t *testing.T) {
-			srv, err := natsserver.Start(natsserver.WithStoreDir(t.TempDir()))
+			srv, err := natsserver.Start(t.Context(), natsserver.WithStoreDir(t.TempDir()))
 			require.NoError(t, err)
 			t.Cleanup(srv.Shutdown)
 
@@ -345,7 +345,7 @@ func TestNATSServerRestart(t *testing.T) {
 // worker finds the prefill worker through NATS, one with another model is
 // told so, and the prefill worker stops cleanly on SIGTERM.
 func TestSeparateWorkers(t *testing.T) {
-	srv, err := natsserver.Start()
+	srv, err := natsserver.Start(t.Context())
 	require.NoError(t, err)
 	t.Cleanup(srv.Shutdown)
 
@@ -368,7 +368,7 @@ func TestSeparateWorkers(t *testing.T) {
 // A decode worker alone, with no prefill worker to answer, gives up after
 // -wait with an error that says what is missing.
 func TestDecodeWithoutPrefill(t *testing.T) {
-	srv, err := natsserver.Start()
+	srv, err := natsserver.Start(t.Context())
 	require.NoError(t, err)
 	t.Cleanup(srv.Shutdown)
 

@@ -139,7 +139,7 @@ func soak(t *testing.T, cfg config, backend string) *report {
 	t.Logf("%s soak over %s: %d operations (+%d warm-up), %d in flight, plan seed %d",
 		cfg.name, backend, cfg.ops, cfg.warmup, cfg.inFlight, r.seed)
 
-	srv, err := natsserver.Start(natsserver.WithoutJetStream())
+	srv, err := natsserver.Start(t.Context(), natsserver.WithoutJetStream())
 	require.NoError(t, err)
 	r.nc, err = srv.Connect(nats.Name("soak parent"))
 	require.NoError(t, err)

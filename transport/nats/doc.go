@@ -26,6 +26,24 @@
 //	rop, err := conn.BeginRead(ctx, rep.Metadata, connect.NewDescriptor(buf))
 //	err = rop.Wait(ctx)
 //
+// Options are typed by the call they configure, so that an option a call
+// does not honour does not compile there (nats.go jetstream's pattern):
+// each call takes its own interface ([ServeOption], [RequestOption],
+// [PublishOption], [SubscribeOption], [RegistryOption], [JoinOption]), and
+// an option honoured by several calls returns one that embeds each of
+// theirs ([QueueOption], [SendOption], [LoggerOption], [HeartbeatOption]).
+// Invalid values, and nil options, make the call fail with an error
+// matching [ErrInvalidOption]. An option is a value: it may be shared and
+// reused, concurrently too. The defaults are those of a call given no
+// options; docs/nats.md gives each option's rationale.
+//
+//	Serve:        WithQueue, WithConcurrency, WithLogger
+//	Request:      WithHeader, WithTimeout, WithRetry, WithAttemptTimeout
+//	Publish:      WithHeader, WithTimeout
+//	Subscribe:    WithQueue
+//	OpenRegistry: WithBucket, WithHeartbeat, WithCreateBucket, WithReplicas, WithLogger
+//	Join:         WithHeartbeat
+//
 // Token messages are framed as "gxt", a version byte, the token's length
 // as a uvarint, the token's binary form, then the application's payload;
 // goxfer's own headers start with "Goxfer-". Every message is checked

@@ -23,7 +23,7 @@ var (
 	// [Registry] or [Member], or a [Registry.Join] cut short by
 	// [Registry.Close].
 	ErrClosed = errors.New("goxfer/nats: closed")
-	// ErrInvalidOption reports an invalid [Option], or a nil connection,
+	// ErrInvalidOption reports an invalid or nil option, or a nil connection,
 	// [Handler] or Connector.
 	ErrInvalidOption = errors.New("goxfer/nats: invalid option")
 	// ErrUnknownAgent reports an agent ID that [Registry.Resolve] finds
@@ -93,21 +93,33 @@ func (e *PayloadTooLargeError) Error() string {
 func (e *PayloadTooLargeError) Is(target error) bool { return target == ErrPayloadTooLarge }
 
 // noRespondersError names the subject nobody serves; it matches both
-// [ErrNoResponders] and [nats.ErrNoResponders].
+// [ErrNoResponders] and [nats.ErrNoResponders], and cause if set.
 type noRespondersError struct {
 	subject  string
 	attempts int
+	// Set when ctx ended the retries: how long they took, and why.
+	waited time.Duration
+	cause  error
 }
 
 func (e *noRespondersError) Error() string {
-	if e.attempts > 1 {
+	switch {
+	case e.cause != nil:
+		return fmt.Sprintf("goxfer/nats: no worker serves subject %q: no responders in %d attempts over %v, then %v", e.subject, e.attempts, e.waited.Round(time.Millisecond), e.cause)
+	case e.attempts > 1:
 		return fmt.Sprintf("goxfer/nats: no worker serves subject %q (%d attempts)", e.subject, e.attempts)
 	}
 	return fmt.Sprintf("goxfer/nats: no worker serves subject %q", e.subject)
 }
 
 func (e *noRespondersError) Is(target error) bool { return target == ErrNoResponders }
-func (e *noRespondersError) Unwrap() error        { return nats.ErrNoResponders }
+
+func (e *noRespondersError) Unwrap() []error {
+	if e.cause == nil {
+		return []error{nats.ErrNoResponders}
+	}
+	return []error{nats.ErrNoResponders, e.cause}
+}
 
 // ctxError wraps a context's error with the subject and how long the call
 // waited.

@@ -16,7 +16,7 @@ import (
 // services would.
 func Example_requestReply() {
 	ctx := context.Background()
-	srv, err := natsserver.Start()
+	srv, err := natsserver.Start(ctx)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -82,7 +82,7 @@ func Example_requestReply() {
 // worker takes the offer and fills the slot.
 func Example_offer() {
 	ctx := context.Background()
-	srv, err := natsserver.Start()
+	srv, err := natsserver.Start(ctx)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -142,7 +142,7 @@ func Example_offer() {
 // heartbeats.
 func ExampleRegistry() {
 	ctx := context.Background()
-	srv, err := natsserver.Start()
+	srv, err := natsserver.Start(ctx)
 	if err != nil {
 		log.Fatal(err)
 	}

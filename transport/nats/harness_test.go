@@ -46,7 +46,7 @@ func guarded(t testing.TB) context.Context {
 // startServer starts an embedded server, shut down when the test ends.
 func startServer(t testing.TB, opts ...natsserver.Option) *natsserver.Server {
 	t.Helper()
-	srv, err := natsserver.Start(opts...)
+	srv, err := natsserver.Start(context.Background(), opts...)
 	require.NoError(t, err)
 	t.Cleanup(srv.Shutdown)
 	return srv
@@ -117,9 +117,9 @@ func testToken(t testing.TB) connect.Metadata {
 }
 
 // serve runs h on subject until the test ends.
-func serve(t testing.TB, nc *nats.Conn, subject string, h Handler, opts ...Option) *Service {
+func serve(t testing.TB, nc *nats.Conn, subject string, h Handler, opts ...ServeOption) *Service {
 	t.Helper()
-	s, err := Serve(nc, subject, h, append([]Option{WithLogger(quietLog)}, opts...)...)
+	s, err := Serve(nc, subject, h, append([]ServeOption{WithLogger(quietLog)}, opts...)...)
 	require.NoError(t, err)
 	t.Cleanup(func() { assert.NoError(t, s.Close()) })
 	return s
@@ -127,7 +127,7 @@ func serve(t testing.TB, nc *nats.Conn, subject string, h Handler, opts ...Optio
 
 // subscribe subscribes to subject until the test ends; the server has the
 // subscription when it returns.
-func subscribe(t testing.TB, nc *nats.Conn, subject string, opts ...Option) *Subscription {
+func subscribe(t testing.TB, nc *nats.Conn, subject string, opts ...SubscribeOption) *Subscription {
 	t.Helper()
 	s, err := Subscribe(nc, subject, opts...)
 	require.NoError(t, err)
@@ -138,13 +138,13 @@ func subscribe(t testing.TB, nc *nats.Conn, subject string, opts ...Option) *Sub
 
 // registryOptions are the options of a test's registries: testHeartbeat,
 // quietLog, then opts.
-func registryOptions(opts []Option) []Option {
-	return append([]Option{WithHeartbeat(testHeartbeat), WithLogger(quietLog)}, opts...)
+func registryOptions(opts []RegistryOption) []RegistryOption {
+	return append([]RegistryOption{WithHeartbeat(testHeartbeat), WithLogger(quietLog)}, opts...)
 }
 
 // openRegistry opens a registry over nc; it must close cleanly when the
 // test ends.
-func openRegistry(t testing.TB, nc *nats.Conn, opts ...Option) *Registry {
+func openRegistry(t testing.TB, nc *nats.Conn, opts ...RegistryOption) *Registry {
 	t.Helper()
 	r, err := OpenRegistry(guarded(t), nc, registryOptions(opts)...)
 	require.NoError(t, err)
@@ -153,7 +153,7 @@ func openRegistry(t testing.TB, nc *nats.Conn, opts ...Option) *Registry {
 }
 
 // join joins c to r; the Member leaves when the test ends.
-func join(t testing.TB, r *Registry, c *connect.Connector, opts ...Option) *Member {
+func join(t testing.TB, r *Registry, c *connect.Connector, opts ...JoinOption) *Member {
 	t.Helper()
 	m, err := r.Join(guarded(t), c, opts...)
 	require.NoError(t, err)
@@ -220,7 +220,7 @@ type mortal struct {
 // registry options and opts (a WithHeartbeat among them is the Member's
 // too). The registry closes when the test ends, and its error is ignored:
 // a dead agent cannot say goodbye.
-func newMortal(t testing.TB, nc *nats.Conn, opts ...Option) mortal {
+func newMortal(t testing.TB, nc *nats.Conn, opts ...RegistryOption) mortal {
 	t.Helper()
 	c := newConnector(t)
 	reg, err := OpenRegistry(guarded(t), nc, registryOptions(opts)...)
@@ -299,6 +299,6 @@ func (l *lockedBuffer) String() string {
 }
 
 // logger is a WithLogger that writes text lines of level and above to l.
-func (l *lockedBuffer) logger(level slog.Level) Option {
+func (l *lockedBuffer) logger(level slog.Level) LoggerOption {
 	return WithLogger(slog.New(slog.NewTextHandler(l, &slog.HandlerOptions{Level: level})))
 }

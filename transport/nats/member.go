@@ -56,8 +56,10 @@ type Member struct {
 // so does Registry.Close: a Join cut short by Close fails with an error
 // matching [ErrClosed]. Options honoured: WithHeartbeat. Safe for
 // concurrent use.
-func (r *Registry) Join(ctx context.Context, c *connect.Connector, opts ...Option) (*Member, error) {
-	o, err := newOptions(append([]Option{WithHeartbeat(r.hb)}, opts...))
+func (r *Registry) Join(ctx context.Context, c *connect.Connector, opts ...JoinOption) (*Member, error) {
+	base := defaults()
+	base.heartbeat = r.hb
+	o, err := applyOptions(base, opts, JoinOption.applyJoin)
 	if err != nil {
 		return nil, err
 	}

@@ -2,7 +2,6 @@ package nats
 
 import (
 	"bytes"
-	"context"
 	"testing"
 
 	"github.com/nats-io/nats.go"
@@ -70,16 +69,4 @@ func TestMessageSizeMatchesTheServer(t *testing.T) {
 	require.NoError(t, nc.PublishMsg(&nats.Msg{Subject: "fits", Header: h, Data: body}))
 	require.ErrorIs(t, nc.PublishMsg(&nats.Msg{Subject: "fits", Header: h, Data: append(body, 0)}), nats.ErrMaxPayload)
 	require.NoError(t, nc.FlushWithContext(guarded(t)))
-}
-
-func TestOptionsRejectInvalidValues(t *testing.T) {
-	for _, opt := range []Option{
-		WithQueue(""), WithConcurrency(0), WithTimeout(0), WithRetry(0), WithAttemptTimeout(-1),
-		WithLogger(nil), WithBucket("a.b"), WithBucket(""), WithHeartbeat(0), WithHeartbeat(2 * maxHeartbeat), WithReplicas(0), nil,
-	} {
-		_, err := newOptions([]Option{opt})
-		assert.ErrorIs(t, err, ErrInvalidOption)
-	}
-	_, err := Request(context.Background(), nil, "x", nil)
-	assert.ErrorIs(t, err, ErrInvalidOption)
 }

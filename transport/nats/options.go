@@ -9,17 +9,63 @@ import (
 	"github.com/nats-io/nats.go"
 )
 
-// Option configures a call of this package. There is one Option type for
-// every function; each function documents which options it honours and
-// ignores the others. Invalid options make the function fail with an error
-// matching [ErrInvalidOption]. An Option is a value: it may be shared and
-// reused, concurrently too. The defaults are those of a call given no
-// options; docs/nats.md gives each option's rationale.
-type Option interface{ apply(*options) error }
+// ServeOption configures [Serve]: WithQueue, WithConcurrency, WithLogger.
+type ServeOption interface{ applyServe(*options) error }
 
-type optionFunc func(*options) error
+// RequestOption configures [Request]: WithHeader, WithTimeout, WithRetry,
+// WithAttemptTimeout.
+type RequestOption interface{ applyRequest(*options) error }
 
-func (f optionFunc) apply(o *options) error { return f(o) }
+// PublishOption configures [Publish]: WithHeader, WithTimeout.
+type PublishOption interface{ applyPublish(*options) error }
+
+// SubscribeOption configures [Subscribe]: WithQueue.
+type SubscribeOption interface{ applySubscribe(*options) error }
+
+// RegistryOption configures [OpenRegistry]: WithBucket, WithHeartbeat,
+// WithCreateBucket, WithReplicas, WithLogger.
+type RegistryOption interface{ applyRegistry(*options) error }
+
+// JoinOption configures [Registry.Join]: WithHeartbeat.
+type JoinOption interface{ applyJoin(*options) error }
+
+// QueueOption is [WithQueue]'s: it configures [Serve] and [Subscribe].
+type QueueOption interface {
+	ServeOption
+	SubscribeOption
+}
+
+// SendOption is the option of the calls that send a message, [Request]
+// and [Publish]: [WithHeader] and [WithTimeout].
+type SendOption interface {
+	RequestOption
+	PublishOption
+}
+
+// LoggerOption is [WithLogger]'s: it configures [Serve] and
+// [OpenRegistry].
+type LoggerOption interface {
+	ServeOption
+	RegistryOption
+}
+
+// HeartbeatOption is [WithHeartbeat]'s: it configures [OpenRegistry] and
+// [Registry.Join].
+type HeartbeatOption interface {
+	RegistryOption
+	JoinOption
+}
+
+// option implements every call's interface; the type a constructor
+// returns says which calls may take it.
+type option func(*options) error
+
+func (f option) applyServe(o *options) error     { return f(o) }
+func (f option) applyRequest(o *options) error   { return f(o) }
+func (f option) applyPublish(o *options) error   { return f(o) }
+func (f option) applySubscribe(o *options) error { return f(o) }
+func (f option) applyRegistry(o *options) error  { return f(o) }
+func (f option) applyJoin(o *options) error      { return f(o) }
 
 // Defaults.
 const (
@@ -49,20 +95,20 @@ type options struct {
 	replicas       int
 }
 
-// connOptions applies opts for fn, a function that needs a connection: nc
-// must not be nil.
-func connOptions(fn string, nc *nats.Conn, opts []Option) (options, error) {
-	o, err := newOptions(opts)
+// connOptions applies opts, each with apply, for fn, a function that
+// needs a connection: nc must not be nil.
+func connOptions[O any](fn string, nc *nats.Conn, opts []O, apply func(O, *options) error) (options, error) {
+	o, err := applyOptions(defaults(), opts, apply)
 	if err == nil && nc == nil {
 		err = fmt.Errorf("%w: %s needs a connection", ErrInvalidOption, fn)
 	}
 	return o, err
 }
 
-// atLeastOne is an Option, named name in errors, that sets an integer n
+// atLeastOne is an option, named name in errors, that sets an integer n
 // of at least 1 (want says so in the error).
-func atLeastOne(name string, n int, want string, set func(*options)) Option {
-	return optionFunc(func(o *options) error {
+func atLeastOne(name string, n int, want string, set func(*options)) option {
+	return option(func(o *options) error {
 		if n < 1 {
 			return fmt.Errorf("%w: %s(%d): %s", ErrInvalidOption, name, n, want)
 		}
@@ -71,10 +117,10 @@ func atLeastOne(name string, n int, want string, set func(*options)) Option {
 	})
 }
 
-// positive is an Option, named name in errors, that sets a positive
+// positive is an option, named name in errors, that sets a positive
 // duration d.
-func positive(name string, d time.Duration, set func(*options)) Option {
-	return optionFunc(func(o *options) error {
+func positive(name string, d time.Duration, set func(*options)) option {
+	return option(func(o *options) error {
 		if d <= 0 {
 			return fmt.Errorf("%w: %s(%v): want a positive duration", ErrInvalidOption, name, d)
 		}
@@ -92,8 +138,9 @@ func (o options) bound(ctx context.Context) (_ context.Context, cancel context.C
 	return context.WithTimeout(ctx, o.timeout)
 }
 
-func newOptions(opts []Option) (options, error) {
-	o := options{
+// defaults are the options of a call given none.
+func defaults() options {
+	return options{
 		concurrency:    defaultConcurrency,
 		timeout:        defaultTimeout,
 		retry:          1,
@@ -104,11 +151,16 @@ func newOptions(opts []Option) (options, error) {
 		createBucket:   true,
 		replicas:       1,
 	}
+}
+
+// applyOptions applies opts to o in order, each with apply (the method
+// of the call's interface, such as ServeOption.applyServe).
+func applyOptions[O any](o options, opts []O, apply func(O, *options) error) (options, error) {
 	for _, opt := range opts {
-		if opt == nil {
-			return o, fmt.Errorf("%w: nil Option", ErrInvalidOption)
+		if any(opt) == nil {
+			return o, fmt.Errorf("%w: nil option", ErrInvalidOption)
 		}
-		if err := opt.apply(&o); err != nil {
+		if err := apply(opt, &o); err != nil {
 			return o, err
 		}
 	}
@@ -119,8 +171,8 @@ func newOptions(opts []Option) (options, error) {
 // message goes to one member of the group. Default: "goxfer" for Serve;
 // none for Subscribe (every Subscription gets every offer); group not
 // empty.
-func WithQueue(group string) Option {
-	return optionFunc(func(o *options) error {
+func WithQueue(group string) QueueOption {
+	return option(func(o *options) error {
 		if group == "" {
 			return fmt.Errorf("%w: WithQueue needs a queue group name", ErrInvalidOption)
 		}
@@ -132,16 +184,16 @@ func WithQueue(group string) Option {
 // WithConcurrency bounds how many [Handler] calls a [Service] runs at
 // once; further requests wait in the subscription's pending buffer.
 // Honoured by Serve. Default: 64; n at least 1.
-func WithConcurrency(n int) Option {
+func WithConcurrency(n int) ServeOption {
 	return atLeastOne("WithConcurrency", n, "want at least 1", func(o *options) { o.concurrency = n })
 }
 
 // WithHeader adds the application headers h to what [Request] or
 // [Publish] sends; names starting with "Goxfer-" are reserved and dropped.
-// Every call the Option is given to reads h then, so h must not change
+// Every call the option is given to reads h then, so h must not change
 // while such a call runs; no call keeps it. Default: none.
-func WithHeader(h nats.Header) Option {
-	return optionFunc(func(o *options) error {
+func WithHeader(h nats.Header) SendOption {
+	return option(func(o *options) error {
 		if o.header == nil {
 			o.header = nats.Header{}
 		}
@@ -153,7 +205,7 @@ func WithHeader(h nats.Header) Option {
 // WithTimeout bounds a [Request] (retries included) or the flush of a
 // [Publish] when its ctx has no deadline; a ctx deadline always wins.
 // Default: 10 s; d positive.
-func WithTimeout(d time.Duration) Option {
+func WithTimeout(d time.Duration) SendOption {
 	return positive("WithTimeout", d, func(o *options) { o.timeout = d })
 }
 
@@ -161,22 +213,22 @@ func WithTimeout(d time.Duration) Option {
 // failures after which the request cannot have been handled or its outcome
 // was lost; a Handler may then see a request twice. Default: 1 (no
 // retry); attempts at least 1.
-func WithRetry(attempts int) Option {
+func WithRetry(attempts int) RequestOption {
 	return atLeastOne("WithRetry", attempts, "want at least 1 attempt", func(o *options) { o.retry = attempts })
 }
 
 // WithAttemptTimeout bounds each attempt of a [Request] made with
 // [WithRetry] above 1; without retries, ctx bounds the one attempt.
 // Default: 2 s; d positive.
-func WithAttemptTimeout(d time.Duration) Option {
+func WithAttemptTimeout(d time.Duration) RequestOption {
 	return positive("WithAttemptTimeout", d, func(o *options) { o.attemptTimeout = d })
 }
 
 // WithLogger sets where a [Service] or a [Registry] logs. Honoured by
 // [Serve] and [OpenRegistry]. Default: [slog.Default] at the call; l not
 // nil.
-func WithLogger(l *slog.Logger) Option {
-	return optionFunc(func(o *options) error {
+func WithLogger(l *slog.Logger) LoggerOption {
+	return option(func(o *options) error {
 		if l == nil {
 			return fmt.Errorf("%w: WithLogger needs a logger", ErrInvalidOption)
 		}
@@ -188,8 +240,8 @@ func WithLogger(l *slog.Logger) Option {
 // WithBucket names the presence registry's JetStream key-value bucket;
 // every process sharing a registry must use the same name. Honoured by
 // [OpenRegistry]. Default: "goxfer_agents"; letters, digits, '_' and '-'.
-func WithBucket(name string) Option {
-	return optionFunc(func(o *options) error {
+func WithBucket(name string) RegistryOption {
+	return option(func(o *options) error {
 		if !validBucket(name) {
 			return fmt.Errorf("%w: WithBucket(%q): want a name of [A-Za-z0-9_-]", ErrInvalidOption, name)
 		}
@@ -203,8 +255,8 @@ func WithBucket(name string) Option {
 // is the default of [Registry.Join] and sets the TTL of a bucket the
 // registry creates (3 heartbeats); given to Join, that Member's. Default:
 // 1 s; d from 10 ms to 1 h.
-func WithHeartbeat(d time.Duration) Option {
-	return optionFunc(func(o *options) error {
+func WithHeartbeat(d time.Duration) HeartbeatOption {
+	return option(func(o *options) error {
 		if d < minHeartbeat || d > maxHeartbeat {
 			return fmt.Errorf("%w: WithHeartbeat(%v): want %v to %v", ErrInvalidOption, d, minHeartbeat, maxHeartbeat)
 		}
@@ -216,8 +268,8 @@ func WithHeartbeat(d time.Duration) Option {
 // WithCreateBucket says whether the registry creates its bucket when it
 // is missing, at [OpenRegistry] or later; with false a missing bucket is an
 // error matching [ErrRegistry]. Honoured by OpenRegistry. Default: true.
-func WithCreateBucket(create bool) Option {
-	return optionFunc(func(o *options) error {
+func WithCreateBucket(create bool) RegistryOption {
+	return option(func(o *options) error {
 		o.createBucket = create
 		return nil
 	})
@@ -225,8 +277,8 @@ func WithCreateBucket(create bool) Option {
 
 // WithReplicas sets how many servers of a cluster store a bucket the
 // registry creates. Honoured by [OpenRegistry]. Default: 1; n from 1 to 5.
-func WithReplicas(n int) Option {
-	return optionFunc(func(o *options) error {
+func WithReplicas(n int) RegistryOption {
+	return option(func(o *options) error {
 		if n < 1 || n > 5 {
 			return fmt.Errorf("%w: WithReplicas(%d): want 1 to 5", ErrInvalidOption, n)
 		}

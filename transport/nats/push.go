@@ -22,8 +22,8 @@ import (
 // owner after a while. A ctx without a deadline gets [WithTimeout]'s
 // (default 10 s) for the flush. data and the headers are not retained.
 // Options honoured: WithHeader, WithTimeout. Safe for concurrent use.
-func Publish(ctx context.Context, nc *nats.Conn, subject string, md connect.Metadata, data []byte, opts ...Option) error {
-	o, err := connOptions("Publish", nc, opts)
+func Publish(ctx context.Context, nc *nats.Conn, subject string, md connect.Metadata, data []byte, opts ...PublishOption) error {
+	o, err := connOptions("Publish", nc, opts, PublishOption.applyPublish)
 	if err != nil {
 		return err
 	}
@@ -77,8 +77,8 @@ type Subscription struct {
 // subscription's pending buffer (nats.go's limits) until
 // [Subscription.Next] takes them. Subscribe uses nc, which stays the
 // caller's. Options honoured: WithQueue.
-func Subscribe(nc *nats.Conn, subject string, opts ...Option) (*Subscription, error) {
-	o, err := connOptions("Subscribe", nc, opts)
+func Subscribe(nc *nats.Conn, subject string, opts ...SubscribeOption) (*Subscription, error) {
+	o, err := connOptions("Subscribe", nc, opts, SubscribeOption.applySubscribe)
 	if err != nil {
 		return nil, err
 	}

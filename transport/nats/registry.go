@@ -15,6 +15,7 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/goxfer/goxfer/connect"
+	"github.com/goxfer/goxfer/internal/oneline"
 )
 
 // maxDeparted bounds how many departed agents a Registry remembers, to
@@ -116,8 +117,8 @@ type departure struct {
 // names the bucket and the cause. A JetStream that does not answer is
 // asked up to three times, within ctx. Options honoured: WithBucket,
 // WithHeartbeat, WithCreateBucket, WithReplicas, WithLogger.
-func OpenRegistry(ctx context.Context, nc *nats.Conn, opts ...Option) (*Registry, error) {
-	o, err := connOptions("OpenRegistry", nc, opts)
+func OpenRegistry(ctx context.Context, nc *nats.Conn, opts ...RegistryOption) (*Registry, error) {
+	o, err := connOptions("OpenRegistry", nc, opts, RegistryOption.applyRegistry)
 	if err != nil {
 		return nil, err
 	}
@@ -283,7 +284,7 @@ func (r *Registry) Err() error {
 			errs = append(errs, fmt.Errorf("%w: bucket %q: heartbeat of agent %s: %w", ErrRegistry, r.bucket, m.id, m.err))
 		}
 	}
-	return errors.Join(errs...)
+	return oneline.Join(errs...)
 }
 
 // Close leaves every Member still joined ([Member.Close]: a 2 s timeout
@@ -309,7 +310,7 @@ func (r *Registry) Close() error {
 		left.Wait()
 		r.cancel()
 		r.wg.Wait()
-		r.closeErr = errors.Join(errs...)
+		r.closeErr = oneline.Join(errs...)
 	})
 	return r.closeErr
 }

@@ -76,8 +76,8 @@ type Service struct {
 // Serve uses nc, which stays the caller's: it never dials, and closing nc
 // stops the Service (Close must still be called to wait for handlers).
 // Options honoured: WithQueue, WithConcurrency, WithLogger.
-func Serve(nc *nats.Conn, subject string, h Handler, opts ...Option) (*Service, error) {
-	o, err := connOptions("Serve", nc, opts)
+func Serve(nc *nats.Conn, subject string, h Handler, opts ...ServeOption) (*Service, error) {
+	o, err := connOptions("Serve", nc, opts, ServeOption.applyServe)
 	if err != nil {
 		return nil, err
 	}
@@ -233,7 +233,9 @@ func (s *Service) respondError(m *nats.Msg, code, msg string) {
 // [WithTimeout]'s (default 10 s). Errors:
 //
 //   - nobody serves subject: matches [ErrNoResponders] and
-//     [nats.ErrNoResponders], and names the subject;
+//     [nats.ErrNoResponders], and names the subject; with [WithRetry], also
+//     when ctx ends after every attempt found no responders (the error
+//     then says how many, and matches ctx's error too);
 //   - the Handler failed: a [*HandlerError] (matches [ErrHandler]);
 //   - ctx done: wraps ctx.Err(), naming the subject and the time waited;
 //   - data and headers too large: a [*PayloadTooLargeError], nothing sent;
@@ -247,8 +249,8 @@ func (s *Service) respondError(m *nats.Msg, code, msg string) {
 // worker answering "unavailable" because it was shutting down. Options
 // honoured: WithHeader, WithTimeout, WithRetry, WithAttemptTimeout. Safe
 // for concurrent use.
-func Request(ctx context.Context, nc *nats.Conn, subject string, data []byte, opts ...Option) (*Reply, error) {
-	o, err := connOptions("Request", nc, opts)
+func Request(ctx context.Context, nc *nats.Conn, subject string, data []byte, opts ...RequestOption) (*Reply, error) {
+	o, err := connOptions("Request", nc, opts, RequestOption.applyRequest)
 	if err != nil {
 		return nil, err
 	}
@@ -257,6 +259,16 @@ func Request(ctx context.Context, nc *nats.Conn, subject string, data []byte, op
 	hdr := mergeHeader(o.header)
 	start := time.Now()
 	backoff := 20 * time.Millisecond
+	// unserved counts the attempts that found no responders; while it
+	// equals the attempts made, a ctx that ends says so rather than "no
+	// reply".
+	unserved := 0
+	ended := func(attempts int) error {
+		if unserved > 0 && unserved == attempts {
+			return &noRespondersError{subject: subject, attempts: unserved, waited: time.Since(start), cause: context.Cause(ctx)}
+		}
+		return ctxError(subject, start, attempts, ctx.Err())
+	}
 	for attempt := 1; ; attempt++ {
 		actx, cancel := ctx, context.CancelFunc(func() {})
 		if o.retry > 1 {
@@ -277,7 +289,14 @@ func Request(ctx context.Context, nc *nats.Conn, subject string, data []byte, op
 				return rep, err
 			}
 		} else {
-			retry, final := classify(ctx, subject, start, attempt, o, err)
+			if ctx.Err() != nil {
+				// Cut short by ctx: this attempt's outcome is unknown.
+				return nil, ended(attempt - 1)
+			}
+			if errors.Is(err, nats.ErrNoResponders) {
+				unserved++
+			}
+			retry, final := classify(subject, attempt, o, err)
 			if !retry || attempt >= o.retry {
 				return nil, final
 			}
@@ -286,7 +305,7 @@ func Request(ctx context.Context, nc *nats.Conn, subject string, data []byte, op
 		select {
 		case <-ctx.Done():
 			t.Stop()
-			return nil, ctxError(subject, start, attempt, ctx.Err())
+			return nil, ended(attempt)
 		case <-t.C:
 		}
 		backoff = min(2*backoff, time.Second)
@@ -295,10 +314,8 @@ func Request(ctx context.Context, nc *nats.Conn, subject string, data []byte, op
 
 // classify says whether a failed attempt may be retried, and the error to
 // return if it is the last.
-func classify(ctx context.Context, subject string, start time.Time, attempt int, o options, err error) (retry bool, final error) {
+func classify(subject string, attempt int, o options, err error) (retry bool, final error) {
 	switch {
-	case ctx.Err() != nil:
-		return false, ctxError(subject, start, attempt, ctx.Err())
 	case errors.Is(err, nats.ErrNoResponders):
 		return true, &noRespondersError{subject: subject, attempts: attempt}
 	case errors.Is(err, context.DeadlineExceeded), errors.Is(err, nats.ErrTimeout):

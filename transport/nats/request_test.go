@@ -124,6 +124,20 @@ func TestRequestToASubjectNobodyServes(t *testing.T) {
 	}
 }
 
+// Retries that find nobody until ctx ends say so, not "no reply".
+func TestRequestRetriedUntilTheDeadlineToASubjectNobodyServes(t *testing.T) {
+	srv := startServer(t)
+	nc := dial(t, srv)
+	ctx, cancel := context.WithTimeout(guarded(t), 300*time.Millisecond)
+	defer cancel()
+	_, err := Request(ctx, nc, "prefill.kv", nil, WithRetry(1000))
+	require.ErrorIs(t, err, ErrNoResponders)
+	require.ErrorIs(t, err, nats.ErrNoResponders)
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	assert.Regexp(t, `^goxfer/nats: no worker serves subject "prefill.kv": no responders in \d+ attempts over \S+, then context deadline exceeded$`, err.Error())
+	assert.NotContains(t, err.Error(), "no reply")
+}
+
 func TestRequestTooLargeIsNotSent(t *testing.T) {
 	srv := startServer(t)
 	nc := dial(t, srv)

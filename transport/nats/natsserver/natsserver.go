@@ -3,27 +3,29 @@
 // that uses goxfer's transport/nats. It is the only goxfer package that
 // imports nats-server; programs that do not import it do not link it.
 //
-//	srv, err := natsserver.Start()
+//	srv, err := natsserver.Start(ctx)
 //	if err != nil { ... }
 //	defer srv.Shutdown()
 //	nc, err := srv.Connect()
 package natsserver
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net"
 	"os"
 	"strconv"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 )
 
-// readyWithin bounds how long Start and Restart wait for the server to
-// accept connections.
+// readyWithin bounds how long Start (when its ctx has no earlier deadline)
+// and Restart wait for the server to accept connections.
 const readyWithin = 10 * time.Second
 
 // Option configures Start.
@@ -113,8 +115,11 @@ type Server struct {
 
 // Start starts a server, by default on 127.0.0.1, on a random port, with
 // JetStream storing in a fresh temporary directory, and returns once it
-// accepts connections. Its logging is off.
-func Start(opts ...Option) (*Server, error) {
+// accepts connections; ctx bounds the wait (10 s if it has no deadline),
+// and a server not ready by then is shut down. A port that is taken
+// ([WithPort]) fails at once with an error saying "address in use" that
+// matches [syscall.EADDRINUSE]. Its logging is off.
+func Start(ctx context.Context, opts ...Option) (*Server, error) {
 	o := options{host: "127.0.0.1", jetStream: true}
 	for _, opt := range opts {
 		if opt == nil {
@@ -135,7 +140,7 @@ func Start(opts ...Option) (*Server, error) {
 	if s.port == 0 {
 		s.port = server.RANDOM_PORT
 	}
-	if err := s.start(); err != nil {
+	if err := s.start(ctx); err != nil {
 		s.removeTemp()
 		return nil, err
 	}
@@ -145,7 +150,7 @@ func Start(opts ...Option) (*Server, error) {
 // start runs a fresh server on s.port (random the first time) and records
 // the port it got, so that Restart comes back on it. s.mu is held or s is
 // not yet shared.
-func (s *Server) start() error {
+func (s *Server) start(ctx context.Context) error {
 	so := &server.Options{
 		Host:      s.o.host,
 		Port:      s.port,
@@ -160,15 +165,50 @@ func (s *Server) start() error {
 	for _, f := range s.o.configure {
 		f(so)
 	}
+	addr := net.JoinHostPort(s.o.host, strconv.Itoa(s.port))
 	srv, err := server.NewServer(so)
 	if err != nil {
 		return fmt.Errorf("natsserver: %w", err)
 	}
-	go srv.Start()
-	if !srv.ReadyForConnections(readyWithin) {
+	// The server reports a failure to listen only to its logger, and would
+	// otherwise be waited for until readyWithin.
+	fatal := &fatalLogger{}
+	srv.SetLogger(fatal, false, false)
+	stop := func() {
 		srv.Shutdown()
 		srv.WaitForShutdown()
-		return fmt.Errorf("natsserver: server on %s not ready within %v", net.JoinHostPort(s.o.host, strconv.Itoa(s.port)), readyWithin)
+	}
+	started := make(chan struct{})
+	go func() {
+		defer close(started)
+		srv.Start() // returns once it listens, or failed to
+	}()
+	select {
+	case <-started:
+	case <-ctx.Done():
+		<-started
+	}
+	if ctx.Err() != nil {
+		stop()
+		return fmt.Errorf("natsserver: start on %s: %w", addr, context.Cause(ctx))
+	}
+	if err := fatal.failure(); err != nil {
+		stop()
+		if errors.Is(err, syscall.EADDRINUSE) {
+			return fmt.Errorf("natsserver: listen on %s: address in use: %w", addr, err)
+		}
+		return fmt.Errorf("natsserver: start on %s: %w", addr, err)
+	}
+	wait := readyWithin
+	if dl, ok := ctx.Deadline(); ok {
+		wait = min(wait, time.Until(dl))
+	}
+	if !srv.ReadyForConnections(wait) {
+		stop()
+		if err := ctx.Err(); err != nil {
+			return fmt.Errorf("natsserver: start on %s: %w", addr, context.Cause(ctx))
+		}
+		return fmt.Errorf("natsserver: server on %s not ready within %v", addr, wait)
 	}
 	if a, ok := srv.Addr().(*net.TCPAddr); ok {
 		s.port = a.Port
@@ -177,6 +217,43 @@ func (s *Server) start() error {
 	s.down = false
 	return nil
 }
+
+// fatalLogger is the server's logger: it drops everything but the first
+// fatal error, such as a port already taken.
+type fatalLogger struct {
+	mu  sync.Mutex
+	err error
+}
+
+func (l *fatalLogger) failure() error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.err
+}
+
+// Fatalf records the first fatal error: the error among v if there is
+// one (the listener's, say, so that errors.Is sees the errno), else the
+// message.
+func (l *fatalLogger) Fatalf(format string, v ...any) {
+	err := errors.New(fmt.Sprintf(format, v...))
+	for _, a := range v {
+		if e, ok := a.(error); ok {
+			err = e
+			break
+		}
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.err == nil {
+		l.err = err
+	}
+}
+
+func (*fatalLogger) Noticef(string, ...any) {}
+func (*fatalLogger) Warnf(string, ...any)   {}
+func (*fatalLogger) Errorf(string, ...any)  {}
+func (*fatalLogger) Debugf(string, ...any)  {}
+func (*fatalLogger) Tracef(string, ...any)  {}
 
 // URL returns the server's client URL, such as "nats://127.0.0.1:4222".
 // It stays the same across Restart.
@@ -243,5 +320,5 @@ func (s *Server) Restart() error {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	return s.start()
+	return s.start(context.Background())
 }

@@ -1,7 +1,11 @@
 package natsserver_test
 
 import (
+	"context"
+	"errors"
+	"net"
 	"os"
+	"syscall"
 	"testing"
 	"time"
 
@@ -17,7 +21,7 @@ import (
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 func TestStartRestartShutdown(t *testing.T) {
-	srv, err := natsserver.Start()
+	srv, err := natsserver.Start(t.Context())
 	require.NoError(t, err)
 	url := srv.URL()
 	assert.Regexp(t, `^nats://127\.0\.0\.1:\d+$`, url)
@@ -52,7 +56,7 @@ func TestStartRestartShutdown(t *testing.T) {
 
 func TestStoreDirIsKept(t *testing.T) {
 	dir := t.TempDir()
-	srv, err := natsserver.Start(natsserver.WithStoreDir(dir), natsserver.WithHost("localhost"))
+	srv, err := natsserver.Start(t.Context(), natsserver.WithStoreDir(dir), natsserver.WithHost("localhost"))
 	require.NoError(t, err)
 	assert.Regexp(t, `^nats://localhost:\d+$`, srv.URL())
 	srv.Shutdown()
@@ -63,10 +67,10 @@ func TestStoreDirIsKept(t *testing.T) {
 
 func TestOptions(t *testing.T) {
 	for _, opt := range []natsserver.Option{natsserver.WithPort(0), natsserver.WithHost(""), natsserver.WithStoreDir(""), natsserver.WithServerOptions(nil), nil} {
-		_, err := natsserver.Start(opt)
+		_, err := natsserver.Start(t.Context(), opt)
 		assert.Error(t, err)
 	}
-	srv, err := natsserver.Start(natsserver.WithoutJetStream(), natsserver.WithServerOptions(func(o *server.Options) { o.MaxPayload = 4096 }))
+	srv, err := natsserver.Start(t.Context(), natsserver.WithoutJetStream(), natsserver.WithServerOptions(func(o *server.Options) { o.MaxPayload = 4096 }))
 	require.NoError(t, err)
 	defer srv.Shutdown()
 	nc, err := srv.Connect()
@@ -77,4 +81,37 @@ func TestOptions(t *testing.T) {
 	require.NoError(t, err)
 	_, err = js.AccountInfo()
 	assert.Error(t, err, "JetStream is off")
+}
+
+// A port already taken fails at once, saying so, rather than after the
+// wait for a server that never listens.
+func TestStartOnBusyPort(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer l.Close()
+	port := l.Addr().(*net.TCPAddr).Port
+
+	start := time.Now()
+	srv, err := natsserver.Start(t.Context(), natsserver.WithPort(port))
+	elapsed := time.Since(start)
+	if err == nil {
+		srv.Shutdown()
+	}
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "address in use")
+	assert.Contains(t, err.Error(), l.Addr().String())
+	assert.ErrorIs(t, err, syscall.EADDRINUSE)
+	assert.Less(t, elapsed, 2*time.Second, "fails at once, not after the readiness wait")
+}
+
+// ctx bounds the start.
+func TestStartCancelled(t *testing.T) {
+	ctx, cancel := context.WithCancelCause(t.Context())
+	stop := errors.New("stopped by the test")
+	cancel(stop)
+	srv, err := natsserver.Start(ctx)
+	if err == nil {
+		srv.Shutdown()
+	}
+	require.ErrorIs(t, err, stop)
 }
