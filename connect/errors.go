@@ -55,6 +55,11 @@ var (
 	// ([Connector.Release]): a passive operation's Wait, or an [Exposure]'s
 	// event for that peer, returns it in a [*TransferError].
 	ErrReleased = errors.New("connect: token released")
+	// ErrNotStarted reports, in an [Exposure]'s event, a peer's transfer
+	// that could not start (no backend both sides share reached this
+	// side, say): no byte moved, and the peer may try again. A one-shot
+	// passive operation is not ended by it.
+	ErrNotStarted = errors.New("connect: the peer's transfer could not start")
 )
 
 // errPeerFailed reports a peer that told us its transfer failed; the peer's

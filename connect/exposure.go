@@ -54,8 +54,8 @@ type ExposureEvent struct {
 	// use the token: [Connector.Release]) or [ErrRemoteLost] (the peer
 	// was lost), or carries the peer's reason for a failure, quoted; or
 	// [ErrExpired], alone, as the exposure's last event when it expired.
-	// A transfer that could not start (no byte moved) is reported too,
-	// as a failure "before any byte moved": the peer may try again.
+	// A transfer that could not start is reported too, matching
+	// [ErrNotStarted]: no byte moved, and the peer may try again.
 	Err error
 	// Note is what the peer attached to its completion with
 	// [ContextWithNote] (at most [MaxNote] bytes), or nil. It is the

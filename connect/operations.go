@@ -417,7 +417,7 @@ func readEvent(name string, ev agent.Event) (code byte, ok bool, err error) {
 	case noticeReleased:
 		return code, true, fail(fmt.Errorf("%w by the peer", ErrReleased))
 	case noticeUnstarted:
-		return code, true, fail(fmt.Errorf("%w before any byte moved: %q", errPeerFailed, reason))
+		return code, true, fail(fmt.Errorf("%w (no byte moved): %q", ErrNotStarted, reason))
 	}
 	if ev.Err != nil { // the peer failed because its WRITE did not reach this side's GPU memory
 		return code, true, fail(fmt.Errorf("%w: %w: %q", ev.Err, errPeerFailed, reason))

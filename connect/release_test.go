@@ -159,8 +159,9 @@ func TestPassiveSurvivesUnstartedAttempt(t *testing.T) {
 		assert.Equal(t, passive.a.ID().String(), te.Remote)
 	}
 	ev := nextEvent(t, ctx, e)
-	require.ErrorIs(t, ev.Err, errPeerFailed)
-	assert.Contains(t, ev.Err.Error(), "before any byte moved")
+	require.ErrorIs(t, ev.Err, ErrNotStarted)
+	assert.NotErrorIs(t, ev.Err, ErrCancelled)
+	assert.Contains(t, ev.Err.Error(), "no byte moved")
 	assert.Equal(t, noWay.a.ID(), ev.Peer)
 	// The one-shot operation heard the same notice, and carries on.
 	require.Eventually(t, func() bool { return pop.Status() == StatusInProgress }, hangGuard, time.Millisecond)
