@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log"
+	"time"
 
 	"github.com/goxfer/goxfer/connect"
 )
@@ -173,4 +174,98 @@ func ExampleParseDevice() {
 	// cuda:0 <nil>
 	// cuda:3 <nil>
 	// host connect: device "tpu": want "cpu", "host", "cuda" or "cuda:N"
+}
+
+// A KV pool exposed once and read by peers many times, each reading the
+// layer it needs as soon as it is ready: every read is an event on the
+// exposure, with the reader's note. The exposure expires if nobody uses
+// it for a minute, and closes at the latest with its Connector.
+func ExampleConnector_Expose() {
+	ctx := context.Background()
+	prefill, err := connect.NewConnector()
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer prefill.Close()
+	decode, err := connect.NewConnector()
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer decode.Close()
+
+	// Passive side: one descriptor per layer, exposed once.
+	layers := [][]byte{[]byte("layer 0 kv"), []byte("layer 1 kv"), []byte("layer 2 kv")}
+	descs := make([]connect.Descriptor, len(layers))
+	for i, l := range layers {
+		descs[i] = connect.NewDescriptor(l)
+	}
+	pool, err := prefill.Expose(ctx, connect.KindRead, descs, connect.WithExpiry(time.Minute))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer pool.Close()
+	token := pool.Metadata()
+
+	// Active side: read each layer with its own selection and a note.
+	for i := range layers {
+		part, err := token.Select(connect.Span{Index: i})
+		if err != nil {
+			log.Fatal(err)
+		}
+		dst := make([]byte, part.Sizes()[0])
+		note := connect.ContextWithNote(ctx, fmt.Appendf(nil, "layer %d done", i))
+		rop, err := decode.BeginRead(note, part, connect.NewDescriptor(dst))
+		if err != nil {
+			log.Fatal(err)
+		}
+		if err := rop.Wait(ctx); err != nil {
+			log.Fatal(err)
+		}
+		fmt.Printf("read %q\n", dst)
+	}
+
+	// The passive side hears of each read, from whom and with what note.
+	for range layers {
+		ev := <-pool.Events()
+		fmt.Printf("event: err=%v note=%q from decode: %t\n", ev.Err, ev.Note, ev.Peer == decode.AgentInfo().ID())
+	}
+	fmt.Println("dropped:", pool.Dropped())
+	// Output:
+	// read "layer 0 kv"
+	// read "layer 1 kv"
+	// read "layer 2 kv"
+	// event: err=<nil> note="layer 0 done" from decode: true
+	// event: err=<nil> note="layer 1 done" from decode: true
+	// event: err=<nil> note="layer 2 done" from decode: true
+	// dropped: 0
+}
+
+// A reader that will not use a token says so, and the exposing side stops
+// waiting at once instead of at its deadline.
+func ExampleConnector_Release() {
+	ctx := context.Background()
+	prefill, err := connect.NewConnector()
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer prefill.Close()
+	decode, err := connect.NewConnector()
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer decode.Close()
+
+	op, err := prefill.CreateReadable(ctx, connect.NewDescriptor([]byte("block the reader has already")))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer op.Close()
+
+	if err := decode.Release(ctx, op.Metadata()); err != nil {
+		log.Fatal(err)
+	}
+	err = op.Wait(ctx)
+	fmt.Println(errors.Is(err, connect.ErrReleased), op.Status())
+	// Output:
+	// true STOP
 }
