@@ -20,7 +20,9 @@ import (
 // with the others; each transfer's outcome arrives on Events. Create one
 // with [Connector.Expose]. The memory it names must stay alive until Close
 // returns; for a WRITE exposure the caller must not touch it while peers
-// may write it. It is safe for concurrent use.
+// may write it, and peers writing at once should write disjoint parts (as
+// two goroutines writing the same bytes would, they race). It is safe for
+// concurrent use.
 type Exposure struct {
 	c    *Connector
 	name string // "readable" or "writable", as in TransferError.Op
