@@ -19,6 +19,10 @@ type Exposed struct {
 	Descriptors []connect.Descriptor  // the memory; stays the caller's (see Done)
 	Data        []byte                // optional application payload of the reply
 	Header      nats.Header           // optional application headers of the reply
+	// Options configure the exposure ([connect.WithExpiry],
+	// [connect.WithEventBuffer]). Without a WithExpiry among them it
+	// expires unused after 30 s, whatever the Connector's own expiry.
+	Options []connect.ExposeOption
 	// Done, when set, is called once the memory is no longer exposed:
 	// with nil when the requester's transfer completed; otherwise with
 	// why it ended: the requester's failure, cancellation or release (a
@@ -46,7 +50,6 @@ type ExposureService struct {
 
 	conn *connect.Connector
 	fn   ExposeFunc
-	opts []connect.ExposeOption
 
 	ctx    context.Context // cancelled by Close: closes what is still exposed
 	cancel context.CancelFunc
@@ -65,22 +68,17 @@ type ExposureService struct {
 // or a presence registry it joined report it), or the exposure expires
 // unused. A transfer that could not start ([connect.ErrNotStarted]) closes
 // nothing: the requester may try again. It serves as [Serve] does (queue
-// group "goxfer", at most 64 requests at once).
-//
-// opts configure each exposure; by default it expires unused after 30 s
-// ([connect.WithExpiry] among opts overrides that, and the Connector's
-// own expiry). The service owns one goroutine per open exposure, and
+// group, concurrency and logger as [Serve]'s, with the same options).
+// Each exposure expires unused after 30 s unless the Exposed's Options
+// say otherwise. The service owns one goroutine per open exposure, and
 // Close closes them.
-func ServeExposures(nc *nats.Conn, subject string, conn *connect.Connector, fn ExposeFunc, opts ...connect.ExposeOption) (*ExposureService, error) {
+func ServeExposures(nc *nats.Conn, subject string, conn *connect.Connector, fn ExposeFunc, opts ...ServeOption) (*ExposureService, error) {
 	if conn == nil || fn == nil {
 		return nil, fmt.Errorf("%w: ServeExposures needs a Connector and an ExposeFunc", ErrInvalidOption)
 	}
-	s := &ExposureService{
-		conn: conn, fn: fn,
-		opts: append([]connect.ExposeOption{connect.WithExpiry(defaultServeExpiry)}, opts...),
-	}
+	s := &ExposureService{conn: conn, fn: fn}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
-	svc, err := Serve(nc, subject, s.handle)
+	svc, err := Serve(nc, subject, s.handle, opts...)
 	if err != nil {
 		s.cancel()
 		return nil, err
@@ -98,7 +96,8 @@ func (s *ExposureService) handle(ctx context.Context, req *ServiceRequest) (*Rep
 	if ex == nil {
 		return nil, errors.New("goxfer/nats: the ExposeFunc returned nothing to expose")
 	}
-	e, err := s.conn.Expose(ctx, ex.Kind, ex.Descriptors, s.opts...)
+	opts := append([]connect.ExposeOption{connect.WithExpiry(defaultServeExpiry)}, ex.Options...)
+	e, err := s.conn.Expose(ctx, ex.Kind, ex.Descriptors, opts...)
 	if err != nil {
 		if ex.Done != nil {
 			ex.Done(err)

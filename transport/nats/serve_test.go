@@ -26,10 +26,11 @@ func serveBlocks(t *testing.T, nc *nats.Conn, subject string, server *connect.Co
 	s, err := ServeExposures(nc, subject, server, func(ctx context.Context, req *ServiceRequest) (*Exposed, error) {
 		return &Exposed{
 			Kind: kind, Descriptors: []connect.Descriptor{connect.NewDescriptor(bytes.Clone(block))},
-			Data: []byte("block 7"),
-			Done: func(err error) { outcomes <- err },
+			Data:    []byte("block 7"),
+			Options: opts,
+			Done:    func(err error) { outcomes <- err },
 		}, nil
-	}, opts...)
+	}, WithLogger(quietLog))
 	require.NoError(t, err)
 	t.Cleanup(func() { assert.NoError(t, s.Close()) })
 	return s, outcomes
@@ -188,6 +189,8 @@ func TestServeExposuresErrors(t *testing.T) {
 	require.ErrorIs(t, err, ErrInvalidOption)
 	_, err = ServeExposures(nc, "kv", server, nil)
 	require.ErrorIs(t, err, ErrInvalidOption)
+	_, err = ServeExposures(nc, "kv", server, func(context.Context, *ServiceRequest) (*Exposed, error) { return nil, nil }, WithConcurrency(0))
+	require.ErrorIs(t, err, ErrInvalidOption)
 
 	done := make(chan error, 1)
 	s, err := ServeExposures(nc, "bad", server, func(_ context.Context, req *ServiceRequest) (*Exposed, error) {
@@ -195,7 +198,7 @@ func TestServeExposuresErrors(t *testing.T) {
 			return nil, &HandlerError{Code: "no-block", Message: "no such block"}
 		}
 		return &Exposed{Descriptors: []connect.Descriptor{connect.NewDescriptor(block)}, Done: func(err error) { done <- err }}, nil
-	})
+	}, WithLogger(quietLog))
 	require.NoError(t, err)
 	t.Cleanup(func() { assert.NoError(t, s.Close()) })
 	_, err = Request(ctx, nc, "bad", []byte("refuse"))
