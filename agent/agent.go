@@ -12,6 +12,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/goxfer/goxfer/agent/devmem"
+	"github.com/goxfer/goxfer/internal/oneline"
 )
 
 // Option configures an [Agent], given to [New].
@@ -286,6 +287,7 @@ func (a *Agent) isClosed() bool { return a.closed.Load() }
 // backends that implement KeyedReacher are told; a notification names none.
 func (a *Agent) choose(ctx context.Context, peer Info, key Key, acc Access, force string, remoteVRAM bool) (Backend, error) {
 	var why []error
+	notable := false // a backend passed over should have worked
 	for _, b := range a.backends {
 		if force != "" && b.Name() != force {
 			continue
@@ -298,6 +300,9 @@ func (a *Agent) choose(ctx context.Context, peer Info, key Key, acc Access, forc
 				return nil, fmt.Errorf("%w: choosing a backend for peer %s: %s: %w", ErrCancelled, peer.ID, b.Name(), ctxErr(ctx))
 			}
 			why = append(why, fmt.Errorf("%s: %w", b.Name(), err))
+			if _, published := peer.Conn(b.Name()); published && !errors.Is(err, ErrOutOfReach) {
+				notable = true
+			}
 			continue
 		}
 		ok := b.Supports(KindDRAM)
@@ -309,15 +314,16 @@ func (a *Agent) choose(ctx context.Context, peer Info, key Key, acc Access, forc
 		}
 		if ok {
 			if len(why) > 0 {
-				a.noteFallback(peer.ID, b.Name(), why)
+				a.noteFallback(peer.ID, b.Name(), why, notable)
 			}
 			return b, nil
 		}
+		notable = true
 	}
 	if force != "" && len(why) == 0 {
 		return nil, fmt.Errorf("%w: backend %q is not configured (have %v)", ErrNoBackend, force, a.Backends())
 	}
-	return nil, fmt.Errorf("%w for peer %s: %w", ErrNoBackend, peer.ID, errors.Join(why...))
+	return nil, fmt.Errorf("%w for peer %s: %w", ErrNoBackend, peer.ID, oneline.Join(why...))
 }
 
 // ctxErr is why ctx ended: ctx.Err(), joined with its cause when the
@@ -339,12 +345,20 @@ func reachable(ctx context.Context, b Backend, peer Info, key Key, acc Access) e
 
 // noteFallback logs, once per peer and chosen backend, that preferred
 // backends were passed over and why: a fast path that is unavailable falls
-// back silently for the caller but visibly for the operator.
-func (a *Agent) noteFallback(peer uuid.UUID, chosen string, why []error) {
-	if _, seen := a.fallbacks.LoadOrStore(peer.String()+"/"+chosen, true); seen {
+// back silently for the caller but visibly for the operator. Notable
+// fallbacks (a backend the peer publishes refused for a reason other than
+// [ErrOutOfReach]: cma denied on the same host, say) are logged at Info
+// level; the normal path (mem passed over for a peer in another process,
+// cma for one on another host) only at Debug level.
+func (a *Agent) noteFallback(peer uuid.UUID, chosen string, why []error, notable bool) {
+	level := slog.LevelDebug
+	if notable {
+		level = slog.LevelInfo
+	}
+	if _, seen := a.fallbacks.LoadOrStore(peer.String()+"/"+chosen+"/"+level.String(), true); seen {
 		return
 	}
-	a.log.Info("goxfer: preferred backends unavailable for peer", "peer", peer, "using", chosen, "reasons", errors.Join(why...).Error())
+	a.log.Log(context.Background(), level, "goxfer: preferred backends unavailable for peer", "peer", peer, "using", chosen, "reasons", oneline.Join(why...).Error())
 }
 
 // Post validates r, picks a backend and starts the transfer without waiting
@@ -624,6 +638,6 @@ func (a *Agent) Close() error {
 	if err := a.closeStaging(); err != nil {
 		errs = append(errs, err)
 	}
-	a.closeErr = errors.Join(errs...)
+	a.closeErr = oneline.Join(errs...)
 	return a.closeErr
 }

@@ -33,4 +33,22 @@ var (
 	// host memory: no device driver, a copy that failed, or no staging
 	// buffer free in time (see WithStaging).
 	ErrStaging = errors.New("goxfer: device staging failed")
+	// ErrOutOfReach reports a peer that a backend cannot reach by design,
+	// not by fault: mem's peer in another process, cma's peer on another
+	// host. Backends return it from Reachable through [OutOfReach]. When
+	// the agent passes over such backends for the next one, it logs so at
+	// Debug level only: that is the normal path; any other refusal (cma
+	// denied on the same host, say) is logged at Info level.
+	ErrOutOfReach = errors.New("goxfer: peer out of the backend's reach")
 )
+
+// OutOfReach returns an error with the text reason that matches
+// [ErrOutOfReach]: for a backend's Reachable to say, in its own words, that
+// the peer is where the backend never reaches ("peer is in another
+// process").
+func OutOfReach(reason string) error { return &outOfReach{reason} }
+
+type outOfReach struct{ reason string }
+
+func (e *outOfReach) Error() string        { return e.reason }
+func (e *outOfReach) Is(target error) bool { return target == ErrOutOfReach }

@@ -5,12 +5,13 @@ import (
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"slices"
 	"sort"
 	"sync"
 	"unsafe"
+
+	"github.com/goxfer/goxfer/internal/oneline"
 )
 
 // MemKind is the kind of memory a region lives in.
@@ -230,7 +231,7 @@ func (a *Agent) unref(keys []regKey) error {
 		}
 	}
 	a.shrinkRegs()
-	return errors.Join(errs...)
+	return oneline.Join(errs...)
 }
 
 // shrinkRegs rebuilds the registration map once it holds a quarter of its
@@ -273,7 +274,7 @@ func (a *Agent) deregister(e regEntry) error {
 		}
 		i++
 	}
-	return errors.Join(errs...)
+	return oneline.Join(errs...)
 }
 
 // regionSet answers "which exposed region holds [addr, addr+n)" quickly for

@@ -1,7 +1,6 @@
 package agent
 
 import (
-	"errors"
 	"fmt"
 	"math/bits"
 	"sync"
@@ -11,6 +10,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/goxfer/goxfer/agent/devmem"
+	"github.com/goxfer/goxfer/internal/oneline"
 )
 
 // Staging defaults: see [WithStaging].
@@ -363,7 +363,7 @@ func (sp *streamPool) close() error {
 		}
 	}
 	sp.free = nil
-	return errors.Join(errs...)
+	return oneline.Join(errs...)
 }
 
 // staging returns the agent's staging resources, made at first use.
@@ -434,7 +434,7 @@ func (ss *streams) sync() error {
 			errs = append(errs, fmt.Errorf("%w: GPU %d: %w", ErrStaging, dev, err))
 		}
 	}
-	return errors.Join(errs...)
+	return oneline.Join(errs...)
 }
 
 // release syncs the streams and gives them back to the pool.

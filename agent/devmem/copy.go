@@ -1,6 +1,6 @@
 package devmem
 
-import "errors"
+import "github.com/goxfer/goxfer/internal/oneline"
 
 // CopyToDevice copies src into device memory at dst on GPU dev and waits
 // for the copy: for tests, benchmarks and examples that fill device memory.
@@ -10,7 +10,7 @@ func CopyToDevice(d Driver, dev int, dst uintptr, src []byte) error {
 		return err
 	}
 	err = st.ToDevice(dst, src)
-	return errors.Join(err, st.Close())
+	return oneline.Join(err, st.Close())
 }
 
 // CopyToHost copies len(dst) bytes of device memory at src on GPU dev
@@ -21,7 +21,7 @@ func CopyToHost(d Driver, dev int, dst []byte, src uintptr) error {
 		return err
 	}
 	err = st.ToHost(dst, src)
-	return errors.Join(err, st.Close())
+	return oneline.Join(err, st.Close())
 }
 
 // CopyDevice copies n bytes of device memory from src to dst on a stream
@@ -32,5 +32,5 @@ func CopyDevice(d Driver, dev int, dst, src uintptr, n int) error {
 		return err
 	}
 	err = st.Copy(dst, src, n)
-	return errors.Join(err, st.Close())
+	return oneline.Join(err, st.Close())
 }

@@ -9,6 +9,8 @@ import (
 	"unsafe"
 
 	"github.com/ebitengine/purego"
+
+	"github.com/goxfer/goxfer/internal/oneline"
 )
 
 // libcuda is the driver library's name; tests point it elsewhere.
@@ -288,7 +290,7 @@ func (d *cudaDriver) Check(ptr uintptr, n uint64, dev int) error {
 // context.
 func (d *cudaDriver) Alloc(dev int, n int) (uintptr, error) {
 	if n <= 0 {
-		return 0, fmt.Errorf("devmem: cuda: allocation of %d bytes", n)
+		return 0, fmt.Errorf("devmem: CUDA: allocation of %d bytes", n)
 	}
 	var p uintptr
 	err := d.inContext(dev, func(a *cudaAPI) error {
@@ -309,7 +311,7 @@ func (d *cudaDriver) Free(ptr uintptr) error {
 		return err
 	}
 	if pi.unknown != nil || pi.memType != cuMemTypeDevice {
-		return fmt.Errorf("%w: cuda: free of 0x%x, which is not device memory CUDA knows", ErrNotDevice, ptr)
+		return fmt.Errorf("%w: CUDA: free of 0x%x, which is not device memory CUDA knows", ErrNotDevice, ptr)
 	}
 	return d.inContext(int(pi.ordinal), func(a *cudaAPI) error { return a.check("cuMemFree_v2", call(a.memFree, ptr)) })
 }
@@ -319,7 +321,7 @@ func (d *cudaDriver) Free(ptr uintptr) error {
 // memory.
 func (d *cudaDriver) HostAlloc(n int) ([]byte, error) {
 	if n <= 0 {
-		return nil, fmt.Errorf("devmem: cuda: host allocation of %d bytes", n)
+		return nil, fmt.Errorf("devmem: CUDA: host allocation of %d bytes", n)
 	}
 	var p unsafe.Pointer
 	err := d.inContext(0, func(a *cudaAPI) error {
@@ -334,7 +336,7 @@ func (d *cudaDriver) HostAlloc(n int) ([]byte, error) {
 // HostFree frees memory from HostAlloc with cuMemFreeHost.
 func (d *cudaDriver) HostFree(b []byte) error {
 	if len(b) == 0 {
-		return fmt.Errorf("devmem: cuda: free of empty host memory")
+		return fmt.Errorf("devmem: CUDA: free of empty host memory")
 	}
 	return d.inContext(0, func(a *cudaAPI) error {
 		return a.check("cuMemFreeHost", call(a.memFreeHost, uintptr(unsafe.Pointer(unsafe.SliceData(b)))))
@@ -356,7 +358,7 @@ func (d *cudaDriver) NewStream(dev int) (Stream, error) {
 }
 
 // errStreamClosed is the error of a stream used after Close.
-var errStreamClosed = errors.New("devmem: cuda: stream used after Close")
+var errStreamClosed = errors.New("devmem: CUDA: stream used after Close")
 
 // cudaStream is a CUDA stream. The driver reads and writes the host
 // memory of a queued copy after the call that queued it returns, so the
@@ -412,7 +414,7 @@ func (st *cudaStream) Copy(dst, src uintptr, n int) error {
 		return errStreamClosed
 	}
 	if n < 0 {
-		return fmt.Errorf("devmem: cuda: copy of %d bytes", n)
+		return fmt.Errorf("devmem: CUDA: copy of %d bytes", n)
 	}
 	if n == 0 {
 		return nil
@@ -448,5 +450,5 @@ func (st *cudaStream) Close() error {
 		return a.check("cuStreamDestroy_v2", call(a.streamDestroy, st.s))
 	})
 	st.s, st.held = 0, nil
-	return errors.Join(err, derr)
+	return oneline.Join(err, derr)
 }

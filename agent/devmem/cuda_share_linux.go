@@ -11,6 +11,8 @@ import (
 
 	"github.com/ebitengine/purego"
 	"golang.org/x/sys/unix"
+
+	"github.com/goxfer/goxfer/internal/oneline"
 )
 
 // Constants of sharing, from cuda.h.
@@ -171,7 +173,7 @@ func (m *cudaMapping) Close() error {
 		if m.kind == ShareHandle {
 			return a.check("cuIpcCloseMemHandle", call(sa.ipcClose, m.ptr))
 		}
-		return errors.Join(
+		return oneline.Join(
 			a.check("cuMemUnmap", call(sa.unmap, m.ptr, uintptr(m.size))),
 			a.check("cuMemAddressFree", call(sa.addressFree, m.ptr, uintptr(m.size))))
 	})
@@ -272,7 +274,7 @@ func (d *cudaDriver) shareInfo(ptr uintptr, dev int) (*shareInfo, error) {
 		return nil
 	})
 	if ce := (*cudaError)(nil); errors.As(err, &ce) && ce.code == cuErrInvalidValue {
-		return nil, fmt.Errorf("%w: cuda: export: 0x%x is not memory CUDA knows (%v)", ErrNotDevice, ptr, err)
+		return nil, fmt.Errorf("%w: CUDA: export: 0x%x is not memory CUDA knows (%v)", ErrNotDevice, ptr, err)
 	}
 	return si, err
 }
@@ -290,20 +292,20 @@ func (d *cudaDriver) Export(ptr uintptr, dev int) (Share, error) {
 		return Share{}, err
 	}
 	if from := d.importedAt(ptr); from != nil {
-		return Share{}, fmt.Errorf("%w: cuda: 0x%x is in a mapping imported from another process; only its owner exports it", ErrNotShareable, ptr)
+		return Share{}, fmt.Errorf("%w: CUDA: 0x%x is in a mapping imported from another process; only its owner exports it", ErrNotShareable, ptr)
 	}
 	si, err := d.shareInfo(ptr, dev)
 	switch {
 	case err != nil:
 		return Share{}, err
 	case si.memType == 0:
-		return Share{}, fmt.Errorf("%w: cuda: export: 0x%x is not memory CUDA knows", ErrNotDevice, ptr)
+		return Share{}, fmt.Errorf("%w: CUDA: export: 0x%x is not memory CUDA knows", ErrNotDevice, ptr)
 	case si.memType != cuMemTypeDevice:
-		return Share{}, fmt.Errorf("%w: cuda: export: 0x%x is CUDA memory of type %d, not device memory", ErrNotDevice, ptr, si.memType)
+		return Share{}, fmt.Errorf("%w: CUDA: export: 0x%x is CUDA memory of type %d, not device memory", ErrNotDevice, ptr, si.memType)
 	case si.managed != 0:
-		return Share{}, fmt.Errorf("%w: cuda: 0x%x is managed (unified) memory, which no IPC shares", ErrNotShareable, ptr)
+		return Share{}, fmt.Errorf("%w: CUDA: 0x%x is managed (unified) memory, which no IPC shares", ErrNotShareable, ptr)
 	case int(si.ordinal) != dev:
-		return Share{}, fmt.Errorf("%w: cuda: export: 0x%x is memory of GPU %d, not of GPU %d", ErrNotDevice, ptr, si.ordinal, dev)
+		return Share{}, fmt.Errorf("%w: CUDA: export: 0x%x is memory of GPU %d, not of GPU %d", ErrNotDevice, ptr, si.ordinal, dev)
 	}
 	u, err := d.uuid(dev)
 	if err != nil {
@@ -321,7 +323,7 @@ func (d *cudaDriver) Export(ptr uintptr, dev int) (Share, error) {
 			return a.check("cuIpcGetMemHandle", call(sa.ipcGet, uintptr(unsafe.Pointer(h)), uintptr(si.start)))
 		})
 		if err != nil {
-			return Share{}, fmt.Errorf("%w: cuda: 0x%x: %w", ErrNotShareable, ptr, err)
+			return Share{}, fmt.Errorf("%w: CUDA: 0x%x: %w", ErrNotShareable, ptr, err)
 		}
 		sh.Kind, sh.Handle = ShareHandle, h.Reserved
 		return sh, nil
@@ -339,7 +341,7 @@ func (d *cudaDriver) Export(ptr uintptr, dev int) (Share, error) {
 		if si.mempool != 0 {
 			pool = ", from a memory pool (cuMemAllocAsync)"
 		}
-		return Share{}, fmt.Errorf("%w: cuda: 0x%x is %s%s, and %s: neither an IPC handle nor a POSIX file descriptor exports it", ErrNotShareable, ptr, legacy, pool, what)
+		return Share{}, fmt.Errorf("%w: CUDA: 0x%x is %s%s, and %s: neither an IPC handle nor a POSIX file descriptor exports it", ErrNotShareable, ptr, legacy, pool, what)
 	}
 	if err := sa.need(&sa.retain, &sa.exportHandle, &sa.release); err != nil {
 		return Share{}, err
@@ -355,13 +357,13 @@ func (d *cudaDriver) Export(ptr uintptr, dev int) (Share, error) {
 			return err
 		}
 		err := a.check("cuMemExportToShareableHandle", call(sa.exportHandle, uintptr(unsafe.Pointer(fd)), uintptr(h), cuHandlePosixFD, 0))
-		return errors.Join(err, a.check("cuMemRelease", call(sa.release, uintptr(h))))
+		return oneline.Join(err, a.check("cuMemRelease", call(sa.release, uintptr(h))))
 	})
 	if err != nil {
 		if *fd >= 0 {
 			_ = unix.Close(int(*fd))
 		}
-		return Share{}, fmt.Errorf("%w: cuda: 0x%x: %w", ErrNotShareable, ptr, err)
+		return Share{}, fmt.Errorf("%w: CUDA: 0x%x: %w", ErrNotShareable, ptr, err)
 	}
 	sh.Kind, sh.FD = ShareFD, int(*fd)
 	return sh, nil
@@ -397,15 +399,15 @@ func (d *cudaDriver) Import(s Share, near int) (Mapping, error) {
 	}
 	switch {
 	case near < -1 || near >= n:
-		return nil, fmt.Errorf("%w: cuda: import near GPU %d, want -1 or a GPU of [0, %d)", ErrNotDevice, near, n)
+		return nil, fmt.Errorf("%w: CUDA: import near GPU %d, want -1 or a GPU of [0, %d)", ErrNotDevice, near, n)
 	case s.Kind != ShareHandle && s.Kind != ShareFD:
-		return nil, fmt.Errorf("%w: cuda: share of kind %v, want handle or fd", ErrNotDevice, s.Kind)
+		return nil, fmt.Errorf("%w: CUDA: share of kind %v, want handle or fd", ErrNotDevice, s.Kind)
 	case s.Size == 0 || s.Size > maxCUDAShare:
-		return nil, fmt.Errorf("%w: cuda: share of %d bytes, want 1 to %d", ErrNotDevice, s.Size, uint64(maxCUDAShare))
+		return nil, fmt.Errorf("%w: CUDA: share of %d bytes, want 1 to %d", ErrNotDevice, s.Size, uint64(maxCUDAShare))
 	case s.Kind == ShareHandle && s.Handle == [HandleSize]byte{}:
-		return nil, fmt.Errorf("%w: cuda: handle share with an empty handle", ErrNotDevice)
+		return nil, fmt.Errorf("%w: CUDA: handle share with an empty handle", ErrNotDevice)
 	case s.Kind == ShareFD && s.FD < 0:
-		return nil, fmt.Errorf("%w: cuda: fd share with file descriptor %d", ErrNotDevice, s.FD)
+		return nil, fmt.Errorf("%w: CUDA: fd share with file descriptor %d", ErrNotDevice, s.FD)
 	}
 	dev, err := d.localGPU(s.GPU, near)
 	if err != nil {
@@ -431,8 +433,8 @@ func (d *cudaDriver) Import(s Share, near int) (Mapping, error) {
 				return nil
 			}
 			if uint64(*p) < start || uint64(*p)-start > size || s.Size > size-(uint64(*p)-start) {
-				err := fmt.Errorf("%w: cuda: share of %d bytes of an allocation of %d bytes at 0x%x (opened at 0x%x)", ErrNotDevice, s.Size, size, start, *p)
-				return errors.Join(err, a.check("cuIpcCloseMemHandle", call(sa.ipcClose, *p)))
+				err := fmt.Errorf("%w: CUDA: share of %d bytes of an allocation of %d bytes at 0x%x (opened at 0x%x)", ErrNotDevice, s.Size, size, start, *p)
+				return oneline.Join(err, a.check("cuIpcCloseMemHandle", call(sa.ipcClose, *p)))
 			}
 			return nil
 		})
@@ -440,7 +442,7 @@ func (d *cudaDriver) Import(s Share, near int) (Mapping, error) {
 			if errors.Is(err, ErrNotDevice) {
 				return nil, err
 			}
-			return nil, fmt.Errorf("%w: cuda: open the IPC handle of allocation %d on GPU %d: %w", ErrNotShareable, s.ID, dev, err)
+			return nil, fmt.Errorf("%w: CUDA: open the IPC handle of allocation %d on GPU %d: %w", ErrNotShareable, s.ID, dev, err)
 		}
 		m.ptr = *p
 	} else {
@@ -454,13 +456,13 @@ func (d *cudaDriver) Import(s Share, near int) (Mapping, error) {
 			}
 			p, err := a.mapVMM(h, uintptr(s.Size), dev)
 			m.ptr = p
-			return errors.Join(err, a.check("cuMemRelease", call(sa.release, uintptr(h))))
+			return oneline.Join(err, a.check("cuMemRelease", call(sa.release, uintptr(h))))
 		})
 		if err != nil && m.ptr != 0 {
-			err = errors.Join(err, d.inContext(dev, func(a *cudaAPI) error { return a.unmapVMM(m.ptr, uintptr(s.Size)) }))
+			err = oneline.Join(err, d.inContext(dev, func(a *cudaAPI) error { return a.unmapVMM(m.ptr, uintptr(s.Size)) }))
 		}
 		if err != nil {
-			return nil, fmt.Errorf("%w: cuda: import allocation %d by file descriptor on GPU %d: %w", ErrNotShareable, s.ID, dev, err)
+			return nil, fmt.Errorf("%w: CUDA: import allocation %d by file descriptor on GPU %d: %w", ErrNotShareable, s.ID, dev, err)
 		}
 	}
 	d.mu.Lock()
@@ -482,11 +484,11 @@ func (a *cudaAPI) mapVMM(h uint64, size uintptr, dev int) (uintptr, error) {
 		return 0, err
 	}
 	if err := a.check("cuMemMap", call(sa.mapMem, p, size, 0, uintptr(h), 0)); err != nil {
-		return 0, errors.Join(err, a.check("cuMemAddressFree", call(sa.addressFree, p, size)))
+		return 0, oneline.Join(err, a.check("cuMemAddressFree", call(sa.addressFree, p, size)))
 	}
 	desc := &cuMemAccessDesc{Location: cuMemLocation{Type: cuLocationDevice, ID: int32(dev)}, Flags: cuAccessReadWrite}
 	if err := a.check("cuMemSetAccess", call(sa.access, p, size, uintptr(unsafe.Pointer(desc)), 1)); err != nil {
-		return 0, errors.Join(err, a.unmapVMM(p, size))
+		return 0, oneline.Join(err, a.unmapVMM(p, size))
 	}
 	return p, nil
 }
@@ -494,7 +496,7 @@ func (a *cudaAPI) mapVMM(h uint64, size uintptr, dev int) (uintptr, error) {
 // unmapVMM undoes mapVMM.
 func (a *cudaAPI) unmapVMM(p, size uintptr) error {
 	sa := &a.share
-	return errors.Join(
+	return oneline.Join(
 		a.check("cuMemUnmap", call(sa.unmap, p, size)),
 		a.check("cuMemAddressFree", call(sa.addressFree, p, size)))
 }
@@ -505,7 +507,7 @@ func (a *cudaAPI) unmapVMM(p, size uintptr) error {
 // unmaps them, which frees the memory once no importer maps it.
 func (d *cudaDriver) AllocShareable(dev int, n int) (uintptr, error) {
 	if n <= 0 {
-		return 0, fmt.Errorf("devmem: cuda: allocation of %d bytes", n)
+		return 0, fmt.Errorf("devmem: CUDA: allocation of %d bytes", n)
 	}
 	a, err := d.load()
 	if err != nil {
@@ -524,7 +526,7 @@ func (d *cudaDriver) AllocShareable(dev int, n int) (uintptr, error) {
 			return err
 		}
 		if g == 0 {
-			return fmt.Errorf("devmem: cuda: cuMemGetAllocationGranularity: granularity 0")
+			return fmt.Errorf("devmem: CUDA: cuMemGetAllocationGranularity: granularity 0")
 		}
 		size = (uintptr(n) + g - 1) / g * g
 		var h uint64
@@ -535,9 +537,9 @@ func (d *cudaDriver) AllocShareable(dev int, n int) (uintptr, error) {
 		p, err = a.mapVMM(h, size, dev)
 		// The mapping holds the memory from here on: Free's unmapping
 		// releases it.
-		err = errors.Join(err, a.check("cuMemRelease", call(sa.release, uintptr(h))))
+		err = oneline.Join(err, a.check("cuMemRelease", call(sa.release, uintptr(h))))
 		if err != nil && p != 0 {
-			err = errors.Join(err, a.unmapVMM(p, size))
+			err = oneline.Join(err, a.unmapVMM(p, size))
 		}
 		return err
 	})
@@ -565,7 +567,7 @@ func (d *cudaDriver) freeShared(ptr uintptr) (done bool, err error) {
 	d.mu.Unlock()
 	switch {
 	case imported:
-		return true, fmt.Errorf("%w: cuda: free of 0x%x, a mapping imported from another process; Close the Mapping", ErrNotDevice, ptr)
+		return true, fmt.Errorf("%w: CUDA: free of 0x%x, a mapping imported from another process; Close the Mapping", ErrNotDevice, ptr)
 	case isVMM:
 		return true, d.inContext(v.dev, func(a *cudaAPI) error { return a.unmapVMM(ptr, uintptr(v.size)) })
 	}

@@ -1,7 +1,6 @@
 package devmem
 
 import (
-	"errors"
 	"fmt"
 	"os"
 	"slices"
@@ -10,6 +9,8 @@ import (
 	"sync/atomic"
 	"time"
 	"unsafe"
+
+	"github.com/goxfer/goxfer/internal/oneline"
 )
 
 // Sim is a simulated device driver for machines without a GPU. Its device
@@ -216,7 +217,7 @@ func (s *Sim) Free(ptr uintptr) error {
 	}
 	s.allocs = slices.Delete(s.allocs, i, i+1)
 	s.mu.Unlock()
-	return errors.Join(unmapMem(a.view), unmapMem(a.back), simCloseFD(a.fd))
+	return oneline.Join(unmapMem(a.view), unmapMem(a.back), simCloseFD(a.fd))
 }
 
 // find returns the allocation holding [ptr, ptr+n). The caller holds s.mu.

@@ -12,6 +12,8 @@ import (
 	"strings"
 	"sync/atomic"
 	"unsafe"
+
+	"github.com/goxfer/goxfer/internal/oneline"
 )
 
 // How the simulator shares memory between processes. Each allocation's
@@ -322,5 +324,5 @@ func (m *simMapping) Close() error {
 	a := s.allocs[i]
 	s.allocs = slices.Delete(s.allocs, i, i+1)
 	s.mu.Unlock()
-	return errors.Join(unmapMem(a.view), unmapMem(a.back))
+	return oneline.Join(unmapMem(a.view), unmapMem(a.back))
 }

@@ -23,6 +23,7 @@ import (
 	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/agent/backend/internal/serve"
 	"github.com/goxfer/goxfer/internal/hostid"
+	"github.com/goxfer/goxfer/internal/oneline"
 )
 
 // Backend is the cross-memory-attach backend: an [agent.Backend] that is
@@ -97,7 +98,7 @@ func New(opts ...Option) *Backend {
 			errs = append(errs, err)
 		}
 	}
-	b.optErr = errors.Join(errs...)
+	b.optErr = oneline.Join(errs...)
 	// A failing option changed nothing: the limits are valid.
 	b.stats.Classes = serve.Classes{Limit: errLimit, Protocol: errProtocol}
 	b.byPID = serve.NewCaps[int](b.cfg.maxConnsPerProc)

@@ -19,6 +19,7 @@ import (
 
 	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/agent/devmem"
+	"github.com/goxfer/goxfer/internal/oneline"
 )
 
 // The same-host device path (CUDA IPC). When both sides' agents have a
@@ -584,7 +585,7 @@ func (st *xstate) copyDevice(t task) error {
 	if err != nil {
 		err = fmt.Errorf("cma: %v of peer %s's GPU memory (mapped): %w", st.x.Op, p.id, err)
 	}
-	return errors.Join(hostErr, err)
+	return oneline.Join(hostErr, err)
 }
 
 // mergeCopy appends c to cs, or extends the last copy if c continues it on
@@ -684,7 +685,7 @@ func runCopies(d *devState, cs []devCopy) error {
 		}
 		d.idle(u.gpu, u.s)
 	}
-	return errors.Join(errs...)
+	return oneline.Join(errs...)
 }
 
 // vmPiece copies one piece between local host memory and the peer's, at

@@ -57,6 +57,15 @@ func TestLimitOptions(t *testing.T) {
 	}
 }
 
+// Every invalid option is reported, on one line.
+func TestInvalidOptionsOnOneLine(t *testing.T) {
+	_, err := agent.New(agent.WithBackends(New(WithMaxConnsPerProcess(0), WithMaxHandshakes(0), nil)))
+	require.ErrorIs(t, err, agent.ErrInvalidOption)
+	assert.NotContains(t, err.Error(), "\n")
+	assert.Contains(t, err.Error(), "; ")
+	assert.Contains(t, err.Error(), "nil option")
+}
+
 // A peer that trickles a handshake or a frame is cut within the timeout and
 // counted; one that is merely idle between frames keeps its connection (the
 // copying side holds it open without keepalives).

@@ -4,11 +4,11 @@ package cma
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"runtime"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/internal/oneline"
 )
 
 var errUnsupported = fmt.Errorf("cma: cross-memory attach needs Linux, this is %s", runtime.GOOS)
@@ -33,7 +33,7 @@ func New(opts ...Option) *Backend {
 			errs = append(errs, err)
 		}
 	}
-	return &Backend{optErr: errors.Join(errs...)}
+	return &Backend{optErr: oneline.Join(errs...)}
 }
 
 // Name implements [agent.Backend].

@@ -23,7 +23,8 @@ const retryFailed = 30 * time.Second
 
 // Reachable implements [agent.Backend]. The peer must publish cma connection
 // information with this host's identity (same boot, PID and network
-// namespaces) and must let this process read its memory. The first call for
+// namespaces; a peer elsewhere is out of reach, [agent.ErrOutOfReach]) and
+// must let this process read its memory. The first call for
 // a peer connects to it and proves that with a trial process_vm_readv; the
 // verdict is cached, so later calls cost a map lookup. That probe does local
 // I/O, bounded by WithTimeout and run by the backend, not the caller: every
@@ -58,7 +59,7 @@ func (b *Backend) reach(ctx context.Context, info agent.Info, key agent.Key, acc
 		return errors.New("cma backend not started")
 	}
 	if len(raw) >= 9 && [8]byte(raw[1:9]) != b.self.host {
-		return errors.New("peer runs on another host, or in another PID or network namespace")
+		return agent.OutOfReach("peer runs on another host, or in another PID or network namespace")
 	}
 	// At most a few rounds: a probe started by a caller with another key,
 	// or none, may fail where this caller's key would pass.

@@ -82,15 +82,16 @@ func (b *Backend) Start(h agent.Host) ([]byte, error) {
 	return process(), nil
 }
 
-// Reachable implements [agent.Backend]: the peer must live in this process.
-// It never blocks.
+// Reachable implements [agent.Backend]: the peer must live in this process;
+// one in another process is out of reach ([agent.ErrOutOfReach]). It never
+// blocks.
 func (b *Backend) Reachable(_ context.Context, info agent.Info) error {
 	ci, ok := info.Conn(Name)
 	if !ok {
 		return errors.New("peer has no mem backend")
 	}
 	if !bytes.Equal(ci, process()) {
-		return errors.New("peer is in another process")
+		return agent.OutOfReach("peer is in another process")
 	}
 	if lookup(info.ID) == nil {
 		return fmt.Errorf("peer %s: %w", info.ID, agent.ErrRemoteLost)

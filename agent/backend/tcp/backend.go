@@ -38,6 +38,7 @@ import (
 
 	"github.com/goxfer/goxfer/agent"
 	"github.com/goxfer/goxfer/agent/backend/internal/serve"
+	"github.com/goxfer/goxfer/internal/oneline"
 )
 
 // Name is the backend's name in metadata and reports.
@@ -102,7 +103,7 @@ func New(opts ...Option) *Backend {
 			errs = append(errs, err)
 		}
 	}
-	b.optErr = errors.Join(errs...)
+	b.optErr = oneline.Join(errs...)
 	// An option that failed left its default in place: the limits are valid.
 	b.byIP = serve.NewCaps[netip.Addr](b.cfg.maxConnsPerIP)
 	b.byPeer = serve.NewCaps[peerAddr](b.cfg.maxConnsPerPeer)

@@ -89,6 +89,15 @@ func TestInvalidOptions(t *testing.T) {
 	}
 }
 
+// Every invalid option is reported, on one line.
+func TestInvalidOptionsOnOneLine(t *testing.T) {
+	_, err := agent.New(agent.WithBackends(New(WithStreams(0), WithChunkSize(1), nil)))
+	require.ErrorIs(t, err, agent.ErrInvalidOption)
+	assert.NotContains(t, err.Error(), "\n")
+	assert.Contains(t, err.Error(), "; ")
+	assert.Contains(t, err.Error(), "nil option")
+}
+
 func TestLoopbackToAnotherHost(t *testing.T) {
 	_, b := newAgent(t)
 	other := connInfo{host: [8]byte{1, 2, 3}, addr: "127.0.0.1:4000"}

@@ -1,12 +1,12 @@
 package ucx
 
 import (
-	"errors"
 	"fmt"
 	"strings"
 	"time"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/internal/oneline"
 )
 
 // Option configures a [Backend]; [New] applies them in order, later ones
@@ -156,7 +156,7 @@ func newConfig(opts []Option) (config, error) {
 		}
 	}
 	if len(errs) > 0 {
-		return c, errors.Join(errs...)
+		return c, oneline.Join(errs...)
 	}
 	return c, nil
 }
