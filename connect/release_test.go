@@ -200,3 +200,35 @@ func TestPostedFailureStillFails(t *testing.T) {
 	require.ErrorIs(t, err, errPeerFailed)
 	assert.Contains(t, err.Error(), "wire cut")
 }
+
+// Expiries firing while the Connector closes, and while their operations
+// are closed by hand: nothing deadlocks, every outcome is one of the two,
+// and nothing is left running (TestMain checks for goroutines).
+func TestExpiryRacingClose(t *testing.T) {
+	ctx := guarded(t)
+	for round := range lifetimeRounds(50) {
+		c := startConnector(t, WithExpiry(time.Duration(round%3)*time.Millisecond+time.Microsecond))
+		var ops []waiter
+		var exps []*Exposure
+		for range 4 {
+			ops = append(ops, create(t, c, KindRead, buffers([]int{64}, 1)))
+			e, err := c.Expose(ctx, KindWrite, descriptors(buffers([]int{64}, 1)))
+			require.NoError(t, err)
+			exps = append(exps, e)
+		}
+		if round%2 == 0 {
+			for i := range ops {
+				require.NoError(t, ops[i].Close())
+				require.NoError(t, exps[i].Close())
+			}
+		}
+		require.NoError(t, c.Close())
+		for i := range ops {
+			err := ops[i].Wait(ctx)
+			assert.True(t, errors.Is(err, ErrExpired) || errors.Is(err, ErrClosed), "%v", err)
+			assert.Contains(t, []error{ErrExpired, ErrClosed}, exps[i].Err())
+			requireEventsClosed(t, ctx, exps[i])
+		}
+		requireUnregistered(t, c)
+	}
+}
