@@ -205,10 +205,10 @@ func (e *Exposure) Metadata() Metadata { return e.md }
 // expiry. It is closed once the exposure is closed or expired, after the
 // events reported before that. Its capacity is [WithEventBuffer]'s; an
 // event that finds it full is dropped and counted ([Exposure.Dropped]).
-// A peer lost while no transfer of its was in flight is reported only for
-// the first peer to use the exposure, as the agent tracks one peer per
-// exposure; a transfer cut short by a peer's loss leaves no memory
-// exposed past Close either way.
+// A peer's loss is reported only for the first peer to use the exposure,
+// since the agent binds an exposure to one peer: another peer's transfer
+// cut short by its loss goes unreported (it touches no memory after Close
+// either way).
 func (e *Exposure) Events() <-chan ExposureEvent { return e.events }
 
 // Dropped counts the events dropped because Events was full. (The agent
