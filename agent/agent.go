@@ -541,7 +541,7 @@ func (a *Agent) peerLost(peer uuid.UUID, cause error) {
 	defer a.expMu.RUnlock()
 	for _, e := range a.exps {
 		e.mu.Lock()
-		if e.peer == peer {
+		if e.boundTo(peer) {
 			a.send(e, Event{Kind: EventPeerLost, From: peer, Err: cause})
 		}
 		e.mu.Unlock()

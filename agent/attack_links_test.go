@@ -2,6 +2,7 @@ package agent
 
 import (
 	"errors"
+	"slices"
 	"sync"
 	"testing"
 
@@ -48,9 +49,7 @@ func TestAttackExposureBindsOnePeer(t *testing.T) {
 	a.linkLost(q, nil)
 	a.PeerDeparted(q.Peer, nil)
 	require.Empty(t, drainKinds(e), "the loss of a second key holder reached an exposure bound to another peer")
-	e.mu.Lock()
-	require.Equal(t, []uint64{p.id}, e.links, "only the bound peer's links are remembered")
-	e.mu.Unlock()
+	require.Equal(t, []Link{p}, boundLinks(e), "only the bound peer's links are remembered")
 
 	e.Revoke()
 	a.linkLost(p, nil)
@@ -122,14 +121,51 @@ func TestAttackStrangerStormNeverReachesExposure(t *testing.T) {
 	wg.Wait()
 
 	require.Empty(t, drainKinds(e), "a stranger reached the exposure")
-	e.mu.Lock()
-	require.Equal(t, []uint64{used.id}, e.links, "the exposure's links grew")
-	e.mu.Unlock()
+	require.Equal(t, []Link{used}, boundLinks(e), "the exposure's links grew")
 
 	a.linkLost(used, nil)
 	a.linkLost(used, nil)
 	require.Equal(t, []EventKind{EventPeerLost}, drainKinds(e), "the peer's own loss is heard, once")
+	require.Empty(t, boundLinks(e), "a lost link stays bound")
+}
+
+// boundLinks returns a copy of e's bound links.
+func boundLinks(e *Exposure) []Link {
 	e.mu.Lock()
-	require.Empty(t, e.links, "a lost link stays bound")
-	e.mu.Unlock()
+	defer e.mu.Unlock()
+	return slices.Clone(e.links)
+}
+
+// A shared exposure (ExposeShared) binds every peer that presents its key:
+// the loss of each is heard, From that peer, once per link and once more on
+// word of departure; a stranger that never presented the key still reaches
+// nothing, whatever agent ID it claims.
+func TestSharedExposureBindsEveryPeer(t *testing.T) {
+	a := newTestAgent(t)
+	e, err := a.ExposeShared(AccessRead, []Local{DRAM(make([]byte, 8))}, 16)
+	require.NoError(t, err)
+	p, q := NewLink(uuid.New()), NewLink(uuid.New())
+	for _, l := range []Link{p, q} {
+		ls, err := a.open(l, e.Key(), AccessRead, false)
+		require.NoError(t, err)
+		ls.Release()
+	}
+	require.Equal(t, p.Peer, e.Peer(), "Peer is the first")
+	require.Equal(t, []Link{p, q}, boundLinks(e))
+
+	stranger := NewLink(q.Peer) // claims q's ID, never presented the key
+	a.linkLost(stranger, nil)
+	require.Empty(t, drainKinds(e), "a stranger's hang-up reached the exposure")
+
+	a.linkLost(q, nil)
+	ev := <-e.Events()
+	require.Equal(t, EventPeerLost, ev.Kind)
+	require.Equal(t, q.Peer, ev.From)
+	a.PeerDeparted(p.Peer, nil)
+	ev = <-e.Events()
+	require.Equal(t, EventPeerLost, ev.Kind)
+	require.Equal(t, p.Peer, ev.From)
+	a.PeerDeparted(uuid.New(), nil)
+	require.Empty(t, drainKinds(e), "the departure of an agent that never used it")
+	e.Revoke()
 }

@@ -74,12 +74,13 @@ type Exposure struct {
 	// device memory; notifications delivered afterwards carry it.
 	stageErr error
 	peer     uuid.UUID // first peer that opened a lease or sent a notification
-	// links are the channels through which peer presented the key: only
-	// their loss is the loss of the peer using this exposure. A channel
-	// that never presented the key, whatever agent ID it claims, is not
-	// among them.
-	links []uint64
-	used  time.Time // when a lease last ended or a notification arrived
+	// links are the channels through which peer (or, shared, any peer)
+	// presented the key: only their loss is the loss of a peer using this
+	// exposure. A channel that never presented the key, whatever agent ID
+	// it claims, is not among them.
+	links  []Link
+	shared bool      // ExposeShared: every peer's links bind
+	used   time.Time // when a lease last ended or a notification arrived
 }
 
 // eventBuffer bounds the events queued per exposure; a passive operation
@@ -93,13 +94,19 @@ const eventBuffer = 8
 // fail with [ErrInvalid], a closed agent with [ErrClosed]. Safe for
 // concurrent use.
 func (a *Agent) Expose(acc Access, regions []Local) (*Exposure, error) {
-	return a.ExposeQueue(acc, regions, eventBuffer)
+	return a.expose(acc, regions, eventBuffer, false)
 }
 
-// ExposeQueue is [Agent.Expose] with room for queue events on
-// [Exposure.Events] (at least 1) instead of 8: for an exposure that many
-// peers use, each reporting its own outcome.
-func (a *Agent) ExposeQueue(acc Access, regions []Local, queue int) (*Exposure, error) {
+// ExposeShared is [Agent.Expose] for an exposure that many peers use, each
+// reporting its own outcome: [Exposure.Events] has room for queue events
+// (at least 1) instead of 8, and the links of every peer that presents the
+// key bind, so the loss of any of them is reported ([EventPeerLost], From
+// that peer), not only the first's.
+func (a *Agent) ExposeShared(acc Access, regions []Local, queue int) (*Exposure, error) {
+	return a.expose(acc, regions, queue, true)
+}
+
+func (a *Agent) expose(acc Access, regions []Local, queue int, shared bool) (*Exposure, error) {
 	if queue < 1 {
 		return nil, fmt.Errorf("%w: event queue of %d", ErrInvalid, queue)
 	}
@@ -118,7 +125,7 @@ func (a *Agent) ExposeQueue(acc Access, regions []Local, queue int) (*Exposure, 
 			return nil, err
 		}
 	}
-	e := &Exposure{a: a, key: NewKey(), access: acc, set: newRegionSet(regions), devs: devs, gone: make(chan struct{}), events: make(chan Event, queue)}
+	e := &Exposure{a: a, key: NewKey(), access: acc, set: newRegionSet(regions), devs: devs, gone: make(chan struct{}), events: make(chan Event, queue), shared: shared}
 	e.drained.L = &e.mu
 	a.expMu.Lock()
 	defer a.expMu.Unlock()
@@ -182,9 +189,9 @@ func (e *Exposure) Revoke() {
 }
 
 // bind records that l presented the exposure's key. The first peer to do
-// so becomes the exposure's peer; the links of that peer are remembered so
-// that their loss, and no other, reaches the exposure. It marks the
-// exposure used. Callers hold e.mu.
+// so becomes the exposure's peer; the links of that peer (of every peer,
+// shared) are remembered so that their loss, and no other, reaches the
+// exposure. It marks the exposure used. Callers hold e.mu.
 func (e *Exposure) bind(l Link) {
 	e.used = time.Now()
 	if l.Peer == uuid.Nil || l.id == 0 {
@@ -193,20 +200,29 @@ func (e *Exposure) bind(l Link) {
 	if e.peer == uuid.Nil {
 		e.peer = l.Peer
 	}
-	if l.Peer != e.peer {
+	if l.Peer != e.peer && !e.shared {
 		return
 	}
 	for i := len(e.links) - 1; i >= 0; i-- {
-		if e.links[i] == l.id {
+		if e.links[i].id == l.id {
 			return
 		}
 	}
-	e.links = append(e.links, l.id)
+	e.links = append(e.links, l)
+}
+
+// boundTo reports whether peer is the exposure's peer or, shared, one of
+// the peers whose links bound. Callers hold e.mu.
+func (e *Exposure) boundTo(peer uuid.UUID) bool {
+	if !e.shared {
+		return e.peer == peer
+	}
+	return slices.ContainsFunc(e.links, func(l Link) bool { return l.Peer == peer })
 }
 
 // unbind forgets l and reports whether l was bound. Callers hold e.mu.
 func (e *Exposure) unbind(l Link) bool {
-	i := slices.Index(e.links, l.id)
+	i := slices.IndexFunc(e.links, func(b Link) bool { return b.id == l.id })
 	if i < 0 {
 		return false
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/internal/oneline"
 )
 
 // Connector creates the four kinds of operation over one shared transfer
@@ -150,7 +151,7 @@ func (c *Connector) Close() error {
 			errs = append(errs, e.Close())
 		}
 		errs = append(errs, c.a.Close())
-		c.closeErr = errors.Join(errs...)
+		c.closeErr = oneline.Join(errs...)
 	})
 	return c.closeErr
 }

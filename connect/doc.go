@@ -18,14 +18,22 @@
 //	conn, err := connect.NewConnector()       // one per process; safe for concurrent use
 //	defer conn.Close()
 //
+//	ctx, cancel := context.WithTimeout(ctx, 10*time.Second) // every wait has a deadline
+//	defer cancel()
 //	op, err := conn.CreateReadable(ctx, connect.NewDescriptor(src)) // passive side
+//	defer op.Close()                          // src is the caller's again once it returns
 //	token := op.Metadata().Text()             // send it to the peer; a secret
-//	err = op.Wait(ctx)                        // the peer has read src
-//	op.Close()                                // src is the caller's again
+//	err = op.Wait(ctx)                        // the peer has read src, failed, or ctx ended
 //
 //	md, err := connect.ParseMetadata(token)   // active side, in the peer
 //	rop, err := conn.BeginRead(ctx, md, connect.NewDescriptor(dst))
 //	err = rop.Wait(ctx)                       // dst holds src's bytes
+//
+// A reader that will not use a token says so ([Connector.Release]), and an
+// exposure unused for too long closes itself ([WithExpiry]), so memory is
+// never left exposed for a peer that went away. Memory exposed once and
+// read by many peers, many times, is a [Connector.Expose]; part of a token
+// is [Metadata.Select].
 //
 // WRITE mirrors it with CreateWritable and BeginWrite. An operation may
 // carry any number of descriptors; the local ones must match the remote ones

@@ -172,7 +172,7 @@ func (c *Connector) Expose(ctx context.Context, kind OperationKind, descs []Desc
 		return nil, err
 	}
 	defer c.calls.Done()
-	exp, err := c.a.ExposeQueue(acc, ls, max(o.buffer, agentQueue))
+	exp, err := c.a.ExposeShared(acc, ls, max(o.buffer, agentQueue))
 	if err != nil {
 		_ = regs.Release()
 		return nil, fmt.Errorf("connect: expose: %w", err)
@@ -205,10 +205,8 @@ func (e *Exposure) Metadata() Metadata { return e.md }
 // expiry. It is closed once the exposure is closed or expired, after the
 // events reported before that. Its capacity is [WithEventBuffer]'s; an
 // event that finds it full is dropped and counted ([Exposure.Dropped]).
-// A peer's loss is reported only for the first peer to use the exposure,
-// since the agent binds an exposure to one peer: another peer's transfer
-// cut short by its loss goes unreported (it touches no memory after Close
-// either way).
+// The loss of every peer that used the exposure is reported, once per
+// connection it used and once more if a registry declares it departed.
 func (e *Exposure) Events() <-chan ExposureEvent { return e.events }
 
 // Dropped counts the events dropped because Events was full. (The agent

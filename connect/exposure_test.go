@@ -435,3 +435,34 @@ func TestNotes(t *testing.T) {
 	assert.Nil(t, decodeNote([]byte{noticeFailed, 'x'}))
 	assert.Len(t, decodeNote(append([]byte{noticeDone}, bytes.Repeat([]byte{1}, 1000)...)), MaxNote)
 }
+
+// Two peers read one exposure, then go away one after the other (their
+// Connectors close, which ends their connections): each one's loss is an
+// event naming it, not only the first peer's.
+func TestExposureEveryPeersLoss(t *testing.T) {
+	for _, backend := range []string{"tcp", "cma"} {
+		t.Run(backend, func(t *testing.T) {
+			ctx := guarded(t)
+			passive := newConnector(t)
+			e := exposeFor(t, passive, KindRead, buffers([]int{4096}, 1))
+			var peers []*Connector
+			for range 2 {
+				act := startConnector(t, WithBackend(backend))
+				op, err := begin(ctx, act, e.Metadata(), buffers([]int{4096}, 0))
+				require.NoError(t, err)
+				require.NoError(t, op.Wait(ctx))
+				ev := nextEvent(t, ctx, e)
+				require.NoError(t, ev.Err)
+				require.Equal(t, act.a.ID(), ev.Peer)
+				peers = append(peers, act)
+			}
+			for i := len(peers) - 1; i >= 0; i-- {
+				id := peers[i].a.ID()
+				require.NoError(t, peers[i].Close())
+				ev := nextEvent(t, ctx, e)
+				require.ErrorIs(t, ev.Err, ErrRemoteLost, "peer %d", i)
+				require.Equal(t, id, ev.Peer, "peer %d's loss names it", i)
+			}
+		})
+	}
+}
