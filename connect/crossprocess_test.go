@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -99,7 +100,10 @@ type childResponse struct {
 	Touched  string        `json:"touched,omitempty"` // how a failed operation changed its local memory
 }
 
-type transferInfo struct{ Op, Remote, Backend string }
+type transferInfo struct {
+	Op, Backend string
+	Peer        uuid.UUID
+}
 
 // childSentinels are the errors a child reports its errors matching.
 var childSentinels = []struct {
@@ -130,7 +134,7 @@ func failed(err error) childResponse {
 	}
 	var te *TransferError
 	if errors.As(err, &te) {
-		r.Transfer = &transferInfo{Op: te.Op, Remote: te.Remote, Backend: te.Backend}
+		r.Transfer = &transferInfo{Op: te.Op, Peer: te.Peer, Backend: te.Backend}
 	}
 	return r
 }
@@ -159,7 +163,7 @@ func (r childResponse) err() error {
 		}
 	}
 	if ti := r.Transfer; ti != nil {
-		return &TransferError{Op: ti.Op, Remote: ti.Remote, Backend: ti.Backend, Err: re}
+		return &TransferError{Op: ti.Op, Peer: ti.Peer, Backend: ti.Backend, Err: re}
 	}
 	return re
 }
@@ -564,7 +568,7 @@ func (k *cut) requireErrored(t *testing.T) *TransferError {
 	t.Helper()
 	var te *TransferError
 	require.ErrorAs(t, k.err, &te)
-	assert.Equal(t, k.c.agent, te.Remote)
+	assert.Equal(t, k.c.agent, te.Peer.String())
 	assert.Equal(t, StatusErrored, k.op.Status())
 	return te
 }
@@ -631,7 +635,7 @@ func TestCrossProcessActiveCancelled(t *testing.T) {
 		require.ErrorIs(t, err, ErrCancelled)
 		var te *TransferError
 		require.ErrorAs(t, err, &te)
-		assert.Equal(t, c.agent, te.Remote)
+		assert.Equal(t, c.agent, te.Peer.String())
 		assert.Equal(t, StatusCancelled, pop.Status())
 		assert.LessOrEqual(t, heard, lostWithin, "time to hear of the cancel")
 		return true
@@ -661,7 +665,7 @@ func TestCrossProcessClosedPassive(t *testing.T) {
 			var te *TransferError
 			require.ErrorAs(t, err, &te)
 			assert.Equal(t, sameHost, te.Backend)
-			assert.Equal(t, parent.a.ID().String(), te.Remote)
+			assert.Equal(t, parent.a.ID(), te.Peer)
 			assert.Equal(t, "ERR", resp.Status)
 			assert.Empty(t, resp.Check, "the guards around the child's local memory")
 			assert.Empty(t, resp.Touched, "the child's local memory")

@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/google/uuid"
+
 	"github.com/goxfer/goxfer/agent"
 )
 
@@ -71,8 +73,10 @@ var errPeerFailed = errors.New("connect: peer reports the transfer failed")
 // context cancelled, also the context's error). Text the peer sent (the
 // reason it gave for a failure) appears quoted in Err's message.
 type TransferError struct {
-	Op     string // "read", "write" (active side), "readable", "writable" (passive side)
-	Remote string // the peer agent's ID, or "" when no peer is known
+	Op string // "read", "write" (active side), "readable", "writable" (passive side)
+	// Peer is the peer agent's ID, as [Metadata.Agent] and
+	// [ExposureEvent.Peer] give it; uuid.Nil when no peer is known.
+	Peer uuid.UUID
 	// Backend is the backend the transfer was posted to; "" when no
 	// backend moved a byte (the transfer could not start, or its context
 	// was done before it did). Passive operations leave it "".
@@ -83,8 +87,8 @@ type TransferError struct {
 // Error returns a message naming the operation, the peer and the backend.
 func (e *TransferError) Error() string {
 	msg := "connect: " + e.Op
-	if e.Remote != "" {
-		msg += " with agent " + e.Remote
+	if e.Peer != uuid.Nil {
+		msg += " with agent " + e.Peer.String()
 	}
 	if e.Backend != "" {
 		msg += " over " + e.Backend

@@ -185,7 +185,7 @@ func TestExposureFailureEvents(t *testing.T) {
 	require.ErrorIs(t, ev.Err, ErrCancelled)
 	var te *TransferError
 	require.ErrorAs(t, ev.Err, &te)
-	assert.Equal(t, act.a.ID().String(), te.Remote)
+	assert.Equal(t, act.a.ID(), te.Peer)
 	assert.Equal(t, "readable", te.Op)
 	assert.Equal(t, act.a.ID(), ev.Peer)
 

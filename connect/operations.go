@@ -390,7 +390,7 @@ func (o *passiveOp) handle(ev agent.Event) {
 // outcome, nil for a completion.
 func readEvent(name string, ev agent.Event) (code byte, ok bool, err error) {
 	fail := func(err error) error {
-		return &TransferError{Op: name, Remote: ev.From.String(), Err: err}
+		return &TransferError{Op: name, Peer: ev.From, Err: err}
 	}
 	if ev.Kind == agent.EventPeerLost {
 		err := ev.Err
@@ -519,7 +519,7 @@ func (c *Connector) begin(ctx context.Context, o *activeOp, op agent.Op, md Meta
 			err = fmt.Errorf("%w: %w", ErrCancelled, ctxErr(ctx))
 		}
 		// No backend moved a byte: Backend stays empty.
-		err = &TransferError{Op: o.name, Remote: o.peer.ID.String(), Err: err}
+		err = &TransferError{Op: o.name, Peer: o.peer.ID, Err: err}
 		// Telling the peer may take a connection: not on the caller's time.
 		go func() {
 			defer c.watchers.Done()
@@ -559,7 +559,7 @@ func (o *activeOp) finish(x *agent.Xfer, err error) {
 		o.c.log.Warn("connect: releasing memory failed", "op", o.name, "err", rerr)
 	}
 	if err != nil {
-		err = &TransferError{Op: o.name, Remote: o.peer.ID.String(), Backend: x.Backend(), Err: err}
+		err = &TransferError{Op: o.name, Peer: o.peer.ID, Backend: x.Backend(), Err: err}
 	}
 	o.err = err
 	c := o.c
@@ -614,7 +614,7 @@ func (o *activeOp) notifyPeer(code byte, err error) {
 // posted: the shape of one cancelled by its ctx in flight, with no
 // backend. The peer is told.
 func (c *Connector) unstarted(ctx context.Context, name string, md Metadata) error {
-	err := &TransferError{Op: name, Remote: md.Agent().String(), Err: fmt.Errorf("%w: %w", ErrCancelled, ctxErr(ctx))}
+	err := &TransferError{Op: name, Peer: md.Agent(), Err: fmt.Errorf("%w: %w", ErrCancelled, ctxErr(ctx))}
 	c.tell(md, noticeCancelled, err)
 	return err
 }

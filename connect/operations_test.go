@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
@@ -217,7 +218,7 @@ func TestActiveContextCancelled(t *testing.T) {
 				err = pop.Wait(ctx)
 				require.ErrorIs(t, err, ErrCancelled)
 				require.ErrorAs(t, err, &te)
-				assert.Equal(t, activeConn.a.ID().String(), te.Remote)
+				assert.Equal(t, activeConn.a.ID(), te.Peer)
 				assert.Equal(t, StatusCancelled, pop.Status())
 			})
 		}
@@ -442,7 +443,7 @@ func TestPeerLost(t *testing.T) {
 			var te *TransferError
 			require.ErrorAs(t, err, &te)
 			assert.Equal(t, "writable", te.Op)
-			assert.Equal(t, activeConn.a.ID().String(), te.Remote)
+			assert.Equal(t, activeConn.a.ID(), te.Peer)
 			assert.Equal(t, StatusErrored, pop.Status())
 		})
 	}
@@ -495,7 +496,7 @@ func TestClosedPeer(t *testing.T) {
 			require.ErrorIs(t, err, ErrRemoteLost)
 			var te *TransferError
 			require.ErrorAs(t, err, &te)
-			assert.Equal(t, passive.a.ID().String(), te.Remote)
+			assert.Equal(t, passive.a.ID(), te.Peer)
 			requireUnregistered(t, activeConn)
 		})
 	}
@@ -646,8 +647,9 @@ func TestOptions(t *testing.T) {
 }
 
 func TestTransferError(t *testing.T) {
-	err := &TransferError{Op: "read", Remote: "a1", Backend: "tcp", Err: ErrRemoteLost}
-	assert.EqualError(t, err, "connect: read with agent a1 over tcp: goxfer: remote agent lost")
+	peer := uuid.MustParse("a1a1a1a1-0000-4000-8000-000000000001")
+	err := &TransferError{Op: "read", Peer: peer, Backend: "tcp", Err: ErrRemoteLost}
+	assert.EqualError(t, err, "connect: read with agent a1a1a1a1-0000-4000-8000-000000000001 over tcp: goxfer: remote agent lost")
 	assert.ErrorIs(t, err, ErrRemoteLost)
 	assert.EqualError(t, &TransferError{Op: "writable", Err: ErrClosed}, "connect: writable: goxfer: closed")
 	assert.True(t, errors.Is(ErrAccessDenied, agent.ErrAccessDenied))

@@ -152,7 +152,7 @@ func TestPeerDeparted(t *testing.T) {
 	assert.False(t, errors.Is(err, ErrCancelled), "a departure is a failure, not a cancellation: %v", err)
 	var te *TransferError
 	require.ErrorAs(t, err, &te)
-	assert.Equal(t, passive.AgentInfo().ID().String(), te.Remote)
+	assert.Equal(t, passive.AgentInfo().ID(), te.Peer)
 	assert.Contains(t, err.Error(), "departed")
 	assert.Equal(t, StatusErrored, aop.Status())
 	requireUnregistered(t, activeConn)

@@ -193,7 +193,7 @@ func TestErrorsWithMetadataAreRedacted(t *testing.T) {
 		base,
 		fmt.Errorf("request 7: %w", base),
 		errors.Join(base, fmt.Errorf("token %s, %q, %+v, %#v", md, md, &md, md)),
-		&TransferError{Op: "read", Remote: md.Agent().String(), Err: base},
+		&TransferError{Op: "read", Peer: md.Agent(), Err: base},
 	}
 	_, err := act.BeginWrite(ctx, md, descriptors(buffers([]int{64, 32}, 0))...)
 	require.ErrorIs(t, err, ErrKindMismatch)

@@ -32,7 +32,7 @@ func TestReleaseEndsPassive(t *testing.T) {
 			assert.NotErrorIs(t, err, ErrCancelled)
 			var te *TransferError
 			require.ErrorAs(t, err, &te)
-			assert.Equal(t, act.a.ID().String(), te.Remote)
+			assert.Equal(t, act.a.ID(), te.Peer)
 			assert.Empty(t, te.Backend)
 			assert.Equal(t, StatusCancelled, pop.Status())
 		})
@@ -127,7 +127,7 @@ func TestBeginDoneContextShape(t *testing.T) {
 				var te *TransferError
 				require.ErrorAs(t, err, &te)
 				assert.Equal(t, kind.String() == "READ", te.Op == "read")
-				assert.Equal(t, pop.Metadata().Agent().String(), te.Remote)
+				assert.Equal(t, pop.Metadata().Agent(), te.Peer)
 			}
 			var te *TransferError
 			require.ErrorAs(t, atBegin, &te)
@@ -158,7 +158,7 @@ func TestPassiveSurvivesUnstartedAttempt(t *testing.T) {
 		var te *TransferError
 		require.ErrorAs(t, err, &te)
 		assert.Empty(t, te.Backend, "no backend moved a byte")
-		assert.Equal(t, passive.a.ID().String(), te.Remote)
+		assert.Equal(t, passive.a.ID(), te.Peer)
 	}
 	ev := nextEvent(t, ctx, e)
 	require.ErrorIs(t, ev.Err, ErrNotStarted)
