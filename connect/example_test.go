@@ -269,3 +269,90 @@ func ExampleConnector_Release() {
 	// Output:
 	// true STOP
 }
+
+// BeginRead with a deadline: the decode side reads several blocks of a
+// token into buffers of the sizes the token names, and waits with a
+// context that bounds the whole transfer.
+func ExampleConnector_BeginRead() {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	prefill, err := connect.NewConnector()
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer prefill.Close()
+	decode, err := connect.NewConnector()
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer decode.Close()
+
+	op, err := prefill.CreateReadable(ctx, connect.NewDescriptor([]byte("layer 0")), connect.NewDescriptor([]byte("layer 1!")))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer op.Close()
+	md, err := connect.ParseMetadata(op.Metadata().Text())
+	if err != nil {
+		log.Fatal(err)
+	}
+
+	var descs []connect.Descriptor
+	var bufs [][]byte
+	for _, n := range md.Sizes() {
+		b := make([]byte, n)
+		bufs = append(bufs, b)
+		descs = append(descs, connect.NewDescriptor(b))
+	}
+	rop, err := decode.BeginRead(ctx, md, descs...)
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := rop.Wait(ctx); err != nil {
+		log.Fatal(err)
+	}
+	fmt.Printf("%d descriptors, %q %q\n", md.Len(), bufs[0], bufs[1])
+	// Output:
+	// 2 descriptors, "layer 0" "layer 1!"
+}
+
+// A transfer's failure as a *TransferError: which side, which peer, over
+// which backend, and the cause, which matches the package's sentinels.
+// Here the passive side closes its operation before the peer reads, so
+// the read is refused.
+func ExampleTransferError() {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	prefill, err := connect.NewConnector()
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer prefill.Close()
+	decode, err := connect.NewConnector()
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer decode.Close()
+
+	op, err := prefill.CreateReadable(ctx, connect.NewDescriptor(make([]byte, 64)))
+	if err != nil {
+		log.Fatal(err)
+	}
+	md := op.Metadata()
+	op.Close() // the token is void from here on
+
+	rop, err := decode.BeginRead(ctx, md, connect.NewDescriptor(make([]byte, 64)))
+	if err == nil {
+		err = rop.Wait(ctx)
+	}
+	var te *connect.TransferError
+	if errors.As(err, &te) {
+		fmt.Println("op:", te.Op)
+		fmt.Println("peer is the token's agent:", te.Peer == md.Agent())
+		fmt.Println("access denied:", errors.Is(err, connect.ErrAccessDenied))
+	}
+	// Output:
+	// op: read
+	// peer is the token's agent: true
+	// access denied: true
+}
