@@ -10,16 +10,16 @@
 // own, and never closes the caller's. Import it under another name, since
 // nats.go's package is also nats:
 //
-//	// Worker: expose a KV block, answer with its token.
-//	svc, _ := gxnats.Serve(nc, "prefill.kv", func(ctx context.Context, req *gxnats.ServiceRequest) (*gxnats.Reply, error) {
-//		op, err := conn.CreateReadable(ctx, connect.NewDescriptor(kv))
-//		if err != nil {
-//			return nil, err
-//		}
-//		go func() { _ = op.Wait(context.Background()); _ = op.Close() }()
-//		return &gxnats.Reply{Metadata: op.Metadata()}, nil
+//	// Worker: expose a KV block per request, answer with its token; the
+//	// exposure closes when the reader completes, fails, releases it,
+//	// departs, or leaves it unused past its expiry (ServeExposures).
+//	svc, _ := gxnats.ServeExposures(nc, "prefill.kv", conn, func(ctx context.Context, req *gxnats.ServiceRequest) (*gxnats.Exposed, error) {
+//		return &gxnats.Exposed{Kind: connect.KindRead, Descriptors: []connect.Descriptor{connect.NewDescriptor(kv)}}, nil
 //	})
 //	defer svc.Close()
+//
+// (For full control, [Serve] takes any handler that returns a [Reply]
+// with a token.)
 //
 //	// Requester: get the token, read the block.
 //	rep, err := gxnats.Request(ctx, nc, "prefill.kv", nil)
@@ -37,7 +37,7 @@
 // reused, concurrently too. The defaults are those of a call given no
 // options; docs/nats.md gives each option's rationale.
 //
-//	Serve:        WithQueue, WithConcurrency, WithLogger
+//	Serve, ServeExposures: WithQueue, WithConcurrency, WithLogger
 //	Request:      WithHeader, WithTimeout, WithRetry, WithAttemptTimeout
 //	Publish:      WithHeader, WithTimeout
 //	Subscribe:    WithQueue
