@@ -172,14 +172,7 @@ func FuzzStagedAddrs(f *testing.F) {
 		if readFrame(bytes.NewReader(data), hdr[:], &buf, lim, &fr) != nil || fr.typ != tGrant {
 			return
 		}
-		lens := func(yield func(uint64) bool) {
-			for i := range int(ranges) {
-				if !yield(n + uint64(i)) {
-					return
-				}
-			}
-		}
-		addrs, err := stagedAddrs(&fr, int(ranges), lens)
+		addrs, err := stagedAddrs(&fr, int(ranges), fuzzLens(ranges, n))
 		if err != nil {
 			if !errors.Is(err, errProtocol) {
 				t.Fatalf("unexpected error %v", err)
@@ -310,14 +303,7 @@ func FuzzDeviceFrames(f *testing.F) {
 					t.Fatalf("share %d encodes back as %x, decoded from %x", sh.id, back, fr.payload)
 				}
 			case tGrant:
-				lens := func(yield func(uint64) bool) {
-					for i := range int(ranges) {
-						if !yield(n + uint64(i)) {
-							return
-						}
-					}
-				}
-				es, err := grantEntries(&fr, int(ranges), lens)
+				es, err := grantEntries(&fr, int(ranges), fuzzLens(ranges, n))
 				if err != nil {
 					if !errors.Is(err, errProtocol) {
 						t.Fatalf("unexpected error %v", err)
@@ -341,4 +327,16 @@ func FuzzDeviceFrames(f *testing.F) {
 			}
 		}
 	})
+}
+
+// fuzzLens yields the lengths of a request of ranges ranges, the i-th
+// n+i bytes, as the grant decoders take them.
+func fuzzLens(ranges uint8, n uint64) func(func(uint64) bool) {
+	return func(yield func(uint64) bool) {
+		for i := range int(ranges) {
+			if !yield(n + uint64(i)) {
+				return
+			}
+		}
+	}
 }
