@@ -30,6 +30,8 @@ type Connector struct {
 	resolver Resolver      // for compact tokens; nil if none
 	expiry   time.Duration // of passive operations, from WithExpiry; 0: none
 
+	observe func(OpReport) // from WithObserver; nil: none
+
 	mu        sync.Mutex
 	closing   bool
 	calls     sync.WaitGroup // Create and Begin calls in progress
@@ -92,6 +94,7 @@ func NewConnector(opts ...Option) (*Connector, error) {
 		force:     o.force,
 		resolver:  o.resolver,
 		expiry:    o.expiry,
+		observe:   o.observe,
 		passive:   make(map[*passiveOp]struct{}),
 		exposures: make(map[*Exposure]struct{}),
 		active:    make(map[*activeOp]struct{}),

@@ -166,7 +166,8 @@ type passiveOp struct {
 	md   Metadata
 	exp  *agent.Exposure
 	regs *agent.Registration
-	life *expiry // nil without one
+	life *expiry   // nil without one
+	made time.Time // for the observer; zero without one
 
 	closeOnce sync.Once
 	closeErr  error
@@ -216,6 +217,9 @@ func (c *Connector) create(ctx context.Context, o *passiveOp, kind OperationKind
 		c: c, name: name, md: md, exp: exp, regs: regs,
 		turn: make(chan struct{}, 1), yield: make(chan struct{}),
 		done: make(chan struct{}),
+	}
+	if c.observe != nil {
+		o.made = time.Now()
 	}
 	c.mu.Lock()
 	c.passive[o] = struct{}{}
@@ -358,13 +362,25 @@ func (o *passiveOp) outcome() (Status, error) {
 	return o.status, o.err
 }
 
-// finish records the operation's outcome unless it already has one.
+// finish records the operation's outcome unless it already has one. The
+// caller holds the turn, so no other finish runs meanwhile: the observer,
+// called without the lock, sees the outcome before any Wait returns it.
 func (o *passiveOp) finish(s Status, err error) {
 	o.mu.Lock()
-	defer o.mu.Unlock()
-	if o.status.terminal() {
+	decided := o.status.terminal()
+	o.mu.Unlock()
+	if decided {
 		return
 	}
+	if o.c.observe != nil {
+		var n uint64
+		for _, r := range o.md.regions {
+			n += r.Len
+		}
+		o.c.observe(OpReport{Kind: o.md.kind, Role: RolePassive, Bytes: n, Duration: time.Since(o.made), Status: s, Err: err})
+	}
+	o.mu.Lock()
+	defer o.mu.Unlock()
 	o.status, o.err = s, err
 	close(o.done)
 }
@@ -435,6 +451,8 @@ type activeOp struct {
 	peer agent.Info
 	key  sealedKey // as in Metadata: fmt prints an op without the key
 	regs *agent.Registration
+	kind OperationKind
+	sent time.Time // Begin's start, for the observer; zero without one
 
 	mu       sync.Mutex
 	stop     func() bool // detaches the transfer from Begin's context
@@ -480,6 +498,10 @@ func (c *Connector) begin(ctx context.Context, o *activeOp, op agent.Op, md Meta
 	if c.isClosing() { // spare a closed Connector the resolver's round trip
 		return ErrClosed
 	}
+	var sent time.Time
+	if c.observe != nil {
+		sent = time.Now()
+	}
 	name := op.String()
 	if ctx.Err() != nil {
 		return c.unstarted(ctx, name, md)
@@ -499,7 +521,7 @@ func (c *Connector) begin(ctx context.Context, o *activeOp, op agent.Op, md Meta
 		return err
 	}
 	defer c.calls.Done()
-	*o = activeOp{c: c, name: name, peer: peer, key: md.key, regs: regs, done: make(chan struct{})}
+	*o = activeOp{c: c, name: name, peer: peer, key: md.key, regs: regs, kind: want, sent: sent, done: make(chan struct{})}
 	// Tracked before posting: a small transfer may finish inside Post.
 	c.mu.Lock()
 	c.active[o] = struct{}{}
@@ -520,6 +542,13 @@ func (c *Connector) begin(ctx context.Context, o *activeOp, op agent.Op, md Meta
 		}
 		// No backend moved a byte: Backend stays empty.
 		err = &TransferError{Op: o.name, Peer: o.peer.ID, Err: err}
+		if c.observe != nil {
+			var n uint64
+			for _, s := range segs {
+				n += s.Local.Len
+			}
+			c.observe(OpReport{Kind: want, Role: RoleActive, Bytes: n, Duration: time.Since(sent), Status: statusOf(err), Err: err})
+		}
 		// Telling the peer may take a connection: not on the caller's time.
 		go func() {
 			defer c.watchers.Done()
@@ -566,6 +595,12 @@ func (o *activeOp) finish(x *agent.Xfer, err error) {
 	c.mu.Lock()
 	delete(c.active, o)
 	c.mu.Unlock()
+	if c.observe != nil { // before the waiter wakes: Wait returns after the report
+		c.observe(OpReport{
+			Kind: o.kind, Role: RoleActive, Backend: x.Backend(), Path: x.Path(), Bytes: x.Bytes(),
+			Duration: time.Since(o.sent), Status: statusOf(err), Err: err,
+		})
+	}
 	// Waking the waiter is the last thing done on this goroutine before it
 	// goes back to the network: the waiter then runs at once instead of
 	// waiting for the bookkeeping.

@@ -38,6 +38,7 @@ type options struct {
 	device   devmem.Driver
 	staging  [2]int // chunk, pool; zero: the agent's defaults
 	expiry   time.Duration
+	observe  func(OpReport) // from WithObserver; nil: none
 }
 
 // WithDevice sets the device-memory driver that checks GPU descriptors and
