@@ -98,6 +98,7 @@ type transfer struct {
 	a       *Agent
 	backend string
 	path    string // backend, "+staging" where device memory is staged
+	via     atomic.Pointer[string] // the path a backend named (Work.Via)
 	bytes   uint64
 	onDone  func(*Xfer, error)
 
@@ -132,8 +133,15 @@ func (x *Xfer) Backend() string { return x.t.backend }
 // buffers because the backend cannot reach it directly ("tcp+staging"), or
 // with the backend's own device path where it moves device memory itself
 // ("cma+ipc": the peer's GPU memory mapped by CUDA IPC, see
-// [DeviceDirect]).
-func (x *Xfer) Path() string { return x.t.path }
+// [DeviceDirect]; "cma+shm": the peer's shared memory mapped, see
+// [Work.Via]). A backend may name its path only as it moves the bytes:
+// read Path once Done is closed.
+func (x *Xfer) Path() string {
+	if v := x.t.via.Load(); v != nil {
+		return *v
+	}
+	return x.t.path
+}
 
 // Done is closed when the transfer has finished, successfully or not, and
 // its backend no longer touches its local memory.
@@ -252,6 +260,19 @@ func (w *Work) CancelErr() error {
 
 // Done is closed once [Work.Finish] has been called.
 func (w *Work) Done() <-chan struct{} { return w.t.done }
+
+// Via names the path by which the backend moves a transfer of host memory,
+// when it chose one of its own as it went (cma: "shm", the peer's shared
+// memory mapped): [Xfer.Path] then reads the backend's name, "+", and how.
+// A transfer whose path names staging or a device path keeps it. Call it
+// before Finish.
+func (w *Work) Via(how string) {
+	if w.t.path != w.t.backend {
+		return
+	}
+	p := w.t.backend + "+" + how
+	w.t.via.Store(&p)
+}
 
 // Finish records the transfer's outcome and releases its waiters: the
 // backend has let go of the local memory. Backends call it exactly once

@@ -12,6 +12,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/shm"
 	"github.com/goxfer/goxfer/internal/oneline"
 )
 
@@ -198,4 +199,27 @@ func (c *Connector) CUDAAvailable() bool {
 	}
 	n, err := d.Devices()
 	return err == nil && n > 0
+}
+
+// AllocHost returns size bytes of zeroed host memory that same-host peers
+// can map ([shm.Alloc]): where a token's memory lies in such memory, a
+// peer on the same host copies it with plain loads and stores in its own
+// process, without a round trip per transfer (the cma backend's
+// shared-memory path, docs/shm.md). Use the buffer's Bytes as any []byte:
+// in [NewDescriptor], exposed, read or written. The caller owns the
+// buffer and frees it with Free once no operation uses it (Free refuses
+// while an exposure of it is open); closing the Connector does not free
+// it. Allocate pools, not single small blocks: each allocation is one
+// segment, mapped by each peer once. It fails on a closed Connector
+// ([ErrClosed]) and where the system has no shared memory
+// ([shm.ErrUnsupported]: not Linux). Safe for concurrent use.
+func (c *Connector) AllocHost(size int) (*shm.Buffer, error) {
+	if c.isClosing() {
+		return nil, fmt.Errorf("connect: alloc host: %w", ErrClosed)
+	}
+	b, err := shm.Alloc(size)
+	if err != nil {
+		return nil, fmt.Errorf("connect: alloc host: %w", err)
+	}
+	return b, nil
 }

@@ -84,6 +84,12 @@ type Config struct {
 	// [RunDevice] with a factory that turns the backend's own path off for
 	// them. Default: "".
 	DirectDevice string
+	// SharedHost allocates the suite's host buffers, on both sides and in
+	// child processes, in shared memory (package shm), so that a backend
+	// with a shared-memory path (cma) is tested on it. Run sets an
+	// environment variable for its duration: such a Run must not be
+	// parallel to others.
+	SharedHost bool
 }
 
 // hangGuard bounds every wait the suite does, so that a broken backend
@@ -123,6 +129,9 @@ func Run(t *testing.T, cfg Config) {
 	}
 	if cfg.LostWithin <= 0 {
 		cfg.LostWithin = 5 * time.Second
+	}
+	if cfg.SharedHost {
+		t.Setenv(sharedEnv, "1")
 	}
 	t.Run("Transfer", func(t *testing.T) { testTransfer(t, cfg) })
 	t.Run("Notify", func(t *testing.T) { testNotify(t, cfg) })

@@ -3,11 +3,13 @@ package backendtest
 import (
 	"fmt"
 	"math/rand/v2"
+	"os"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/shm"
 	"github.com/goxfer/goxfer/internal/pattern"
 )
 
@@ -16,14 +18,39 @@ import (
 type buffers struct {
 	*pattern.Slab
 	locals []agent.Local
+	shared *shm.Buffer // the slab's memory, with SharedHost
 }
 
+// sharedEnv, set to 1, makes the suite's host buffers shared memory, in
+// this process and in its children (Config.SharedHost).
+const sharedEnv = "GOXFER_BACKENDTEST_SHM"
+
 func newBuffers(sizes []int) *buffers {
-	b := &buffers{Slab: pattern.NewSlab(sizes)}
+	b := &buffers{}
+	if os.Getenv(sharedEnv) == "1" {
+		b.Slab = pattern.NewSlabIn(func(n int) []byte {
+			sb, err := shm.Alloc(n)
+			if err != nil {
+				panic(fmt.Sprintf("backendtest: shared buffers: %v", err))
+			}
+			b.shared = sb
+			return sb.Bytes()
+		}, sizes)
+	} else {
+		b.Slab = pattern.NewSlab(sizes)
+	}
 	for _, mem := range b.Bufs() {
 		b.locals = append(b.locals, agent.DRAM(mem))
 	}
 	return b
+}
+
+// free frees shared buffers once no exposure holds them; until then (an
+// exposure revoked later) they stay allocated.
+func (b *buffers) free() {
+	if b.shared != nil && b.shared.Free() == nil {
+		b.shared = nil
+	}
 }
 
 // regions returns the descriptors' regions, as a remote agent addresses them.

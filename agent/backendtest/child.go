@@ -208,7 +208,7 @@ func (c *childAgent) memory(sizes []int, dev []bool, gpu int, seed uint64) (chil
 		b := newBuffers(sizes)
 		b.Fill(seed)
 		regs, err := b.registerAll(c.a)
-		return childMemory{m: b, locals: b.locals, regs: regs, free: noFree}, err
+		return childMemory{m: b, locals: b.locals, regs: regs, free: func() error { b.free(); return nil }}, err
 	}
 	if len(dev) != len(sizes) {
 		return childMemory{}, fmt.Errorf("dev names %d descriptors, sizes %d", len(dev), len(sizes))

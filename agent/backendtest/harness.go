@@ -52,6 +52,7 @@ func exposeLocals(t *testing.T, a *agent.Agent, acc agent.Access, locals []agent
 func side(t *testing.T, a *agent.Agent, sizes []int) (*buffers, uint64) {
 	t.Helper()
 	b := newBuffers(sizes)
+	t.Cleanup(b.free) // after the exposures' revocations, registered later
 	seed := pattern.NextSeed()
 	b.Fill(seed)
 	b.register(t, a)

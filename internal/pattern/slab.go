@@ -21,11 +21,17 @@ type Slab struct {
 // NewSlab returns a Slab of descriptors of the given sizes, all zero, with
 // their guard bytes set.
 func NewSlab(sizes []int) *Slab {
+	return NewSlabIn(func(n int) []byte { return make([]byte, n) }, sizes)
+}
+
+// NewSlabIn is NewSlab with the slab's memory, of the size it is given,
+// from alloc, which must return zeroed memory (shared memory, say).
+func NewSlabIn(alloc func(n int) []byte, sizes []int) *Slab {
 	total := GuardLen
 	for _, n := range sizes {
 		total += n + GuardLen
 	}
-	s := &Slab{mem: make([]byte, total)}
+	s := &Slab{mem: alloc(total)}
 	fillGuard(s.mem[:GuardLen])
 	off := GuardLen
 	for _, n := range sizes {

@@ -284,3 +284,21 @@ func (b *Backend) PeerDeparted(id uuid.UUID, cause error) {
 // (the protocol's staged grants); this side's device memory is staged by
 // this agent before cma sees it.
 func (b *Backend) StagesDevice() bool { return true }
+
+// sameUser reports whether the process behind c runs as this process's
+// user (or as root): only such a peer is offered shared segments, the
+// same peers that could read this process's memory with cross-memory
+// attach.
+func sameUser(c *net.UnixConn) bool {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return false
+	}
+	var cred *unix.Ucred
+	if err := rc.Control(func(fd uintptr) {
+		cred, _ = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil || cred == nil {
+		return false
+	}
+	return cred.Uid == uint32(os.Getuid()) || cred.Uid == 0
+}

@@ -29,6 +29,14 @@ func TestConformance(t *testing.T) {
 	backendtest.Run(t, backendtest.Config{New: small, CrossProcess: true, DirectDevice: "ipc"})
 }
 
+// The suite again with every host buffer in shared memory, on both sides
+// and in the child processes: transfers go through the peer's segments
+// mapped ("cma+shm") wherever the remote memory lies in one.
+func TestConformanceShared(t *testing.T) {
+	small := func() ([]agent.Backend, error) { return []agent.Backend{cma.New(cma.WithDeviceWindow(1 << 20))}, nil }
+	backendtest.Run(t, backendtest.Config{New: small, CrossProcess: true, DirectDevice: "ipc", SharedHost: true})
+}
+
 // The device cases again with the device path off on this side, which
 // turns it off for the pair: GPU memory is staged by the agent that holds
 // it, also against a child whose path is on.

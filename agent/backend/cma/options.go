@@ -43,6 +43,7 @@ type config struct {
 	maxHandshakes   int
 
 	ipc      bool
+	shm      bool // WithSharedMemory
 	ipcLease int // the device path's window (WithDeviceWindow)
 }
 
@@ -58,6 +59,7 @@ func defaults() config {
 		lease:      16 << 20,
 		timeout:    4 * time.Second,
 		ptracer:    true,
+		shm:        true,
 		maxNotify:  64 << 10,
 		maxRanges:  4096,
 		leaseDepth: 2,
@@ -156,4 +158,22 @@ func WithDeviceIPC(on bool) Option {
 // [64 KiB, 1 GiB].
 func WithDeviceWindow(n int) Option {
 	return intOption(n, 64<<10, 1<<30, "device window", "[64 KiB, 1 GiB]", func(c *config) { c.ipcLease = n })
+}
+
+// WithSharedMemory turns the shared-memory path on or off. On (the
+// default), a peer copying memory this agent exposed that lies in a
+// shared segment ([github.com/goxfer/goxfer/agent/shm.Alloc], connect's Connector.AllocHost) maps the
+// segment once per connection and copies with plain loads and stores,
+// without a lease round trip per transfer: revocation goes through a
+// lease table both processes map (docs/shm.md). Only peers of the same
+// user that pass the handshake's checks are offered segments, and a
+// mapping reaches the whole segment, not just the exposed bytes: turn it
+// off where the processes on the host must not trust each other that far.
+// Off on either side turns it off for the pair; transfers then use leases
+// and cross-memory attach, as for memory on the Go heap.
+func WithSharedMemory(on bool) Option {
+	return optionFunc(func(c *config) error {
+		c.shm = on
+		return nil
+	})
 }

@@ -134,6 +134,8 @@ type server struct {
 	ptracer bool // pid is named in the Yama ptracer exception
 	staged  bool // the dialler takes staged grants (capStaged)
 	device  bool // the dialler maps device shares (capDevice)
+	shm     bool // the dialler maps shared segments (capShm)
+	sh      shmServe
 
 	// Device allocations shared on the connection (capDevice), under
 	// shareMu, which also orders tShare, tGrant and tUnshare frames: a
@@ -286,6 +288,7 @@ func (b *Backend) serve(c *net.UnixConn, pid int, pass *serve.Pass) {
 	defer pass.Done()
 	defer c.Close()
 	s := &server{b: b, c: c, pid: pid, pass: pass, leases: map[uint64]held{}, done: make(chan struct{})}
+	defer s.closeShm()
 	defer s.watchWG.Wait()
 	defer close(s.done)
 	if err := s.handshake(); err != nil {
@@ -298,6 +301,9 @@ func (b *Backend) serve(c *net.UnixConn, pid int, pass *serve.Pass) {
 		defer b.ptracers.release(s.pid)
 	}
 	err := s.loop()
+	if closedByPeer(err) {
+		s.sh.peerGone.Store(true) // no copy of the peer's runs in its mappings
+	}
 	if serr := s.stopStager(); serr != nil {
 		err = serr
 	}
@@ -392,6 +398,9 @@ func (s *server) handshake() error {
 		if in.caps&capStaged != 0 {
 			out.caps |= b.agreeDevice(in.caps)
 		}
+		if in.caps&capShm != 0 && b.cfg.shm && sameUser(s.c) {
+			out.caps |= capShm
+		}
 	}
 	if err == nil && b.scope == 1 {
 		// Before the answer: the peer probes as soon as it has it. The
@@ -412,6 +421,7 @@ func (s *server) handshake() error {
 	s.peer, s.link = in.self, agent.NewLink(in.self)
 	s.staged = out.caps&capStaged != 0
 	s.device = out.caps&capDevice != 0
+	s.shm = out.caps&capShm != 0
 	_ = s.c.SetDeadline(time.Time{})
 	return nil
 }
@@ -451,11 +461,13 @@ func (s *server) loop() error {
 	var hdr [hdrSize]byte
 	var buf []byte
 	var f frame
+	lim := s.b.lim
+	lim.shm = s.shm
 	for {
 		if err := fr.begin(br); err != nil {
 			return err
 		}
-		if err := readFrame(br, hdr[:], &buf, s.b.lim, &f); err != nil {
+		if err := readFrame(br, hdr[:], &buf, lim, &f); err != nil {
 			return err
 		}
 		var err error
@@ -464,6 +476,8 @@ func (s *server) loop() error {
 			err = s.begin(&f)
 		case tEnd:
 			err = s.end(&f)
+		case tMap:
+			err = s.mapReq(&f)
 		case tNotify:
 			// Delivered at once, also while lease requests are being
 			// staged: the ends read before it are handled (a WRITE's

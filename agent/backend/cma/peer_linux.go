@@ -38,6 +38,12 @@ type peer struct {
 	// have two words).
 	device bool
 	lim    limits
+	// shm: the peer shares its segments of shared host memory (capShm);
+	// sh is the connection's mappings of them. asking counts the mapping
+	// requests unanswered (under mu): the reader's deadline covers them.
+	shm    bool
+	sh     shmPeer
+	asking int
 
 	ready   chan struct{} // closed once connect has set verdict and failed
 	verdict error         // nil: connected and permitted
@@ -139,6 +145,9 @@ func (p *peer) dial() error {
 	_ = p.c.SetDeadline(deadline)
 	var hs [hsSize]byte
 	caps := uint16(capStaged) | b.device().caps
+	if b.cfg.shm {
+		caps |= capShm
+	}
 	(&handshake{self: b.id, expect: p.id, pid: uint32(b.pid), status: uint8(p.acc), nonce: p.key, caps: caps}).put(hs[:])
 	if _, err := p.c.Write(hs[:]); err != nil {
 		return fmt.Errorf("handshake with peer %s: %w: %w", p.id, agent.ErrRemoteLost, err)
@@ -164,6 +173,12 @@ func (p *peer) dial() error {
 			return fmt.Errorf("%w: peer %s answers device caps %#x to a hello of %#x", errProtocol, p.id, in.caps, caps)
 		}
 		p.device, p.lim.entry = true, devEntrySize
+	}
+	if in.caps&capShm != 0 {
+		if caps&capShm == 0 {
+			return fmt.Errorf("%w: peer %s answers shared memory to a hello without it", errProtocol, p.id)
+		}
+		p.shm, p.lim.shm = true, true
 	}
 	if err := b.probePeer(int(p.ci.pid), in); err != nil {
 		return fmt.Errorf("peer %s: %w", p.id, err)
@@ -232,6 +247,7 @@ func (p *peer) loop() error {
 	rr := &rightsReader{c: p.c}
 	defer rr.close()
 	defer p.dropShares()
+	defer func() { p.shmFail(p.failure()) }()
 	br := bufio.NewReaderSize(rr, 4<<10)
 	var hdr [hdrSize]byte
 	var buf []byte
@@ -256,6 +272,29 @@ func (p *peer) loop() error {
 			if err := p.flushAnswer(&f); err != nil {
 				return err
 			}
+			continue
+		case tMapped:
+			if err := p.mappedAnswer(&f); err != nil {
+				return err
+			}
+			continue
+		case tTable:
+			if err := p.table(&f, rr); err != nil {
+				return err
+			}
+			continue
+		case tSeg:
+			if err := p.segment(&f, rr); err != nil {
+				return err
+			}
+			continue
+		case tSegDrop:
+			if err := p.segDrop(f.id); err != nil {
+				return err
+			}
+			continue
+		case tUnmap:
+			p.unmap(&f)
 			continue
 		case tBye:
 			return errBye
@@ -345,7 +384,7 @@ func (p *peer) flushAnswer(f *frame) error {
 // unanswered: a peer that hangs is lost after the timeout. The caller holds
 // p.mu.
 func (p *peer) watch() {
-	if len(p.waiting) > 0 {
+	if len(p.waiting) > 0 || p.asking > 0 {
 		_ = p.c.SetReadDeadline(time.Now().Add(p.b.cfg.timeout))
 	} else {
 		_ = p.c.SetReadDeadline(time.Time{})

@@ -147,11 +147,25 @@ func remoteVRAM(segs []agent.Segment) bool {
 // which carries a failure of that copy ([agent.Event].Err). The backend
 // touches w's local memory only until it calls w.Finish. Safe for
 // concurrent use.
+//
+// Where the peer shares the exposed memory in segments of shared host
+// memory (WithSharedMemory), the transfer is copied through the peer's
+// segments mapped here instead: no lease round trip, at most 1 MiB copied
+// before Post returns, larger ones by the workers (shm_linux.go).
 func (b *Backend) Post(x *agent.Work) error {
 	p, err := b.usable(x.Peer)
 	if err != nil {
 		return err
 	}
+	if p.shm && sharable(x) && b.postMapped(p, x) {
+		return nil
+	}
+	return b.postLeases(p, x)
+}
+
+// postLeases moves x under leases: Post's path for memory not shared. On
+// an error x was not started and the transfer's count is given back.
+func (b *Backend) postLeases(p *peer, x *agent.Work) error {
 	st := &xstate{b: b, p: p, x: x, write: x.Op == agent.OpWrite, lease: uint64(b.cfg.lease), chunk: uint64(b.cfg.chunk)}
 	depth := b.cfg.leaseDepth
 	for i := range x.Segments {
