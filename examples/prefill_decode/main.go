@@ -12,10 +12,15 @@
 //	go run ./examples/prefill_decode -nats nats://127.0.0.1:4222   # an existing server (nats-server -js)
 //	go run ./examples/prefill_decode -device cuda     # the KV blocks in GPU 0's memory, on both sides
 //	go run ./examples/prefill_decode -device sim      # the same on simulated GPUs, on a machine without one
+//	go run ./examples/prefill_decode -metrics :9090   # Prometheus metrics: prefill's at :9090/metrics, decode's at :9091
 //
 //	# one worker per host, against a shared NATS server:
 //	go run ./examples/prefill_decode -role prefill -nats nats://10.0.0.1:4222 -listen :0
 //	go run ./examples/prefill_decode -role decode  -nats nats://10.0.0.1:4222 -listen :0
+//
+// With -metrics each worker serves its Connector's counters and
+// per-operation histograms (metrics/promconnect, docs/metrics.md), the Go
+// runtime's and the process's at /metrics, for as long as it runs.
 //
 // One request, in READ mode (the default):
 //
@@ -93,6 +98,7 @@ type config struct {
 	device         kvDevice
 	compact        bool
 	listen         string
+	metrics        string // -metrics: where to serve /metrics; "": nowhere
 	wait           time.Duration
 	attemptTimeout time.Duration
 	decodeTime     time.Duration
@@ -120,6 +126,7 @@ func parseFlags(args []string, stderr io.Writer) (config, *flag.FlagSet, error) 
 	fs.Var(&c.device, "device", "where both workers keep their KV blocks: host (the default), cuda (GPU 0), cuda:N, or sim / sim:N (simulated GPUs, GOXFER_DEVICE=sim, for machines without one)")
 	fs.BoolVar(&c.compact, "compact-tokens", true, "hand out compact tokens, resolved through the presence registry")
 	fs.StringVar(&c.listen, "listen", "127.0.0.1:0", "address the tcp backend listens on; use :0 when the workers are on different hosts")
+	fs.StringVar(&c.metrics, "metrics", "", "serve Prometheus metrics at http://ADDR/metrics, e.g. :9090 (default: none); without -role the prefill worker takes ADDR and the decode worker the next port")
 	fs.DurationVar(&c.wait, "wait", 15*time.Second, "how long the decode worker waits for a prefill worker to answer")
 	fs.DurationVar(&c.attemptTimeout, "attempt-timeout", 5*time.Second, "how long one attempt of a hand-off may take before it is retried")
 	fs.DurationVar(&c.decodeTime, "decode-time", 0, "simulated decoding time per request, holding its KV blocks, after they are verified")
@@ -164,6 +171,11 @@ func (c config) validate(fs *flag.FlagSet) error {
 		return fmt.Errorf("-concurrency %d: want 1 to 64", c.concurrency)
 	case c.wait <= 0 || c.attemptTimeout <= 0 || c.decodeTime < 0:
 		return fmt.Errorf("-wait, -attempt-timeout and -decode-time must be positive durations")
+	}
+	if c.metrics != "" {
+		if _, err := metricsAddr(c.metrics, 1); err != nil {
+			return fmt.Errorf("-metrics %q: want host:port or :port: %w", c.metrics, err)
+		}
 	}
 	if err := c.model.Validate(); err != nil {
 		return err
@@ -325,19 +337,20 @@ func (o *orchestrator) run(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("find this program to start the workers: %w", err)
 	}
-	// The workers get the flags given here, except the role and NATS URL.
+	// The workers get the flags given here, except the role and NATS URL,
+	// and each its own -metrics address.
 	var args []string
 	o.fs.Visit(func(f *flag.Flag) {
-		if f.Name != "role" && f.Name != "nats" {
+		if f.Name != "role" && f.Name != "nats" && f.Name != "metrics" {
 			args = append(args, "-"+f.Name+"="+f.Value.String())
 		}
 	})
 	start := time.Now()
-	prefill, err := o.start(exe, "prefill", url, args)
+	prefill, err := o.start(exe, "prefill", url, withMetrics(args, cfg.metrics, 0))
 	if err != nil {
 		return err
 	}
-	decode, err := o.start(exe, "decode", url, args)
+	decode, err := o.start(exe, "decode", url, withMetrics(args, cfg.metrics, 1))
 	if err != nil {
 		prefill.stop(syscall.SIGTERM)
 		<-prefill.done
@@ -379,6 +392,16 @@ func (o *orchestrator) run(ctx context.Context) error {
 	}
 	fmt.Fprintf(o.out, "done in %v: every request completed and every byte verified\n", time.Since(start).Round(time.Millisecond))
 	return nil
+}
+
+// withMetrics returns args with the -metrics flag of the i-th worker
+// (metricsAddr), if base is not empty.
+func withMetrics(args []string, base string, i int) []string {
+	if base == "" {
+		return args
+	}
+	addr, _ := metricsAddr(base, i) // validated with the flags
+	return append(args[:len(args):len(args)], "-metrics="+addr)
 }
 
 // start runs this program as a worker in role, its output prefixed with

@@ -12,6 +12,7 @@ import (
 	"github.com/goxfer/goxfer/agent/backend/tcp"
 	"github.com/goxfer/goxfer/agent/devmem"
 	"github.com/goxfer/goxfer/connect"
+	"github.com/goxfer/goxfer/metrics/promconnect"
 	gxnats "github.com/goxfer/goxfer/transport/nats"
 )
 
@@ -90,10 +91,11 @@ func connectNATS(url, name string, out io.Writer) (*nats.Conn, error) {
 // membership in the presence registry, and a Connector that resolves
 // compact tokens through the registry.
 type endpoint struct {
-	nc     *nats.Conn
-	reg    *gxnats.Registry
-	conn   *connect.Connector
-	member *gxnats.Member
+	nc      *nats.Conn
+	reg     *gxnats.Registry
+	conn    *connect.Connector
+	member  *gxnats.Member
+	metrics *metricsServer // nil without -metrics
 }
 
 // openEndpoint connects to NATS, opens the presence registry (creating its
@@ -115,10 +117,19 @@ func openEndpoint(ctx context.Context, cfg config, drv devmem.Driver, role strin
 	if drv != nil {
 		opts = append(opts, connect.WithDevice(drv))
 	}
+	var m *promconnect.Collector
+	if cfg.metrics != "" {
+		if m, err = promconnect.New(); err != nil {
+			return nil, errors.Join(err, e.Close())
+		}
+		opts = append(opts, connect.WithObserver(m.Observe))
+	}
 	if e.conn, err = connect.NewConnector(opts...); err != nil {
 		err = fmt.Errorf("start the connector: %w", err)
 	} else if e.member, err = e.reg.Join(ctx, e.conn); err != nil {
 		err = fmt.Errorf("join the presence registry: %w", err)
+	} else if m != nil {
+		e.metrics, err = serveMetrics(cfg.metrics, m, e.conn, out)
 	}
 	if err != nil {
 		return nil, errors.Join(err, e.Close())
@@ -130,6 +141,9 @@ func openEndpoint(ctx context.Context, cfg config, drv devmem.Driver, role strin
 // operations end, then it disconnects.
 func (e *endpoint) Close() error {
 	var errs []error
+	if e.metrics != nil {
+		errs = append(errs, e.metrics.close())
+	}
 	if e.member != nil {
 		errs = append(errs, e.member.Close())
 	}

@@ -163,13 +163,24 @@ func New(opts ...Option) (*Collector, error) {
 // and size. Give it to [connect.WithObserver]; it never blocks for long
 // and is safe for concurrent use.
 func (c *Collector) Observe(r connect.OpReport) {
-	kind, role := strings.ToLower(r.Kind.String()), r.Role.String()
+	kind, role := kindLabel(r.Kind), r.Role.String()
 	c.operations.WithLabelValues(kind, role, r.Backend, r.Path, statusLabel(r.Status)).Inc()
 	if r.Status != connect.StatusComplete {
 		return
 	}
 	c.duration.WithLabelValues(kind, role, r.Backend, r.Path).Observe(r.Duration.Seconds())
 	c.size.WithLabelValues(kind, role, r.Backend, r.Path).Observe(float64(r.Bytes))
+}
+
+// kindLabel is the kind label's value for k.
+func kindLabel(k connect.OperationKind) string {
+	switch k {
+	case connect.KindRead:
+		return "read"
+	case connect.KindWrite:
+		return "write"
+	}
+	return strings.ToLower(k.String())
 }
 
 // statusLabel is the status label's value for s.

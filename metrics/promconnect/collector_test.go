@@ -284,3 +284,16 @@ func TestCoreDoesNotImportPrometheus(t *testing.T) {
 		assert.NotContains(t, d, "prometheus", "a core package depends on %s", d)
 	}
 }
+
+// What Observe adds to each finished operation.
+func BenchmarkObserve(b *testing.B) {
+	m, err := New()
+	require.NoError(b, err)
+	r := connect.OpReport{Kind: connect.KindRead, Role: connect.RoleActive, Backend: "tcp", Path: "tcp", Bytes: 1 << 20, Duration: time.Millisecond, Status: connect.StatusComplete}
+	b.ReportAllocs()
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			m.Observe(r)
+		}
+	})
+}
