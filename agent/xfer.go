@@ -97,7 +97,7 @@ type transfer struct {
 
 	a       *Agent
 	backend string
-	path    string // backend, "+staging" where device memory is staged
+	path    string                 // backend, "+staging" where device memory is staged
 	via     atomic.Pointer[string] // the path a backend named (Work.Via)
 	bytes   uint64
 	onDone  func(*Xfer, error)

@@ -44,7 +44,7 @@ type config struct {
 
 	ipc      bool
 	shm      bool // WithSharedMemory
-	ipcLease int // the device path's window (WithDeviceWindow)
+	ipcLease int  // the device path's window (WithDeviceWindow)
 }
 
 // ipcLease is the device path's default window (ipc_linux.go): copies run

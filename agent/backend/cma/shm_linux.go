@@ -116,9 +116,9 @@ type shmServe struct {
 type served struct {
 	k        mapKey
 	retiring bool // under shmServe.mu: the slot is being retired
-	ans   mapAnswer
-	lease agent.Lease // standing: released once the slot drained
-	segs  []uint64
+	ans      mapAnswer
+	lease    agent.Lease // standing: released once the slot drained
+	segs     []uint64
 }
 
 // mapReq answers a tMap (f): it checks the key and access as for a lease,
