@@ -58,7 +58,7 @@ func drawChart(name string, rs []Result, ri runInfo) error {
 				continue
 			}
 			key := r.Kind + "|" + r.Name
-			if r.InitiatorMem == memVRAM.String() || r.TargetMem == memVRAM.String() {
+			if r.InitiatorMem != "" && (r.InitiatorMem != memDRAM.String() || r.TargetMem != memDRAM.String()) {
 				key += " " + r.InitiatorMem + "/" + r.TargetMem
 			}
 			if r.Device == "sim" {

@@ -25,6 +25,8 @@
 //	goxfer-bench -backends tcp -blocks 4K,1M,64M -initiator-mem vram -target-mem vram
 //	goxfer-bench -backends tcp -preset kv -initiator-mem vram -target-mem vram  # or -shapes 64Kx4096,256Mx1
 //	goxfer-bench -backends cma -blocks 1M,64M -initiator-mem vram -target-mem vram  # cma+ipc; -device-ipc=false: staged
+//	goxfer-bench -backends cma -blocks 4K,64M,256M -initiator-mem shm -target-mem shm  # cma+shm, beside Go copy
+//	goxfer-bench -backends cma -preset kv -initiator-mem shm -target-mem shm
 //
 // GPU memory. -initiator-mem and -target-mem (dram, vram; nixlbench's
 // segment types) place the initiator's local buffers and the target's
@@ -43,6 +45,26 @@
 // counts their device-to-device copies. Rows of several descriptors carry
 // their ratio to one descriptor of the same bytes (the KV hand-off against
 // one region).
+//
+// Shared host memory. -initiator-mem shm and -target-mem shm place a
+// side's buffers in shared-memory segments (agent/shm's Alloc, what
+// connect.Connector.AllocHost returns), allocated in each process and
+// freed at the end, once the operations and exposures over them are
+// closed. Where the target's exposed memory is shared, cma maps its
+// segment in the initiator and copies with memmove, no lease round trip
+// ("cma+shm"): such rows are compared with Go copy of the same bytes in
+// one process, and, as every point with shm on either side is measured
+// dram/dram too, with the same backend's Go heap row (×DRAM).
+//
+// Small operations. Points of at most 64 KiB with one operation in
+// flight run their measured operations in batches alternating with
+// batches of the raw 4 KiB TCP ping-pong to the target process
+// (-interleave, on by default with -baselines): a ping-pong measured
+// apart varies several-fold between runs on a busy machine. Such a row
+// reports the ping-pong's p50 over the point and the median over the pairs
+// of batches of the batch's p50 over the ping-pong's, to the active Wait
+// and to the passive one ("×ping"). GB/s then covers the batches' own
+// time, without the ping-pongs between them.
 // On the simulator every such row, and the run, says SIMULATED GPU: its
 // figures say nothing about a GPU. Without a driver, asking for vram fails
 // before anything starts, saying what is missing.

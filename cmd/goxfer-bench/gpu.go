@@ -1,12 +1,14 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/goxfer/goxfer/agent/devmem"
+	"github.com/goxfer/goxfer/agent/shm"
 	"github.com/goxfer/goxfer/connect"
 )
 
@@ -16,18 +18,24 @@ import (
 // report how fast its device copies ran.
 
 // memKind is where one side's buffers live, as nixlbench's segment types:
-// host memory (dram) or the memory of a GPU (vram).
+// host memory on the Go heap (dram), the memory of a GPU (vram), or host
+// memory in shared-memory segments that same-host peers map (shm,
+// agent/shm: what connect.Connector.AllocHost returns).
 type memKind uint8
 
 const (
 	memDRAM memKind = iota
 	memVRAM
+	memSHM
 )
 
 // String is the kind as the flags, results and the protocol spell it.
 func (k memKind) String() string {
-	if k == memVRAM {
+	switch k {
+	case memVRAM:
 		return "vram"
+	case memSHM:
+		return "shm"
 	}
 	return "dram"
 }
@@ -38,8 +46,10 @@ func parseMem(s string) (memKind, error) {
 		return memDRAM, nil
 	case "vram":
 		return memVRAM, nil
+	case "shm":
+		return memSHM, nil
 	}
-	return 0, fmt.Errorf("unknown memory %q: want dram or vram", s)
+	return 0, fmt.Errorf("unknown memory %q: want dram, vram or shm", s)
 }
 
 // MarshalText keeps the protocol's "mem" a word, so that a target of
@@ -60,6 +70,9 @@ func (k *memKind) UnmarshalText(b []byte) error {
 type mems struct{ init, target memKind }
 
 func (m mems) vram() bool { return m.init == memVRAM || m.target == memVRAM }
+
+// shm reports whether either side's buffers are shared host memory.
+func (m mems) shm() bool { return m.init == memSHM || m.target == memSHM }
 
 // String is "dram/vram": initiator, then target.
 func (m mems) String() string { return m.init.String() + "/" + m.target.String() }
@@ -97,12 +110,13 @@ func gpuDriver(gpu int) (devmem.Driver, error) {
 	return d, nil
 }
 
-// region is one buffer of a point: host memory, or device memory reached
+// region is one buffer of a point: host memory (the Go heap's, a
+// backend's allocator's or a shared segment's), or device memory reached
 // only through the driver's copies. Used by one goroutine at a time.
 type region struct {
 	kind memKind
 	size int
-	host []byte  // dram: the memory
+	host []byte  // dram, shm: the memory
 	ptr  uintptr // vram: the device pointer
 	gpu  int
 	// drv copies the pattern in and out of device memory: the bare
@@ -118,7 +132,9 @@ type region struct {
 const scratchMax = 4 << 20
 
 // newRegion allocates size bytes of kind: device memory on gpu through
-// drv, or host memory from alloc (a backend's allocator), or the Go heap.
+// drv, a shared-memory segment (shm.Alloc, freed by release, which fails
+// while an exposure of it is open), or host memory from alloc (a
+// backend's allocator), or the Go heap.
 func newRegion(kind memKind, drv devmem.Driver, gpu, size int, alloc func(int) ([]byte, func() error, error)) (*region, error) {
 	r := &region{kind: kind, size: size, gpu: gpu, drv: drv}
 	switch {
@@ -131,6 +147,15 @@ func newRegion(kind memKind, drv devmem.Driver, gpu, size int, alloc func(int) (
 			return nil, fmt.Errorf("allocate %s on GPU %d (%s driver): %w", fmtSize(float64(size)), gpu, drv.Name(), err)
 		}
 		r.ptr, r.free = p, func() error { return drv.Free(p) }
+	case kind == memSHM:
+		if alloc != nil {
+			return nil, errors.New("shared host memory uses no backend's allocator")
+		}
+		b, err := shm.Alloc(size)
+		if err != nil {
+			return nil, fmt.Errorf("allocate %s of shared host memory: %w", fmtSize(float64(size)), err)
+		}
+		r.host, r.free = b.Bytes(), b.Free
 	case alloc != nil:
 		buf, free, err := alloc(size)
 		if err != nil {

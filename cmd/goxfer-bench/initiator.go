@@ -32,6 +32,7 @@ type initiator struct {
 	conns          map[string]*connect.Connector
 	insts          map[string]agent.Backend // each connector's instance of the backend it measures
 	raw1, raw4     []net.Conn
+	ping           net.Conn // the ping-pong interleaved with small operations; nil: none
 	prog           *progress
 	round          atomic.Uint64
 	results        []Result

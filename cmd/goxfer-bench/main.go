@@ -59,6 +59,9 @@ type config struct {
 	// deviceIPC lets cma move GPU memory on one host by mapping the peer's
 	// allocations (cma.WithDeviceIPC); off, it is staged.
 	deviceIPC bool
+	// interleave runs small operations in batches alternating with the
+	// 4 KiB TCP ping-pong (interleave.go).
+	interleave bool
 }
 
 // shape is one transfer: descs descriptors of block bytes.
@@ -148,10 +151,11 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.StringVar(&c.ucx, "ucx", "auto", "auto: run ucx_perftest when it is on PATH; off: never")
 	fs.StringVar(&ucxTLS, "ucx-tls", "tcp,self;posix,self", "UCX_TLS settings for ucx_perftest, separated by ';'")
 	fs.StringVar(&c.ucxAlloc, "ucx-alloc", "both", "buffers of the ucx rows, on both sides: on: allocated by UCX (ucp_mem_map ALLOCATE, as ucx_perftest's); off: Go heap; both: a row of each")
+	fs.BoolVar(&c.interleave, "interleave", true, "run the points of at most 64 KiB with one operation in flight in batches alternating with batches of the raw 4 KiB TCP ping-pong (with -baselines), and report the median of each pair's p50 ratio, active and passive (\"×ping\"); false: only the ping-pong measured apart")
 	fs.IntVar(&c.latIters, "latency-iters", 2000, "round trips of the 4 KiB ping-pong and the control-plane measurements")
 	fs.StringVar(&c.progress, "progress", "auto", "auto: a progress bar on a terminal, one line per point otherwise; on; off")
-	fs.StringVar(&initMem, "initiator-mem", "dram", "where the initiator's local buffers live: dram, or vram (GPU memory, via the CUDA driver, or the simulator with GOXFER_DEVICE=sim); with vram on either side each point is also measured dram/dram, beside cuMemcpy D2H and H2D baselines (and D2D with vram on both sides)")
-	fs.StringVar(&targetMem, "target-mem", "dram", "where the target's exposed buffers live: dram or vram (allocated by the target process)")
+	fs.StringVar(&initMem, "initiator-mem", "dram", "where the initiator's local buffers live: dram (the Go heap), vram (GPU memory, via the CUDA driver, or the simulator with GOXFER_DEVICE=sim) or shm (shared host memory, shm.Alloc: cma maps the peer's, path cma+shm); with vram or shm on either side each point is also measured dram/dram; with vram beside cuMemcpy D2H and H2D baselines (and D2D with vram on both sides)")
+	fs.StringVar(&targetMem, "target-mem", "dram", "where the target's exposed buffers live: dram, vram or shm (allocated by the target process)")
 	fs.IntVar(&c.gpu, "gpu", 0, "the GPU of vram buffers, on both sides")
 	fs.StringVar(&c.staging, "staging", "4M,64M", "CHUNK,POOL: how the connectors stage GPU memory through pinned host memory (connect.WithStaging); pass the same to a target started by hand")
 	fs.BoolVar(&c.deviceIPC, "device-ipc", true, "cma: move GPU memory on one host by mapping the peer's allocations (CUDA IPC, cma.WithDeviceIPC; path cma+ipc); false: stage it through pinned host memory (cma+staging); passed on to a spawned target")

@@ -493,6 +493,109 @@ func TestKVShapeVRAM(t *testing.T) {
 	}
 }
 
+// TestSharedMemory runs cma with shared host memory (shm.Alloc) on either
+// side and both, every byte checked: where the target's exposed memory is
+// shared, the initiator maps it and copies with memmove ("cma+shm"), each
+// row beside Go copy of the same bytes and the same backend's Go heap row;
+// the initiator's shared memory facing the target's Go heap takes cma's
+// system calls. Points of 4 KiB one at a time run interleaved with the
+// 4 KiB TCP ping-pong and carry the ratios to it.
+func TestSharedMemory(t *testing.T) {
+	for _, tc := range []struct{ init, target, path string }{
+		{"shm", "shm", "cma+shm"},
+		{"dram", "shm", "cma+shm"},
+		{"shm", "dram", "cma"},
+	} {
+		t.Run(tc.init+"/"+tc.target, func(t *testing.T) {
+			jsonPath := filepath.Join(t.TempDir(), "r.json")
+			code, stdout, stderr := bench(t, "-backends", "cma", "-blocks", "4K,1M", "-descs", "1,3", "-inflight", "1,2",
+				"-iters", "4", "-warmup", "1", "-check", "-ucx", "off", "-control=false", "-latency-iters", "20",
+				"-progress", "off", "-initiator-mem", tc.init, "-target-mem", tc.target, "-o", jsonPath, "-timeout", "20s")
+			require.Equal(t, 0, code, "stderr:\n%s", stderr)
+			assert.Equal(t, tc.path == "cma+shm", strings.Contains(stdout, "path cma+shm:"), "the table explains cma+shm where it has such rows")
+			assert.Contains(t, stdout, "against the raw 4 KiB TCP ping-pong")
+
+			run, rs := readResults(t, jsonPath)
+			assert.Equal(t, tc.init, run.InitiatorMem)
+			assert.Equal(t, tc.target, run.TargetMem)
+			assert.Empty(t, run.Device, "no GPU involved")
+			shmRows, dramRows := 0, 0
+			for _, r := range rs {
+				if r.Kind != "goxfer" {
+					continue
+				}
+				assert.True(t, r.Checked, r)
+				assert.Contains(t, r.Note, fmt.Sprintf("checked %s", fmtSize(float64(5*r.Bytes))), "every byte of the 5 operations: %+v", r)
+				if r.Bytes <= interleaveMax && r.Inflight == 1 {
+					// 4 measured operations: batches of 1, 4 pairs.
+					assert.Equal(t, 4, r.PingPairs, r)
+					assert.Positive(t, r.PingP50, r)
+					assert.Positive(t, r.PingRatio, r)
+					assert.Positive(t, r.DonePingRatio, "the target runs on this host: %+v", r)
+				} else {
+					assert.Zero(t, r.PingPairs, "only small points one at a time are interleaved: %+v", r)
+				}
+				if r.InitiatorMem == "dram" && r.TargetMem == "dram" {
+					dramRows++
+					assert.Equal(t, "cma", r.Path, "Go heap memory keeps cma's system calls")
+					assert.Equal(t, basePVM, r.Baseline)
+					continue
+				}
+				shmRows++
+				assert.Equal(t, tc.init, r.InitiatorMem)
+				assert.Equal(t, tc.target, r.TargetMem)
+				assert.Equal(t, tc.path, r.Path, r)
+				assert.Empty(t, r.Device)
+				assert.Positive(t, r.DRAMRatio, "ratio to the Go heap row: %+v", r)
+				assert.InDelta(t, r.GBps/r.DRAMGBps, r.DRAMRatio, 1e-9)
+				want := basePVM
+				if tc.path == "cma+shm" {
+					want = baseMemcpy // the copy is a memmove in the initiator
+				}
+				assert.Equal(t, want, r.Baseline, r)
+				assert.InDelta(t, r.GBps/r.BaseGBps, r.Ratio, 1e-9)
+			}
+			// 2 operations × 2 blocks × 2 descriptor counts × 2 depths
+			assert.Equal(t, 16, shmRows)
+			assert.Equal(t, 16, dramRows)
+		})
+	}
+}
+
+// TestPingRatios: each pair of batches gives its own ratio of p50s, and the
+// row the median of them; "done" only where every operation has one.
+func TestPingRatios(t *testing.T) {
+	us := func(vs ...int) []time.Duration {
+		out := make([]time.Duration, len(vs))
+		for i, v := range vs {
+			out[i] = time.Duration(v) * time.Microsecond
+		}
+		return out
+	}
+	batches := []pingBatch{
+		{lo: 0, hi: 3, pings: us(10, 10, 10)},    // p50 20 over 10: 2
+		{lo: 3, hi: 6, pings: us(100, 100, 100)}, // the ping-pong slowed: 40 over 100: 0.4
+		{lo: 6, hi: 9, pings: us(20, 20, 20)},    // 20 over 20: 1
+	}
+	lat := us(10, 20, 30, 40, 40, 40, 10, 20, 30)
+	done := us(20, 40, 60, 80, 80, 80, 20, 40, 60)
+	var r Result
+	setPingRatios(&r, batches, lat, done)
+	assert.Equal(t, 3, r.PingPairs)
+	assert.InDelta(t, 1.0, r.PingRatio, 1e-12, "the median of 2, 0.4 and 1")
+	assert.InDelta(t, 2.0, r.DonePingRatio, 1e-12, "the median of 4, 0.8 and 2")
+	assert.InDelta(t, 20.0, r.PingP50, 1e-12)
+
+	done[4] = 0 // one passive Wait did not return
+	r = Result{}
+	setPingRatios(&r, batches, lat, done)
+	assert.InDelta(t, 1.0, r.PingRatio, 1e-12)
+	assert.Zero(t, r.DonePingRatio, "not every pair has a done figure")
+	r = Result{}
+	setPingRatios(&r, nil, lat, done)
+	assert.Zero(t, r.PingPairs)
+}
+
 // TestVRAMWithoutDriver: asking for GPU memory where no driver can be had
 // fails before anything starts, saying what is missing.
 func TestVRAMWithoutDriver(t *testing.T) {
@@ -688,5 +791,12 @@ func TestGPUFlags(t *testing.T) {
 		assert.Error(t, err, "%v", tc.args)
 	}
 	_, err = parseFlags([]string{"-initiator-mem", "hbm"}, &bytes.Buffer{})
-	assert.ErrorContains(t, err, `-initiator-mem: unknown memory "hbm": want dram or vram`)
+	assert.ErrorContains(t, err, `-initiator-mem: unknown memory "hbm": want dram, vram or shm`)
+	cfg, err = parseFlags([]string{"-initiator-mem", "shm", "-target-mem", "SHM"}, &bytes.Buffer{})
+	require.NoError(t, err)
+	assert.Equal(t, mems{memSHM, memSHM}, cfg.mem)
+	assert.False(t, cfg.mem.vram())
+	b, err = json.Marshal(roundReq{Op: dirRead, Mem: memSHM})
+	require.NoError(t, err)
+	assert.Contains(t, string(b), `"mem":"shm"`)
 }

@@ -75,6 +75,16 @@ type Result struct {
 	// memory), as the KV hand-off against one region.
 	OneRegionGBps  float64 `json:"one_region_gbps,omitempty"`
 	OneRegionRatio float64 `json:"one_region_ratio,omitempty"`
+
+	// A small point (at most 64 KiB, one in flight, -interleave) against
+	// the raw 4 KiB TCP ping-pong run in batches alternating with its own:
+	// the ping-pong's p50 over the point (µs), the pairs of batches, and
+	// the median over the pairs of the batch's p50 over the ping-pong's,
+	// to the active Wait (PingRatio) and to the passive one (DonePingRatio).
+	PingP50       float64 `json:"pingpong_p50_us,omitempty"`
+	PingPairs     int     `json:"pingpong_pairs,omitempty"`
+	PingRatio     float64 `json:"pingpong_ratio,omitempty"`
+	DonePingRatio float64 `json:"done_pingpong_ratio,omitempty"`
 }
 
 // runInfo describes the run in the JSON output and the table's header.
@@ -158,12 +168,20 @@ func (r Result) summary() string {
 
 // ipcPath reports whether every operation of a row took a same-host
 // device path ("cma+ipc"): path is the row's sorted, comma-joined paths.
-func ipcPath(path string) bool {
+func ipcPath(path string) bool { return allPaths(path, "+ipc") }
+
+// shmPath reports whether every operation of a row copied through the
+// peer's shared host memory, mapped ("cma+shm").
+func shmPath(path string) bool { return allPaths(path, "+shm") }
+
+// allPaths reports whether every path of a row (sorted, comma-joined) ends
+// in suffix.
+func allPaths(path, suffix string) bool {
 	if path == "" {
 		return false
 	}
 	for p := range strings.SplitSeq(path, ",") {
-		if !strings.HasSuffix(p, "+ipc") {
+		if !strings.HasSuffix(p, suffix) {
 			return false
 		}
 	}
@@ -190,7 +208,9 @@ func deviceCopy(r Result) string {
 // setRatios sets each goxfer row's ratio to its backend's baseline for the
 // same operation and bytes, measured in the same run; a row of the
 // same-host device path ("cma+ipc"), to the in-process cuMemcpy of the
-// copy it makes, of the same bytes.
+// copy it makes, of the same bytes; a row through mapped shared memory
+// ("cma+shm"), whose copy is a memmove in the initiator, to Go copy of the
+// same bytes.
 func setRatios(rs []Result) {
 	base := map[string]string{}
 	for _, b := range builtBackends() {
@@ -212,6 +232,9 @@ func setRatios(rs []Result) {
 			continue
 		}
 		want := []string{base[name]}
+		if shmPath(r.Path) {
+			want = []string{baseMemcpy}
+		}
 		if want[0] == baseTCP {
 			want = []string{baseTCP1, baseTCP4} // the ceiling: the better of the two
 		}
@@ -243,9 +266,10 @@ func setGPURatios(rs []Result) {
 			continue
 		}
 		vram := r.InitiatorMem == memVRAM.String() || r.TargetMem == memVRAM.String()
+		notDRAM := vram || r.InitiatorMem == memSHM.String() || r.TargetMem == memSHM.String()
 		for _, b := range rs {
 			switch {
-			case b.Kind == "goxfer" && vram && b.InitiatorMem == memDRAM.String() && b.TargetMem == memDRAM.String() &&
+			case b.Kind == "goxfer" && notDRAM && b.InitiatorMem == memDRAM.String() && b.TargetMem == memDRAM.String() &&
 				strings.TrimSuffix(b.Name, heapSuffix) == r.Name && b.Op == r.Op && b.Block == r.Block && b.Descs == r.Descs && b.Inflight == r.Inflight:
 				// The DRAM figure of the same backend: on the Go heap where
 				// the backend's allocator was measured too.
@@ -316,6 +340,9 @@ func writeTable(w io.Writer, rs []Result, ri runInfo) {
 	if slices.ContainsFunc(rs, func(r Result) bool { return r.Kind == "goxfer" && ipcPath(r.Path) }) {
 		fmt.Fprintln(w, "path cma+ipc: cma mapped the peer's GPU memory (same host) and copied on the GPU; its baseline is cuMemcpy of that copy in one process, same bytes")
 	}
+	if slices.ContainsFunc(rs, func(r Result) bool { return r.Kind == "goxfer" && shmPath(r.Path) }) {
+		fmt.Fprintln(w, "path cma+shm: cma mapped the peer's shared host memory (same host) and copied with memmove in the initiator; its baseline is Go copy in one process, same bytes")
+	}
 	if ri.Runs > 1 {
 		fmt.Fprintf(w, "every figure is the median of %d runs; ratios are medians of each run's own ratio\n", ri.Runs)
 	}
@@ -323,7 +350,11 @@ func writeTable(w io.Writer, rs []Result, ri runInfo) {
 		fmt.Fprintln(w, "-check: every byte verified; timings include the verification and are not meaningful")
 	}
 	fmt.Fprintln(w)
-	gpu := slices.ContainsFunc(rs, func(r Result) bool { return r.Device != "" })
+	// The memory and path columns, where some row is not Go heap to Go
+	// heap.
+	gpu := slices.ContainsFunc(rs, func(r Result) bool {
+		return r.Device != "" || r.InitiatorMem != "" && (r.InitiatorMem != memDRAM.String() || r.TargetMem != memDRAM.String())
+	})
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	head := "backend\top\t"
 	if gpu {
@@ -349,6 +380,7 @@ func writeTable(w io.Writer, rs []Result, ri runInfo) {
 	}
 	_ = tw.Flush()
 	writeRatioTable(w, rs)
+	writePingTable(w, rs)
 
 	var lat []Result
 	for _, r := range rs {
@@ -416,6 +448,31 @@ func writeRatioTable(w io.Writer, rs []Result) {
 	_ = tw.Flush()
 }
 
+// writePingTable prints the rows measured interleaved with the 4 KiB TCP
+// ping-pong, if any.
+func writePingTable(w io.Writer, rs []Result) {
+	var rows []Result
+	for _, r := range rs {
+		if r.Kind == "goxfer" && r.PingPairs > 0 {
+			rows = append(rows, r)
+		}
+	}
+	if len(rows) == 0 {
+		return
+	}
+	fmt.Fprintln(w)
+	fmt.Fprintln(w, "small operations against the raw 4 KiB TCP ping-pong, in alternating batches in the same seconds: ×ping is the median over the")
+	fmt.Fprintln(w, "pairs of batches of the batch's p50 over the ping-pong's p50 (active: to the active Wait; done: to the target's passive Wait)")
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "backend\top\tmem (init/target)\tpath\tblock\tdescs\tpairs\tp50 µs\tdone p50 µs\tping-pong p50 µs\t×ping active\t×ping done\t")
+	for _, r := range rows {
+		fmt.Fprintln(tw, strings.Join([]string{rowName(r), r.Op, r.InitiatorMem + "/" + r.TargetMem, r.Path,
+			fmtSize(float64(r.Block)), strconv.Itoa(r.Descs), strconv.Itoa(r.PingPairs), fmtF(r.P50, 1), fmtF(r.DoneP50, 1),
+			fmtF(r.PingP50, 1), fmtF(r.PingRatio, 2), fmtF(r.DonePingRatio, 2), ""}, "\t"))
+	}
+	_ = tw.Flush()
+}
+
 func intOrBlank(n int) string {
 	if n == 0 {
 		return ""
@@ -453,7 +510,8 @@ var csvHeader = []string{"kind", "name", "op", "shape", "block", "descs", "bytes
 	"p50_us", "p99_us", "done_p50_us", "done_p99_us", "baseline", "baseline_gbps", "ratio", "in_process", "checked", "note",
 	"initiator_mem", "target_mem", "path", "device", "dram_gbps", "dram_ratio", "stage_chunk",
 	"stage_d2h_gbps", "cumemcpy_d2h_gbps", "stage_d2h_ratio", "stage_h2d_gbps", "cumemcpy_h2d_gbps", "stage_h2d_ratio",
-	"one_region_gbps", "one_region_ratio", "stage_d2d_gbps", "cumemcpy_d2d_gbps", "stage_d2d_ratio"}
+	"one_region_gbps", "one_region_ratio", "stage_d2d_gbps", "cumemcpy_d2d_gbps", "stage_d2d_ratio",
+	"pingpong_p50_us", "pingpong_pairs", "pingpong_ratio", "done_pingpong_ratio"}
 
 func writeCSV(w io.Writer, rs []Result) error {
 	cw := csv.NewWriter(w)
@@ -465,7 +523,8 @@ func writeCSV(w io.Writer, rs []Result) error {
 			r.Baseline, f(r.BaseGBps), f(r.Ratio), strconv.FormatBool(r.InProcess), strconv.FormatBool(r.Checked), r.Note,
 			r.InitiatorMem, r.TargetMem, r.Path, r.Device, f(r.DRAMGBps), f(r.DRAMRatio), strconv.Itoa(r.StageChunk),
 			f(r.StageD2HGBps), f(r.CopyD2HGBps), f(r.StageD2HRatio), f(r.StageH2DGBps), f(r.CopyH2DGBps), f(r.StageH2DRatio),
-			f(r.OneRegionGBps), f(r.OneRegionRatio), f(r.StageD2DGBps), f(r.CopyD2DGBps), f(r.StageD2DRatio)})
+			f(r.OneRegionGBps), f(r.OneRegionRatio), f(r.StageD2DGBps), f(r.CopyD2DGBps), f(r.StageD2DRatio),
+			f(r.PingP50), strconv.Itoa(r.PingPairs), f(r.PingRatio), f(r.DonePingRatio)})
 	}
 	cw.Flush()
 	return cw.Error()
@@ -531,8 +590,8 @@ func mergeRuns(runs [][]Result) []Result {
 	return out
 }
 
-// gpuFigures are the GPU memory figures and ratios of a row, for
-// mergeRuns.
+// gpuFigures are the GPU memory figures and ratios of a row, and those
+// against the interleaved ping-pong, for mergeRuns.
 var gpuFigures = []func(*Result) *float64{
 	func(r *Result) *float64 { return &r.DRAMGBps },
 	func(r *Result) *float64 { return &r.DRAMRatio },
@@ -547,6 +606,9 @@ var gpuFigures = []func(*Result) *float64{
 	func(r *Result) *float64 { return &r.StageD2DGBps },
 	func(r *Result) *float64 { return &r.CopyD2DGBps },
 	func(r *Result) *float64 { return &r.StageD2DRatio },
+	func(r *Result) *float64 { return &r.PingP50 },
+	func(r *Result) *float64 { return &r.PingRatio },
+	func(r *Result) *float64 { return &r.DonePingRatio },
 }
 
 // render prints and writes the results of a previous run's JSON file.

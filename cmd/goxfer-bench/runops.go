@@ -25,13 +25,18 @@ type opsRun struct {
 	elapsed  time.Duration   // first measured Begin to last measured completion
 	verified int64
 	paths    []string // how the operations moved their bytes (Path), sorted
+	// batches: with a ping-pong interleaved, the measured operations'
+	// batches and the ping-pongs that followed each.
+	batches []pingBatch
 }
 
 // runOps runs operations [0, total), the first warmup of them unmeasured,
 // with n in flight: goroutine s runs operations s, s+n, ... on slot s,
-// whose buffer lives in mem (GPU memory: on -gpu).
+// whose buffer lives in mem (GPU memory: on -gpu). With pp, the measured
+// operations run in batches, each followed by a batch of as many 4 KiB
+// ping-pongs (interleave.go); the elapsed time is then the batches' own.
 func (in *initiator) runOps(ctx context.Context, c *connect.Connector, p *prepared, op direction, sh shape, n, warmup, total int,
-	mem memKind, alloc func(int) ([]byte, func() error, error)) (_ *opsRun, err error) {
+	mem memKind, alloc func(int) ([]byte, func() error, error), pp *pinger) (_ *opsRun, err error) {
 	size := int(sh.bytes())
 	slots := make([]*region, n)
 	descs := make([][]connect.Descriptor, n)
@@ -185,7 +190,23 @@ func (in *initiator) runOps(ctx context.Context, c *connect.Connector, p *prepar
 		wg.Wait()
 	}
 	phase(0, warmup)
-	phase(warmup, total)
+	if pp == nil {
+		phase(warmup, total)
+	} else {
+		size := batchSize(total - warmup)
+		if _, err := pp.batch(size); err != nil { // warm the connection too
+			return nil, fmt.Errorf("ping-pong: %w", err)
+		}
+		for lo := warmup; lo < total && firstErr == nil; lo += size {
+			hi := min(lo+size, total)
+			phase(lo, hi)
+			pings, err := pp.batch(hi - lo)
+			if err != nil {
+				return nil, fmt.Errorf("ping-pong: %w", err)
+			}
+			run.batches = append(run.batches, pingBatch{lo: lo, hi: hi, pings: pings})
+		}
+	}
 	if firstErr != nil {
 		return nil, firstErr
 	}
@@ -201,10 +222,21 @@ func (in *initiator) runOps(ctx context.Context, c *connect.Connector, p *prepar
 			}
 		}
 	}
-	first, last := slices.Min(run.begin[warmup:]), slices.Max(ends[warmup:])
-	run.elapsed = time.Duration(last - first)
+	run.elapsed = span(run.begin, ends, warmup, total)
+	if run.batches != nil {
+		run.elapsed = 0 // the ping-pongs' time between the batches is not the operations'
+		for _, b := range run.batches {
+			run.elapsed += span(run.begin, ends, b.lo, b.hi)
+		}
+	}
 	run.verified = verified.Load()
 	slices.Sort(paths)
 	run.paths = paths
 	return run, nil
+}
+
+// span is the time from the first Begin to the last completion of
+// operations [lo, hi).
+func span(begin, ends []int64, lo, hi int) time.Duration {
+	return time.Duration(slices.Max(ends[lo:hi]) - slices.Min(begin[lo:hi]))
 }

@@ -197,7 +197,8 @@ func (in *initiator) await(ctx context.Context, name string) (*remote, error) {
 
 // openConnections starts one connector per measured backend, and with
 // -baselines dials the target process's raw TCP server over 1 and 4
-// connections. u gets their closes.
+// connections, and (-interleave) its ping-pong server once. u gets their
+// closes.
 func (in *initiator) openConnections(ctx context.Context, u *undo) (err error) {
 	cfg := in.cfg
 	quiet := slog.New(slog.DiscardHandler)
@@ -223,6 +224,14 @@ func (in *initiator) openConnections(ctx context.Context, u *undo) (err error) {
 			return err
 		}
 		u.add(func() { closeAll(in.raw4) })
+		if cfg.interleave {
+			cs, err := dialN(ctx, in.proc.hello.Ping, 1)
+			if err != nil {
+				return err
+			}
+			in.ping = cs[0]
+			u.add(func() { closeAll(cs) })
+		}
 	}
 	return nil
 }

@@ -25,19 +25,19 @@ func (in *initiator) memories(b backendDef) []bool {
 }
 
 // memPairs returns the memory kinds every point is measured with: dram/dram
-// alone, or, when either side is vram, dram/dram (the same backend's DRAM
-// figure) then the kinds asked for, side by side.
+// alone, or, when either side is vram or shm, dram/dram (the same backend's
+// figure on the Go heap) then the kinds asked for, side by side.
 func (in *initiator) memPairs() []mems {
-	if !in.cfg.mem.vram() {
+	if in.cfg.mem == dramOnly {
 		return []mems{dramOnly}
 	}
 	return []mems{dramOnly, in.cfg.mem}
 }
 
-// allocsFor is memories for host buffers on both sides; a point with GPU
-// memory uses no backend's allocator.
+// allocsFor is memories for Go heap buffers on both sides; a point with GPU
+// or shared memory uses no backend's allocator.
 func (in *initiator) allocsFor(b backendDef, m mems) []bool {
-	if m.vram() {
+	if m != dramOnly {
 		return []bool{false}
 	}
 	return in.memories(b)
@@ -100,7 +100,7 @@ func (in *initiator) sweep(ctx context.Context) error {
 					for _, m := range in.memPairs() {
 						for _, alloc := range in.allocsFor(b, m) {
 							what := fmt.Sprintf("%s %s %s ×%d, %d in flight", b.name, op, fmtSize(float64(sh.Block)), sh.Descs, n)
-							if in.cfg.mem.vram() {
+							if in.cfg.mem != dramOnly {
 								what += ", " + m.String()
 							}
 							in.prog.step(what)
@@ -176,7 +176,7 @@ func (in *initiator) measure(ctx context.Context, b backendDef, op direction, sh
 	}
 	in.createNs[sh.Descs] = float64(p.ready.CreateNs) / float64(total)
 	in.tokenBytes[sh.Descs] = p.ready.TokenLen
-	res, runErr := in.runOps(ctx, in.conns[b.name], p, op, sh, n, warmup, total, m.init, allocFn)
+	res, runErr := in.runOps(ctx, in.conns[b.name], p, op, sh, n, warmup, total, m.init, allocFn, in.pingerFor(sh, n))
 	fin, ferr := in.finish(ctx, p)
 	if runErr != nil {
 		return Result{}, runErr
@@ -194,25 +194,32 @@ func (in *initiator) measure(ctx context.Context, b backendDef, op direction, sh
 	}
 	r.setThroughput(sh.bytes(), iters, res.elapsed)
 	r.P50, r.P99 = percentiles(res.lat[warmup:])
+	var doneAt []time.Duration // per operation; 0: its passive Wait did not return
 	if t.sameClock {
+		doneAt = make([]time.Duration, total)
 		var done []time.Duration
 		for i := warmup; i < total; i++ {
 			if fin.Done[i] != 0 {
-				done = append(done, time.Duration(fin.Done[i]-res.begin[i]))
+				doneAt[i] = time.Duration(fin.Done[i] - res.begin[i])
+				done = append(done, doneAt[i])
 			}
 		}
 		if len(done) == iters {
 			r.DoneP50, r.DoneP99 = percentiles(done)
 		}
 	}
+	setPingRatios(&r, res.batches, res.lat, doneAt)
 	if b.inProcess {
 		r.Note = "in-process"
 	}
 	switch {
 	case alloc:
 		r.Note = joinNote(r.Note, "buffers from the backend's allocator")
-	case b.alloc != nil && in.cfg.ucxAlloc != "off" && !m.vram():
+	case b.alloc != nil && in.cfg.ucxAlloc != "off" && m == dramOnly:
 		r.Name += heapSuffix
+	}
+	if r.PingPairs > 0 {
+		r.Note = joinNote(r.Note, pingNote(r))
 	}
 	if m.vram() {
 		// Both sides' device copies, warm-up included: a rate, not a total.
