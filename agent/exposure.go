@@ -326,6 +326,12 @@ func (l *Lease) Slice(addr, n uint64) ([]byte, error) {
 // take that back.
 func (l *Lease) Gone() <-chan struct{} { return l.e.gone }
 
+// Closing reports whether the lease's agent is closing: its exposures are
+// being revoked because it goes away, not one by one. A backend that tells
+// a peer why its access ended says "lost" ([ErrRemoteLost]) then, as
+// [Host.Open] does.
+func (l *Lease) Closing() bool { return l.e.a.isClosed() }
+
 // Regions returns the exposure's regions, sorted by address. The slice is
 // the caller's; the memory it describes may be touched only under the
 // lease.

@@ -201,7 +201,7 @@ func Map(fd int, size uint64) ([]byte, error) {
 	}
 	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
 	if err != nil {
-		return nil, fmt.Errorf("shm: the descriptor is no memory file: %w", err)
+		return nil, fmt.Errorf("%w: the descriptor is no memory file: %w", ErrInvalid, err)
 	}
 	if seals&unix.F_SEAL_SHRINK == 0 {
 		return nil, fmt.Errorf("%w: the memory file can shrink (seals %#x): a mapping of it could fault", ErrInvalid, seals)

@@ -247,7 +247,6 @@ func (p *peer) loop() error {
 	rr := &rightsReader{c: p.c}
 	defer rr.close()
 	defer p.dropShares()
-	defer func() { p.shmFail(p.failure()) }()
 	br := bufio.NewReaderSize(rr, 4<<10)
 	var hdr [hdrSize]byte
 	var buf []byte
@@ -438,6 +437,7 @@ func (p *peer) fail(err error) {
 				w.answer(err) // never requested: holds nothing
 			}
 		}
+		p.shmFail(err)
 		if idle {
 			p.shut()
 		}

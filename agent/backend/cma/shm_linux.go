@@ -279,7 +279,11 @@ func (s *server) retire(m *served) {
 	m.retiring = true
 	w := slotAt(sv.table, int(m.ans.slot))
 	sv.mu.Unlock()
-	atomic.StoreUint64(w.stamp, m.ans.gen<<2|slotRevoked)
+	state := uint64(slotRevoked)
+	if m.lease.Closing() {
+		state = slotClosed
+	}
+	atomic.StoreUint64(w.stamp, m.ans.gen<<2|state)
 	deadline := time.Now().Add(s.b.cfg.timeout)
 	for {
 		r := atomic.LoadUint32(w.readers)
@@ -604,11 +608,13 @@ func (p *peer) mappedAnswer(f *frame) error {
 	var err error
 	switch f.status {
 	case stOK:
-		m, err = sp.build(a.k, f)
-		if err != nil {
+		var berr error
+		if m, berr = sp.build(a.k, f); berr != nil {
+			// The connection fails: the failure answers a, as every
+			// request still waiting (shmFail).
+			sp.asks[f.id], sp.byKey[a.k] = a, a
 			sp.mu.Unlock()
-			p.answered(a, nil, err)
-			return err
+			return berr
 		}
 	case stNone:
 		m = &mapping{k: a.k, none: true}
@@ -786,7 +792,9 @@ func (b *Backend) finishShared(p *peer, x *agent.Work, m *mapping, err error) {
 
 // copyShared copies ops through m with up to workers goroutines (this one
 // included), inside m's slot, and reports why it stopped early: the
-// transfer was cancelled, the exposure revoked, or the peer lost. The
+// transfer was cancelled, the exposure revoked, or the peer lost (checked
+// before each piece: a peer that died is no longer there to hear of it,
+// even though its memory is still mapped here). The
 // connection stays open while copies run (holdShared), since its end is
 // what tells the exposing side that none does.
 func (b *Backend) copyShared(p *peer, x *agent.Work, m *mapping, ops []shmOp, workers int) error {
@@ -833,14 +841,24 @@ func (b *Backend) copyShared(p *peer, x *agent.Work, m *mapping, ops []shmOp, wo
 				m.w.leave()
 				in, held = false, 0
 			}
+			select {
+			case <-x.Cancelled():
+				err := x.CancelErr()
+				failed.CompareAndSwap(nil, &err)
+				i = len(pieces)
+			case <-p.dead:
+				// The peer's end closed: it is gone, or dropped us. Its
+				// memory may outlive it here, but nobody would hear of
+				// the transfer.
+				err := p.failure()
+				failed.CompareAndSwap(nil, &err)
+				i = len(pieces)
+			default:
+			}
+			if i == len(pieces) {
+				break
+			}
 			if !in {
-				select {
-				case <-x.Cancelled():
-					err := x.CancelErr()
-					failed.CompareAndSwap(nil, &err)
-					return
-				default:
-				}
 				if !m.w.enter(m.want) {
 					err := p.revoked(m)
 					failed.CompareAndSwap(nil, &err)
@@ -883,6 +901,9 @@ func (p *peer) revoked(m *mapping) error {
 		defer m.release()
 	}
 	sp.mu.Unlock()
+	if atomic.LoadUint64(m.w.stamp) == m.want&^3|slotClosed {
+		return fmt.Errorf("cma: peer %s is closing: %w", p.id, agent.ErrRemoteLost)
+	}
 	return fmt.Errorf("cma: peer %s: %w: exposure %v revoked", p.id, agent.ErrAccessDenied, m.k.key)
 }
 

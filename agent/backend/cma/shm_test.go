@@ -3,7 +3,9 @@
 package cma
 
 import (
+	"bytes"
 	"context"
+	"errors"
 	"testing"
 	"time"
 
@@ -78,5 +80,204 @@ func TestShmReadWrite(t *testing.T) {
 		require.Equal(t, src, w.buf.Bytes())
 		// The second transfer needs no mapping request: same slot.
 		require.NoError(t, waitX(t, w.post(t, agent.OpWrite, src[:10], agent.DRAM(w.buf.Bytes()).Addr+5, nil)))
+	}
+}
+
+// Revocation is exact on the shared-memory path: once Revoke returns, no
+// copy of the peer's touches the memory, whatever was in flight. WRITEs
+// from several goroutines stamp the exposed buffer with their own byte;
+// after Revoke the buffer must never change again, and later transfers
+// are refused.
+func TestShmRevokeStopsWrites(t *testing.T) {
+	for round := range 20 {
+		p := newShmPair(t, 3<<20, agent.AccessWrite)
+		base := agent.DRAM(p.buf.Bytes()).Addr
+		stop := make(chan struct{})
+		done := make(chan error, 4)
+		for g := range 4 {
+			go func() {
+				src := bytes.Repeat([]byte{byte(g + 1)}, 1<<20+g*4096) // inline and worker copies both
+				for {
+					select {
+					case <-stop:
+						done <- nil
+						return
+					default:
+					}
+					x := p.post(t, agent.OpWrite, src, base, nil)
+					if err := waitX(t, x); err != nil {
+						if !errors.Is(err, agent.ErrAccessDenied) {
+							done <- err
+							return
+						}
+					}
+				}
+			}()
+		}
+		time.Sleep(time.Duration(round%5) * time.Millisecond)
+		p.exp.Revoke()
+		snap := bytes.Clone(p.buf.Bytes())
+		time.Sleep(20 * time.Millisecond)
+		close(stop)
+		for range 4 {
+			require.NoError(t, <-done)
+		}
+		require.True(t, bytes.Equal(snap, p.buf.Bytes()), "round %d: the buffer changed after Revoke returned", round)
+		err := waitX(t, p.post(t, agent.OpWrite, []byte{1}, base, nil))
+		require.ErrorIs(t, err, agent.ErrAccessDenied)
+	}
+}
+
+// copierMapping returns the copier's cached mapping of the pair's
+// exposure (a READ or WRITE of it must have run).
+func copierMapping(t *testing.T, p *shmPair) (*peer, *mapping) {
+	t.Helper()
+	p.bc.mu.Lock()
+	ps := p.bc.peers[p.a.ID()]
+	p.bc.mu.Unlock()
+	require.Len(t, ps, 1)
+	sp := &ps[0].sh
+	sp.mu.Lock()
+	defer sp.mu.Unlock()
+	m := sp.maps[mapKey{key: p.exp.Key(), acc: p.exp.Access()}]
+	require.NotNil(t, m)
+	require.False(t, m.none)
+	return ps[0], m
+}
+
+// A copier stuck inside a mapping (frozen, or hostile: it entered the
+// slot and never leaves) holds Revoke up for WithTimeout at most: then
+// its connection is dropped and Revoke returns.
+func TestShmRevokeBoundedStuckReader(t *testing.T) {
+	const timeout = 300 * time.Millisecond
+	p := newShmPair(t, 4096, agent.AccessRead, WithTimeout(timeout))
+	base := agent.DRAM(p.buf.Bytes()).Addr
+	require.NoError(t, waitX(t, p.post(t, agent.OpRead, make([]byte, 16), base, nil)))
+	_, m := copierMapping(t, p)
+	require.True(t, m.w.enter(m.want)) // and never leaves
+	start := time.Now()
+	p.exp.Revoke()
+	took := time.Since(start)
+	require.GreaterOrEqual(t, took, timeout-10*time.Millisecond)
+	require.Less(t, took, 3*timeout)
+	t.Logf("Revoke returned %v after the stuck copier's timeout of %v", took, timeout)
+}
+
+// A copier whose connection closes while inside a mapping (its process
+// died in the middle of a copy: the kernel closes its socket only after
+// its memory is gone) does not hold Revoke up: the exposing side sees the
+// end of the connection and stops waiting at once.
+func TestShmRevokeCopierGone(t *testing.T) {
+	const timeout = 5 * time.Second
+	p := newShmPair(t, 4096, agent.AccessRead, WithTimeout(timeout))
+	base := agent.DRAM(p.buf.Bytes()).Addr
+	require.NoError(t, waitX(t, p.post(t, agent.OpRead, make([]byte, 16), base, nil)))
+	pc, m := copierMapping(t, p)
+	require.True(t, m.w.enter(m.want))
+	start := time.Now()
+	go func() {
+		time.Sleep(50 * time.Millisecond)
+		_ = pc.c.Close() // as the kernel would at exit
+	}()
+	p.exp.Revoke()
+	took := time.Since(start)
+	require.Less(t, took, time.Second, "Revoke waited for a copier whose connection ended")
+	t.Logf("Revoke returned %v after it began, the copier's end closing at 50ms", took)
+}
+
+// The copier rechecks the slot's stamp on every transfer: after Revoke a
+// cached mapping is not used (the copy is refused, not made), and asking
+// again is denied.
+func TestShmStaleMappingRefused(t *testing.T) {
+	p := newShmPair(t, 4096, agent.AccessRead)
+	base := agent.DRAM(p.buf.Bytes()).Addr
+	require.NoError(t, waitX(t, p.post(t, agent.OpRead, make([]byte, 16), base, nil)))
+	_, m := copierMapping(t, p)
+	m.refs.Add(1) // keep it alive past the cache
+	defer m.release()
+	p.exp.Revoke()
+	require.False(t, m.w.enter(m.want), "a revoked slot let a copy in")
+	err := waitX(t, p.post(t, agent.OpRead, make([]byte, 16), base, nil))
+	require.ErrorIs(t, err, agent.ErrAccessDenied)
+}
+
+// Memory of a shared buffer cannot be freed while exposed: Free refuses,
+// and succeeds once the exposure is revoked.
+func TestShmFreeWhileExposed(t *testing.T) {
+	a, _ := newAgent(t)
+	buf, err := shm.Alloc(8192)
+	require.NoError(t, err)
+	e, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(buf.Bytes()[100:200])})
+	require.NoError(t, err)
+	require.ErrorIs(t, buf.Free(), shm.ErrBusy)
+	e.Revoke()
+	require.NoError(t, buf.Free())
+	require.NoError(t, buf.Free()) // again: nothing
+}
+
+// Off on either side, the pair uses leases: the path is plain cma.
+func TestShmOff(t *testing.T) {
+	for _, side := range []string{"exposing", "copying"} {
+		p := &shmPair{}
+		if side == "exposing" {
+			p.a, p.ba = newAgent(t, WithSharedMemory(false))
+			p.c, p.bc = newAgent(t)
+		} else {
+			p.a, p.ba = newAgent(t)
+			p.c, p.bc = newAgent(t, WithSharedMemory(false))
+		}
+		buf, err := shm.Alloc(4096)
+		require.NoError(t, err)
+		p.buf = buf
+		p.exp, err = p.a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(buf.Bytes())})
+		require.NoError(t, err)
+		x := p.post(t, agent.OpRead, make([]byte, 64), agent.DRAM(buf.Bytes()).Addr, nil)
+		require.NoError(t, waitX(t, x))
+		require.Equal(t, Name, x.Path(), side)
+		p.exp.Revoke()
+		require.NoError(t, buf.Free())
+	}
+}
+
+// Transfers over memory partly in a segment and partly on the Go heap use
+// leases for the whole transfer; heap-only exposures are answered "none"
+// once and then go straight to leases.
+func TestShmMixedAndHeap(t *testing.T) {
+	a, _ := newAgent(t)
+	c, _ := newAgent(t)
+	buf, err := shm.Alloc(4096)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = buf.Free() })
+	heap := bytes.Repeat([]byte{7}, 4096)
+	pattern.Fill(buf.Bytes(), 3, 0, 0)
+	e, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(buf.Bytes()), agent.DRAM(heap)})
+	require.NoError(t, err)
+	t.Cleanup(e.Revoke)
+	seg := func(local []byte, remote []byte) agent.Segment {
+		return agent.Segment{Local: agent.DRAM(local), Remote: agent.DRAM(remote).Region}
+	}
+	d1, d2 := make([]byte, 4096), make([]byte, 4096)
+	x, err := c.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: a.Info(), Key: e.Key(), Backend: Name,
+		Segments: []agent.Segment{seg(d1, buf.Bytes()), seg(d2, heap)}})
+	require.NoError(t, err)
+	require.NoError(t, waitX(t, x))
+	require.Equal(t, Name, x.Path())
+	require.Equal(t, buf.Bytes(), d1)
+	require.Equal(t, heap, d2)
+	x, err = c.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: a.Info(), Key: e.Key(), Backend: Name,
+		Segments: []agent.Segment{seg(d1[:10], buf.Bytes()[5:15])}})
+	require.NoError(t, err)
+	require.NoError(t, waitX(t, x))
+	require.Equal(t, Name+"+shm", x.Path())
+
+	h, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(heap)})
+	require.NoError(t, err)
+	t.Cleanup(h.Revoke)
+	for range 3 {
+		x, err = c.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: a.Info(), Key: h.Key(), Backend: Name,
+			Segments: []agent.Segment{seg(d2, heap)}})
+		require.NoError(t, err)
+		require.NoError(t, waitX(t, x))
+		require.Equal(t, Name, x.Path())
 	}
 }

@@ -42,7 +42,8 @@ import (
 //	slot i, at tableHeader + i*slotSize
 //	  0  readers  u32  copies in progress through the slot (a futex word)
 //	  4  waiting  u32  nonzero while the exposing side waits for readers
-//	  8  stamp    u64  generation<<2 | state (slotLive, slotRevoked)
+//	  8  stamp    u64  generation<<2 | state (slotLive, slotRevoked,
+//	                   slotClosed: revoked because the agent is closing)
 //	 16  -        zeros
 //
 // A copy through a mapping enters its slot (readers += 1), checks that the
@@ -79,6 +80,7 @@ const (
 
 	slotLive    = 1
 	slotRevoked = 2
+	slotClosed  = 3
 )
 
 var tableMagic = [4]byte{'G', 'X', 'L', 'T'}
