@@ -12,6 +12,7 @@ import (
 	"math"
 	"os"
 	"os/signal"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -62,6 +63,9 @@ type config struct {
 	// interleave runs small operations in batches alternating with the
 	// 4 KiB TCP ping-pong (interleave.go).
 	interleave bool
+	// cpuProfile is where this process writes its CPU profile; a spawned
+	// target writes its own beside it, with ".target" appended.
+	cpuProfile string
 }
 
 // shape is one transfer: descs descriptors of block bytes.
@@ -98,6 +102,18 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		fmt.Fprintf(stderr, "goxfer-bench: %v\n", err)
 		return 2
+	}
+	if cfg.cpuProfile != "" && cfg.from == "" {
+		stop, err := startCPUProfile(cfg.cpuProfile)
+		if err != nil {
+			fmt.Fprintf(stderr, "goxfer-bench: %v\n", err)
+			return 1
+		}
+		defer func() {
+			if err := stop(); err != nil {
+				fmt.Fprintf(stderr, "goxfer-bench: %v\n", err)
+			}
+		}()
 	}
 	switch {
 	case cfg.from != "":
@@ -152,6 +168,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.StringVar(&ucxTLS, "ucx-tls", "tcp,self;posix,self", "UCX_TLS settings for ucx_perftest, separated by ';'")
 	fs.StringVar(&c.ucxAlloc, "ucx-alloc", "both", "buffers of the ucx rows, on both sides: on: allocated by UCX (ucp_mem_map ALLOCATE, as ucx_perftest's); off: Go heap; both: a row of each")
 	fs.BoolVar(&c.interleave, "interleave", true, "run the points of at most 64 KiB with one operation in flight in batches alternating with batches of the raw 4 KiB TCP ping-pong (with -baselines), and report the median of each pair's p50 ratio, active and passive (\"×ping\"); false: only the ping-pong measured apart")
+	fs.StringVar(&c.cpuProfile, "cpuprofile", "", "write this process's CPU profile (go tool pprof) to this file, from start to end, setup included; a target spawned with -role both writes its own to FILE.target")
 	fs.IntVar(&c.latIters, "latency-iters", 2000, "round trips of the 4 KiB ping-pong and the control-plane measurements")
 	fs.StringVar(&c.progress, "progress", "auto", "auto: a progress bar on a terminal, one line per point otherwise; on; off")
 	fs.StringVar(&initMem, "initiator-mem", "dram", "where the initiator's local buffers live: dram (the Go heap), vram (GPU memory, via the CUDA driver, or the simulator with GOXFER_DEVICE=sim) or shm (shared host memory, shm.Alloc: cma maps the peer's, path cma+shm); with vram or shm on either side each point is also measured dram/dram; with vram beside cuMemcpy D2H and H2D baselines (and D2D with vram on both sides)")
@@ -462,4 +479,21 @@ func fileExt(name string) string {
 		return name[i:]
 	}
 	return ""
+}
+
+// startCPUProfile starts profiling this process's CPU into file; stop ends
+// it and closes the file.
+func startCPUProfile(file string) (stop func() error, err error) {
+	f, err := os.Create(file)
+	if err != nil {
+		return nil, fmt.Errorf("-cpuprofile: %w", err)
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		_ = f.Close()
+		return nil, fmt.Errorf("-cpuprofile: %w", err)
+	}
+	return func() error {
+		pprof.StopCPUProfile()
+		return f.Close()
+	}, nil
 }

@@ -134,6 +134,9 @@ func (in *initiator) spawn() (stop func(), err error) {
 	cmd := exec.Command(exe, "-role", "target", "-nats", in.natsURL, "-session", in.cfg.session,
 		"-listen", in.cfg.listen, "-timeout", in.cfg.timeout.String(), "-backends", "all", "-staging", in.cfg.staging,
 		"-device-ipc="+strconv.FormatBool(in.cfg.deviceIPC))
+	if in.cfg.cpuProfile != "" {
+		cmd.Args = append(cmd.Args, "-cpuprofile", in.cfg.cpuProfile+".target")
+	}
 	cmd.Env = append(os.Environ(), childEnv+"=1")
 	cmd.Stdout = in.stderr
 	cmd.Stderr = in.stderr
