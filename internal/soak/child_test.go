@@ -34,12 +34,14 @@ const opTimeout = 2 * time.Minute
 // ctlRequest is one command to the child:
 //
 //	start   Backend NATS Subject SampleEvery -> PID, Agent: a Connector for
-//	        Backend ("tcp": WithoutCMA; "cma": the defaults), serving
-//	        opRequests on Subject
+//	        Backend ("tcp": WithoutCMA; "cma": the defaults; "shm": the
+//	        defaults, every slab from AllocHost), serving opRequests on
+//	        Subject
 //	sample  Profile -> Sample: quiescent, once every request has been
 //	        answered; with Profile, a heap profile written there
-//	stop    -> Peaks, Counts, Leaks: stops serving, closes the Connector
-//	        and NATS, and looks for goroutines left over; the last answer
+//	stop    -> Peaks, Counts, Leaks, ShmLeft: stops serving, closes the
+//	        Connector and NATS, and looks for goroutines and shared memory
+//	        left over; the last answer
 type ctlRequest struct {
 	Cmd         string        `json:"cmd"`
 	Backend     string        `json:"backend,omitempty"`
@@ -59,6 +61,9 @@ type ctlResponse struct {
 	Peaks  *peaks  `json:"peaks,omitempty"`
 	Counts *counts `json:"counts,omitempty"`
 	Leaks  string  `json:"leaks,omitempty"` // goroutines left after Close, as goleak lists them
+	// ShmLeft is the shared memory mapped or open after Close (see
+	// shmUse), "" if none.
+	ShmLeft string `json:"shm_left,omitempty"`
 }
 
 func ctlFailed(err error) ctlResponse { return ctlResponse{Err: err.Error()} }
@@ -77,10 +82,11 @@ type counts struct {
 //	expose ID Kind Sizes -> Token: the child exposes memory for Kind,
 //	                        filled with dataSeed (READ) or fillerSeed (WRITE)
 //	finish ID            -> Result: the child awaits the exposure, checks
-//	                        its memory holds dataSeed, and closes it
+//	                        its memory holds dataSeed, closes it and frees
+//	                        the memory
 //	begin  ID Sizes Token -> Result: the child reads or writes (the token's
 //	                        kind) between the parent's memory and its own,
-//	                        awaits and checks its memory
+//	                        awaits and checks its memory, and frees it
 type opRequest struct {
 	Cmd   string                `json:"cmd"`
 	ID    int                   `json:"id"`
@@ -97,6 +103,7 @@ type opReply struct {
 // side is what one process saw of an operation.
 type side struct {
 	Backend string   `json:"backend,omitempty"` // the active side's backend
+	Path    string   `json:"path,omitempty"`    // and its path ("cma+shm")
 	Errs    []string `json:"errs,omitempty"`    // failures, not corruption
 	Damage  damage   `json:"damage"`
 }
@@ -113,11 +120,12 @@ type exposure struct {
 		Wait(context.Context) error
 		Close() error
 	}
-	mem *pattern.Slab
+	mem *opMem
 }
 
 type childServer struct {
 	conn *connect.Connector
+	mem  memory
 	nc   *nats.Conn
 	sub  *nats.Subscription
 	smp  *sampler
@@ -176,7 +184,7 @@ func (s *childServer) start(req ctlRequest) ctlResponse {
 		_ = conn.Close()
 		return ctlFailed(err)
 	}
-	s.conn, s.nc = conn, nc
+	s.conn, s.nc, s.mem = conn, nc, memoryFor(req.Backend, conn)
 	// The subscription's callback runs one message at a time; each request
 	// is answered on a goroutine of its own, which stop waits for.
 	s.sub, err = nc.Subscribe(req.Subject, func(m *nats.Msg) {
@@ -235,21 +243,22 @@ func (s *childServer) expose(ctx context.Context, req opRequest) opReply {
 	if req.Kind == connect.KindWrite {
 		seed = fillerSeed
 	}
-	mem := newSlab(req.ID, req.Sizes, seed)
+	mem, err := s.mem.slab(req.ID, req.Sizes, seed)
+	if err != nil {
+		rep.Result.fail("child: op %d: memory: %v", req.ID, err)
+		return rep
+	}
 	e := &exposure{mem: mem}
-	var (
-		md  connect.Metadata
-		err error
-	)
+	var md connect.Metadata
 	switch req.Kind {
 	case connect.KindRead:
 		var op *connect.ReadableOperation
-		if op, err = s.conn.CreateReadable(ctx, descriptors(mem)...); err == nil {
+		if op, err = s.conn.CreateReadable(ctx, descriptors(mem.Slab)...); err == nil {
 			e.op, md = op, op.Metadata()
 		}
 	case connect.KindWrite:
 		var op *connect.WritableOperation
-		if op, err = s.conn.CreateWritable(ctx, descriptors(mem)...); err == nil {
+		if op, err = s.conn.CreateWritable(ctx, descriptors(mem.Slab)...); err == nil {
 			e.op, md = op, op.Metadata()
 		}
 	default:
@@ -257,6 +266,9 @@ func (s *childServer) expose(ctx context.Context, req opRequest) opReply {
 	}
 	if err != nil {
 		rep.Result.fail("child: op %d: create %v: %v", req.ID, req.Kind, err)
+		if err := mem.free(); err != nil {
+			rep.Result.fail("child: op %d: %v", req.ID, err)
+		}
 		return rep
 	}
 	s.mu.Lock()
@@ -281,9 +293,12 @@ func (s *childServer) finish(ctx context.Context, id int) side {
 		r.fail("child: op %d: passive Wait: %v", id, err)
 	}
 	// READ: the reader left the memory alone; WRITE: the writer's bytes.
-	r.Damage = check(e.mem, id, dataSeed)
+	r.Damage = check(e.mem.Slab, id, dataSeed)
 	if err := e.op.Close(); err != nil {
 		r.fail("child: op %d: passive Close: %v", id, err)
+	}
+	if err := e.mem.free(); err != nil {
+		r.fail("child: op %d: %v", id, err)
 	}
 	s.mu.Lock()
 	s.n.Closed++
@@ -306,8 +321,12 @@ func (s *childServer) begin(ctx context.Context, req opRequest) side {
 	if md.Kind() == connect.KindRead {
 		seed = fillerSeed
 	}
-	mem := newSlab(req.ID, req.Sizes, seed)
-	r.Backend, err = transfer(ctx, s.conn, md, mem, func() {
+	mem, err := s.mem.slab(req.ID, req.Sizes, seed)
+	if err != nil {
+		r.fail("child: op %d: memory: %v", req.ID, err)
+		return r
+	}
+	r.Backend, r.Path, err = transfer(ctx, s.conn, md, mem.Slab, func() {
 		s.mu.Lock()
 		s.n.Begun++
 		s.mu.Unlock()
@@ -319,35 +338,38 @@ func (s *childServer) begin(ctx context.Context, req opRequest) side {
 	s.n.Waited++
 	s.mu.Unlock()
 	// READ: the bytes landed; WRITE: the bytes sent are intact.
-	r.Damage = check(mem, req.ID, dataSeed)
+	r.Damage = check(mem.Slab, req.ID, dataSeed)
+	if err := mem.free(); err != nil {
+		r.fail("child: op %d: %v", req.ID, err)
+	}
 	return r
 }
 
 // transfer begins the READ or WRITE md asks for between local and the
 // memory md names, calls begun once it is posted, and awaits it. It
-// returns the backend that moved the bytes.
-func transfer(ctx context.Context, c *connect.Connector, md connect.Metadata, local *pattern.Slab, begun func()) (string, error) {
+// returns the backend that moved the bytes and its path.
+func transfer(ctx context.Context, c *connect.Connector, md connect.Metadata, local *pattern.Slab, begun func()) (backend, path string, err error) {
 	var op interface {
 		Wait(context.Context) error
 		Backend() string
+		Path() string
 	}
-	var err error
 	switch md.Kind() {
 	case connect.KindRead:
 		op, err = c.BeginRead(ctx, md, descriptors(local)...)
 	case connect.KindWrite:
 		op, err = c.BeginWrite(ctx, md, descriptors(local)...)
 	default:
-		return "", fmt.Errorf("token of kind %v", md.Kind())
+		return "", "", fmt.Errorf("token of kind %v", md.Kind())
 	}
 	if err != nil {
-		return "", fmt.Errorf("begin %v: %w", md.Kind(), err)
+		return "", "", fmt.Errorf("begin %v: %w", md.Kind(), err)
 	}
 	begun()
 	if err := op.Wait(ctx); err != nil {
-		return op.Backend(), fmt.Errorf("%v Wait: %w", md.Kind(), err)
+		return op.Backend(), op.Path(), fmt.Errorf("%v Wait: %w", md.Kind(), err)
 	}
-	return op.Backend(), nil
+	return op.Backend(), op.Path(), nil
 }
 
 func sameSizes(got, want []int) error {
@@ -383,6 +405,7 @@ func (s *childServer) stop() ctlResponse {
 	if err := goleak.Find(); err != nil {
 		r.Leaks = err.Error()
 	}
+	r.ShmLeft = shmLeft()
 	return r
 }
 
@@ -397,7 +420,7 @@ func (s *childServer) close() error {
 	s.exposed = nil
 	s.mu.Unlock()
 	for id, e := range left {
-		errs = append(errs, fmt.Errorf("op %d still exposed at stop", id), e.op.Close())
+		errs = append(errs, fmt.Errorf("op %d still exposed at stop", id), e.op.Close(), e.mem.free())
 	}
 	if st := s.conn.Stats(); st.Registered+st.Exposed+st.InFlight != 0 || st.Refused != 0 {
 		errs = append(errs, fmt.Errorf("the child's Connector holds %d regions, %d exposures, %d transfers after every operation closed, and refused %d accesses",

@@ -9,8 +9,12 @@
 // tokens over NATS (an embedded server in the first process), as services
 // would. One subtest runs per backend that crosses processes: tcp
 // (connect.WithoutCMA) and cma (the default between two processes of one
-// Linux host). In every subtest each process is active in some operations
-// and passive in others.
+// Linux host), and a third, shm, where both processes take every
+// operation's memory from Connector.AllocHost and free it once the
+// operation closed, so that cma copies through mapped shared memory (path
+// "cma+shm") and no segment or lease table may stay mapped. In every
+// subtest each process is active in some operations and passive in
+// others.
 //
 // By default the test runs a short soak (a few hundred operations per
 // backend), which is what CI runs with go test -race ./... . The full soak

@@ -118,10 +118,15 @@ func tag(id, i int) int { return id*maxDescs + i }
 // pattern seed.
 func newSlab(id int, sizes []int, seed uint64) *pattern.Slab {
 	s := pattern.NewSlab(sizes)
+	fillSlab(s, id, seed)
+	return s
+}
+
+// fillSlab writes pattern seed of operation id into s's descriptors.
+func fillSlab(s *pattern.Slab, id int, seed uint64) {
 	for i, b := range s.Bufs() {
 		pattern.Fill(b, seed, tag(id, i), 0)
 	}
-	return s
 }
 
 func descriptors(s *pattern.Slab) []connect.Descriptor {

@@ -20,6 +20,7 @@ type tallied struct {
 	ops, failed, corrupt  int
 	corruptDescs, guards  int
 	byKind, byBackend     map[string]int
+	byPath                map[string]int
 	descs, minDescs, maxD int
 	bytes                 int64
 	largestDesc           int
@@ -35,7 +36,7 @@ func newTally() *tally {
 }
 
 func freshTally() tallied {
-	return tallied{byKind: map[string]int{}, byBackend: map[string]int{}, minDescs: maxDescs + 1}
+	return tallied{byKind: map[string]int{}, byBackend: map[string]int{}, byPath: map[string]int{}, minDescs: maxDescs + 1}
 }
 
 // add counts o and reports whether anything went wrong with it.
@@ -46,6 +47,7 @@ func (t *tally) add(o outcome) bool {
 	t.ops++
 	t.byKind[s.label()]++
 	t.byBackend[o.backend]++
+	t.byPath[o.path]++
 	n := len(s.Sizes)
 	t.descs += n
 	t.minDescs, t.maxD = min(t.minDescs, n), max(t.maxD, n)
@@ -128,6 +130,7 @@ type report struct {
 	PeakInFlight int            `json:"peak_in_flight"`
 	ByKind       map[string]int `json:"by_kind"`
 	ByBackend    map[string]int `json:"by_backend"`
+	ByPath       map[string]int `json:"by_path"`
 	Descriptors  int            `json:"descriptors"`
 	MinDescs     int            `json:"min_descriptors"`
 	MaxDescs     int            `json:"max_descriptors"`
@@ -174,7 +177,7 @@ func (r *report) fill(t *tally, wall time.Duration) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	r.Ops, r.PeakInFlight = t.ops, t.peakInFlight
-	r.ByKind, r.ByBackend = maps.Clone(t.byKind), maps.Clone(t.byBackend)
+	r.ByKind, r.ByBackend, r.ByPath = maps.Clone(t.byKind), maps.Clone(t.byBackend), maps.Clone(t.byPath)
 	r.Descriptors, r.MinDescs, r.MaxDescs, r.DescBuckets = t.descs, t.minDescs, t.maxD, t.descBuckets
 	r.Bytes, r.LargestDesc = t.bytes, t.largestDesc
 	r.CorruptDescs, r.CorruptGuard, r.CorruptOps = t.corruptDescs, t.guards, t.corrupt
@@ -200,6 +203,7 @@ func (r *report) String() string {
 		r.Backend, r.Mode, r.Ops, r.WarmupOps, r.InFlight, r.PeakInFlight, r.Seed)
 	fmt.Fprintf(&b, "  by kind:      %s\n", counted(r.ByKind))
 	fmt.Fprintf(&b, "  by backend:   %s\n", counted(r.ByBackend))
+	fmt.Fprintf(&b, "  by path:      %s\n", counted(r.ByPath))
 	fmt.Fprintf(&b, "  descriptors:  %d (%d to %d per operation; operations with 1: %d, 2-15: %d, 16-255: %d, 256-4095: %d, 4096: %d)\n",
 		r.Descriptors, r.MinDescs, r.MaxDescs, r.DescBuckets[0], r.DescBuckets[1], r.DescBuckets[2], r.DescBuckets[3], r.DescBuckets[4])
 	fmt.Fprintf(&b, "  bytes moved:  %d (%.2f GB), largest descriptor %d B\n", r.Bytes, float64(r.Bytes)/1e9, r.LargestDesc)
@@ -216,6 +220,9 @@ func (r *report) String() string {
 		f := p.f
 		fmt.Fprintf(&b, "  %-6s RSS         start %s, q1 %s, mid %s, q3 %s, end %s; peak %s\n", p.name, mib(f.Start.RSS), mib(f.Q1.RSS), mib(f.Mid.RSS), mib(f.Q3.RSS), mib(f.End.RSS), mib(f.Peak.RSS))
 		fmt.Fprintf(&b, "  %-6s RSS anon    start %s, mid %s, end %s; file %s, %s, %s\n", p.name, mib(f.Start.RSSAnon), mib(f.Mid.RSSAnon), mib(f.End.RSSAnon), mib(f.Start.RSSFile), mib(f.Mid.RSSFile), mib(f.End.RSSFile))
+		fmt.Fprintf(&b, "  %-6s RSS shmem   start %s, mid %s, end %s; at rest segments mapped %d, %d, %d, lease tables mapped %d, %d, %d\n", p.name,
+			mib(f.Start.RSSShmem), mib(f.Mid.RSSShmem), mib(f.End.RSSShmem),
+			f.Start.Shm.Segments, f.Mid.Shm.Segments, f.End.Shm.Segments, f.Start.Shm.Tables, f.Mid.Shm.Tables, f.End.Shm.Tables)
 		fmt.Fprintf(&b, "  %-6s goroutines  start %d, mid %d, peak %d, end %d\n", p.name, f.Start.Goroutines, f.Mid.Goroutines, f.Peak.Goroutines, f.End.Goroutines)
 		fmt.Fprintf(&b, "  %-6s threads     start %d, mid %d, peak %d, end %d\n", p.name, f.Start.Threads, f.Mid.Threads, f.Peak.Threads, f.End.Threads)
 		fmt.Fprintf(&b, "  %-6s live heap   start %s, q1 %s, mid %s, q3 %s, end %s\n", p.name, mib(int64(f.Start.HeapAlloc)), mib(int64(f.Q1.HeapAlloc)), mib(int64(f.Mid.HeapAlloc)), mib(int64(f.Q3.HeapAlloc)), mib(int64(f.End.HeapAlloc)))

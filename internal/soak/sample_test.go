@@ -10,6 +10,7 @@ import (
 	"runtime/debug"
 	"runtime/pprof"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 )
@@ -19,6 +20,8 @@ type sample struct {
 	RSS        int64  `json:"rss"`        // resident bytes (VmRSS); -1 where unknown
 	RSSAnon    int64  `json:"rss_anon"`   // of which anonymous memory (RssAnon): heap, stacks
 	RSSFile    int64  `json:"rss_file"`   // of which file pages (RssFile): the binary's code and data
+	RSSShmem   int64  `json:"rss_shmem"`  // of which shared memory (RssShmem): segments and lease tables
+	Shm        shmUse `json:"shm"`        // goxfer's shared memory this process maps and holds open
 	Threads    int    `json:"threads"`    // OS threads; -1 where unknown
 	Goroutines int    `json:"goroutines"` // runtime.NumGoroutine
 	HeapAlloc  uint64 `json:"heap_alloc"` // live heap bytes, right after a GC
@@ -43,7 +46,7 @@ func status(pid string) (rss int64, threads int, err error) {
 func readStatus(pid string) (map[string]int64, error) {
 	b, err := os.ReadFile("/proc/" + pid + "/status")
 	if err != nil {
-		return map[string]int64{"VmRSS": -1, "Threads": -1, "RssAnon": -1, "RssFile": -1}, err
+		return map[string]int64{"VmRSS": -1, "Threads": -1, "RssAnon": -1, "RssFile": -1, "RssShmem": -1}, err
 	}
 	st := make(map[string]int64)
 	sc := bufio.NewScanner(bytes.NewReader(b))
@@ -94,6 +97,8 @@ func quiescent(profile string) (sample, error) {
 	}
 	st, _ := readStatus("self")
 	s.RSS, s.RSSAnon, s.RSSFile, s.Threads = st["VmRSS"], st["RssAnon"], st["RssFile"], int(st["Threads"])
+	s.RSSShmem = st["RssShmem"]
+	s.Shm, _, _ = readShmUse()
 	if profile == "" {
 		return s, nil
 	}
@@ -180,4 +185,92 @@ func (s *sampler) stop() (self, other peaks) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.self, s.other
+}
+
+// shmUse is what a process holds of goxfer's shared memory (docs/shm.md):
+// mappings of segments (its own, from AllocHost, and the peer's, mapped by
+// cma) and of lease tables (one per cma connection that used segments), and
+// file descriptors open on either. At rest, with every buffer freed, a
+// process maps no segment; once its Connector is closed, nothing at all.
+type shmUse struct {
+	Segments int `json:"segments"`    // mappings of memfd:goxfer-shm
+	Tables   int `json:"tables"`      // mappings of memfd:goxfer-leases
+	SegFDs   int `json:"segment_fds"` // descriptors open on segments
+	TableFDs int `json:"table_fds"`   // descriptors open on lease tables
+}
+
+func (u shmUse) zero() bool { return u == shmUse{} }
+
+// The names shm.Alloc and cma give their memory files; the kernel shows
+// them as "/memfd:NAME (deleted)".
+const (
+	segmentFile = "memfd:goxfer-shm"
+	tableFile   = "memfd:goxfer-leases"
+)
+
+// readShmUse counts this process's mappings of goxfer's memory files
+// (/proc/self/maps) and its descriptors open on them (/proc/self/fd), and
+// returns the lines and links it counted, to show what was left. It fails
+// where there is no /proc.
+func readShmUse() (shmUse, []string, error) {
+	var (
+		u     shmUse
+		found []string
+	)
+	maps, err := os.ReadFile("/proc/self/maps")
+	if err != nil {
+		return u, nil, err
+	}
+	for line := range bytes.Lines(maps) {
+		switch {
+		case bytes.Contains(line, []byte(segmentFile)):
+			u.Segments++
+		case bytes.Contains(line, []byte(tableFile)):
+			u.Tables++
+		default:
+			continue
+		}
+		found = append(found, "mapped: "+string(bytes.TrimSpace(line)))
+	}
+	fds, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		return u, found, err
+	}
+	for _, fd := range fds {
+		// A descriptor may close between ReadDir and Readlink: skip it.
+		target, err := os.Readlink("/proc/self/fd/" + fd.Name())
+		if err != nil {
+			continue
+		}
+		switch {
+		case strings.Contains(target, segmentFile):
+			u.SegFDs++
+		case strings.Contains(target, tableFile):
+			u.TableFDs++
+		default:
+			continue
+		}
+		found = append(found, fmt.Sprintf("fd %s: %s", fd.Name(), target))
+	}
+	return u, found, nil
+}
+
+// shmLeft waits up to closedWithin for this process to hold none of
+// goxfer's shared memory (a peer's mapping goes when the peer's message,
+// or the end of its connection, is handled), and returns what it still
+// holds then, or "" if nothing.
+func shmLeft() string {
+	deadline := time.Now().Add(closedWithin)
+	for {
+		u, found, err := readShmUse()
+		switch {
+		case err != nil:
+			return "" // no /proc: nothing to check
+		case u.zero():
+			return ""
+		case time.Now().After(deadline):
+			return fmt.Sprintf("%+v:\n%s", u, strings.Join(found, "\n"))
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 }

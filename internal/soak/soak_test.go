@@ -74,10 +74,26 @@ const (
 	// heapCap is how much more live heap a process may hold at the end than
 	// at the start, whatever the shape of the growth.
 	heapCap = 32 << 20
+	// shmemSlack is how much shared memory (RssShmem) a process may hold
+	// resident at rest, when every segment is freed: the lease tables of
+	// its cma connection, its own and the peer's (at most 260 KiB each;
+	// 0.3 MiB measured for both), with room to spare. Segments are shmem
+	// pages, counted in VmRSS but not in RssAnon, where the heap is; while
+	// operations are in flight a segment is resident in both processes.
+	shmemSlack = 4 << 20
 )
 
-// backends are the backends that cross processes, each run in a subtest.
-var backends = []string{"tcp", "cma"}
+// backends are the backends that cross processes, each run in a subtest:
+// tcp, cma with memory on the Go heap, and cma with every slab in shared
+// host memory (Connector.AllocHost), which cma maps instead of leasing.
+var backends = []string{"tcp", "cma", "shm"}
+
+// paths are the backend and path every transfer of a subtest must take.
+var paths = map[string]struct{ backend, path string }{
+	"tcp": {"tcp", "tcp"},
+	"cma": {"cma", "cma"},
+	"shm": {"cma", "cma+shm"},
+}
 
 func TestSoak(t *testing.T) {
 	cfg := mode
@@ -93,8 +109,11 @@ func TestSoak(t *testing.T) {
 	)
 	for _, backend := range backends {
 		t.Run(backend, func(t *testing.T) {
-			if backend == "cma" && runtime.GOOS != "linux" {
+			switch {
+			case backend == "cma" && runtime.GOOS != "linux":
 				t.Skip("cma is Linux's")
+			case backend == "shm" && runtime.GOOS != "linux":
+				t.Skip("shared host memory (AllocHost, memfd segments) and cma are Linux's")
 			}
 			r := soak(t, cfg, backend)
 			if r != nil {
@@ -117,8 +136,11 @@ type runner struct {
 	t      *testing.T
 	cfg    config
 	seed   uint64
+	name   string // the subtest's: tcp, cma or shm
 	want   string // the backend every transfer must use
+	path   string // and the path
 	conn   *connect.Connector
+	mem    memory
 	nc     *nats.Conn
 	child  *testproc.Child[ctlRequest, ctlResponse]
 	pid    int
@@ -135,7 +157,7 @@ func soak(t *testing.T, cfg config, backend string) *report {
 	baseGoroutines := runtime.NumGoroutine()
 	h := fnv.New64a()
 	_, _ = h.Write([]byte(cfg.name + "/" + backend))
-	r := &runner{t: t, cfg: cfg, seed: h.Sum64(), want: backend, tally: newTally()}
+	r := &runner{t: t, cfg: cfg, seed: h.Sum64(), name: backend, want: paths[backend].backend, path: paths[backend].path, tally: newTally()}
 	t.Logf("%s soak over %s: %d operations (+%d warm-up), %d in flight, plan seed %d",
 		cfg.name, backend, cfg.ops, cfg.warmup, cfg.inFlight, r.seed)
 
@@ -149,6 +171,7 @@ func soak(t *testing.T, cfg config, backend string) *report {
 	}
 	r.conn, err = connect.NewConnector(opts...)
 	require.NoError(t, err)
+	r.mem = memoryFor(backend, r.conn)
 	closed := false
 	closeAll := func() {
 		if closed {
@@ -178,7 +201,7 @@ func soak(t *testing.T, cfg config, backend string) *report {
 		s.Kind = []connect.OperationKind{connect.KindRead, connect.KindWrite}[id%2]
 		s.ChildPassive = id < 2
 		o := r.do(ctx, s)
-		if backend == "cma" && id == 0 && o.backend == "tcp" {
+		if r.want == "cma" && id == 0 && o.backend == "tcp" {
 			t.Skipf("cma is not available between two processes here (transfers fall back to tcp; see docs/cma.md): %v", o.problems())
 		}
 		require.Empty(t, o.problems(), "probe operation %s", s.label())
@@ -235,6 +258,10 @@ func soak(t *testing.T, cfg config, backend string) *report {
 	closeAll()
 	rep.Parent.GoroutinesBefore = baseGoroutines
 	rep.Parent.GoroutinesClosed = settleGoroutines(baseGoroutines)
+	// Every buffer freed, both Connectors closed: no segment, no lease
+	// table mapped or open in either process.
+	assert.Empty(t, resp.ShmLeft, "shared memory the child maps or holds open after it closed everything")
+	assert.Empty(t, shmLeft(), "shared memory the parent maps or holds open after it closed everything")
 
 	t.Log(rep.String())
 	r.assertFlat(rep)
@@ -249,7 +276,7 @@ func (r *runner) quiet(label string, parent, child *sample, smp *sampler) {
 		if dir == "" {
 			return ""
 		}
-		return filepath.Join(dir, fmt.Sprintf("%s-%s-%s.pprof", r.want, proc, label))
+		return filepath.Join(dir, fmt.Sprintf("%s-%s-%s.pprof", r.name, proc, label))
 	}
 	resp := r.child.Do(ctlRequest{Cmd: "sample", Profile: profile("child")})
 	require.Empty(r.t, resp.Err, "child sample")
@@ -299,7 +326,7 @@ const (
 // outcome is what both processes saw of one operation.
 type outcome struct {
 	spec          opSpec
-	backend       string // the active side's
+	backend, path string // the active side's
 	parent, child side
 }
 
@@ -322,8 +349,8 @@ func (r *runner) do(ctx context.Context, s opSpec) outcome {
 	} else {
 		r.parentPassive(ctx, &o)
 	}
-	if o.backend != r.want {
-		o.parent.fail("op %d (%s): moved over %q, want %q", s.ID, s.label(), o.backend, r.want)
+	if o.backend != r.want || o.path != r.path {
+		o.parent.fail("op %d (%s): moved over %q, path %q, want %q, %q", s.ID, s.label(), o.backend, o.path, r.want, r.path)
 	}
 	return o
 }
@@ -356,13 +383,7 @@ func (r *runner) childPassive(ctx context.Context, o *outcome) {
 		if s.Kind == connect.KindRead {
 			seed = fillerSeed
 		}
-		mem := newSlab(s.ID, s.Sizes, seed)
-		o.backend, err = transfer(ctx, r.conn, md, mem, r.begun)
-		r.waited()
-		if err != nil {
-			o.parent.fail("op %d: %v", s.ID, err)
-		}
-		o.parent.Damage = check(mem, s.ID, dataSeed)
+		o.transfer(ctx, r, md, seed)
 	}
 	// Finish even after a failure: the child's exposure must be closed.
 	rep = opReply{}
@@ -372,6 +393,27 @@ func (r *runner) childPassive(ctx context.Context, o *outcome) {
 	o.child = rep.Result
 }
 
+// transfer is the parent's side of an operation the child exposed: it
+// moves the bytes between md and memory of its own filled with seed, checks
+// them and frees its memory.
+func (o *outcome) transfer(ctx context.Context, r *runner, md connect.Metadata, seed uint64) {
+	s := o.spec
+	mem, err := r.mem.slab(s.ID, s.Sizes, seed)
+	if err != nil {
+		o.parent.fail("op %d: memory: %v", s.ID, err)
+		return
+	}
+	o.backend, o.path, err = transfer(ctx, r.conn, md, mem.Slab, r.begun)
+	r.waited()
+	if err != nil {
+		o.parent.fail("op %d: %v", s.ID, err)
+	}
+	o.parent.Damage = check(mem.Slab, s.ID, dataSeed)
+	if err := mem.free(); err != nil {
+		o.parent.fail("op %d: %v", s.ID, err)
+	}
+}
+
 // parentPassive: the parent exposes memory, the child moves the bytes.
 func (r *runner) parentPassive(ctx context.Context, o *outcome) {
 	s := o.spec
@@ -379,19 +421,28 @@ func (r *runner) parentPassive(ctx context.Context, o *outcome) {
 	if s.Kind == connect.KindWrite {
 		seed = fillerSeed
 	}
-	mem := newSlab(s.ID, s.Sizes, seed)
+	mem, err := r.mem.slab(s.ID, s.Sizes, seed)
+	if err != nil {
+		o.parent.fail("op %d: memory: %v", s.ID, err)
+		return
+	}
+	defer func() {
+		// After the Close below, or a failed create.
+		if err := mem.free(); err != nil {
+			o.parent.fail("op %d: %v", s.ID, err)
+		}
+	}()
 	var (
 		op interface {
 			Wait(context.Context) error
 			Close() error
 			Metadata() connect.Metadata
 		}
-		err error
 	)
 	if s.Kind == connect.KindRead {
-		op, err = r.conn.CreateReadable(ctx, descriptors(mem)...)
+		op, err = r.conn.CreateReadable(ctx, descriptors(mem.Slab)...)
 	} else {
-		op, err = r.conn.CreateWritable(ctx, descriptors(mem)...)
+		op, err = r.conn.CreateWritable(ctx, descriptors(mem.Slab)...)
 	}
 	if err != nil {
 		o.parent.fail("op %d: create %v: %v", s.ID, s.Kind, err)
@@ -402,7 +453,7 @@ func (r *runner) parentPassive(ctx context.Context, o *outcome) {
 	if err := r.request(ctx, opRequest{Cmd: "begin", ID: s.ID, Sizes: s.Sizes, Token: op.Metadata().Text()}, &rep); err != nil {
 		o.parent.fail("op %d: begin: %v", s.ID, err)
 	}
-	o.child, o.backend = rep.Result, rep.Result.Backend
+	o.child, o.backend, o.path = rep.Result, rep.Result.Backend, rep.Result.Path
 	// A child that failed before it began leaves nobody to tell this side.
 	if len(o.parent.Errs) == 0 && len(o.child.Errs) == 0 {
 		if err := op.Wait(ctx); err != nil {
@@ -410,7 +461,7 @@ func (r *runner) parentPassive(ctx context.Context, o *outcome) {
 		}
 	}
 	// READ: the reader left the memory alone; WRITE: the writer's bytes.
-	o.parent.Damage = check(mem, s.ID, dataSeed)
+	o.parent.Damage = check(mem.Slab, s.ID, dataSeed)
 	if err := op.Close(); err != nil {
 		o.parent.fail("op %d: passive Close: %v", s.ID, err)
 	}
@@ -461,6 +512,20 @@ func (r *runner) assertFlat(rep *report) {
 			s     sample
 		}{{"a quarter in", f.Q1}, {"half-way", f.Mid}, {"three quarters in", f.Q3}, {"at the end", f.End}} {
 			assert.LessOrEqual(t, x.s.Goroutines, f.Start.Goroutines+goroutineSlack, "%s: goroutines %s vs at the start", name, x.label)
+		}
+		for _, x := range []struct {
+			label string
+			s     sample
+		}{{"at the start", f.Start}, {"a quarter in", f.Q1}, {"half-way", f.Mid}, {"three quarters in", f.Q3}, {"at the end", f.End}} {
+			// At rest every buffer is freed and every exposure closed: no
+			// segment stays mapped or open, its own or the peer's. Lease
+			// tables belong to connections, which stay.
+			assert.Zero(t, x.s.Shm.Segments+x.s.Shm.SegFDs, "%s: shared-memory segments mapped or open at rest %s: %+v", name, x.label, x.s.Shm)
+			assert.LessOrEqual(t, x.s.Shm.Tables, f.Start.Shm.Tables, "%s: lease tables mapped %s vs at the start", name, x.label)
+			assert.LessOrEqual(t, x.s.Shm.TableFDs, f.Start.Shm.TableFDs, "%s: lease tables open %s vs at the start", name, x.label)
+			// What stays resident of shared memory at rest is the lease
+			// tables', at most 256 KiB each.
+			assert.LessOrEqual(t, x.s.RSSShmem, int64(shmemSlack), "%s: resident shared memory at rest %s", name, x.label)
 		}
 		assert.LessOrEqual(t, f.End.HeapAlloc, f.Start.HeapAlloc+heapCap, "%s: live heap at the end vs at the start", name)
 		assert.False(t, steady(f.Mid.HeapAlloc, f.Q3.HeapAlloc, f.End.HeapAlloc, heapQuarterSlack),
