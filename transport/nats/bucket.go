@@ -47,14 +47,27 @@ func createBucket(ctx context.Context, nc *nats.Conn, js jetstream.JetStream, o 
 	// answer it; do not wait for the caller's whole ctx.
 	cctx, cancel := context.WithTimeout(ctx, createWithin)
 	defer cancel()
-	kv, err := js.CreateKeyValue(cctx, jetstream.KeyValueConfig{
+	cfg := jetstream.KeyValueConfig{
 		Bucket:      o.bucket,
 		Description: "goxfer agent presence registry",
 		History:     1,
 		TTL:         3 * o.heartbeat,
 		Replicas:    o.replicas,
 		Storage:     jetstream.FileStorage,
-	})
+	}
+	if o.replicas == 0 {
+		cfg.Replicas = 1
+		if nc.ConnectedClusterName() != "" {
+			cfg.Replicas = clusterReplicas
+		}
+	}
+	kv, err := js.CreateKeyValue(cctx, cfg)
+	if o.replicas == 0 && cfg.Replicas > 1 && tooFewServers(err) {
+		o.logger.Warn("goxfer/nats: the cluster has too few JetStream servers online to replicate the registry bucket; creating it with 1 replica (set WithReplicas to choose)",
+			"bucket", o.bucket, "wanted", cfg.Replicas, "err", err)
+		cfg.Replicas = 1
+		kv, err = js.CreateKeyValue(cctx, cfg)
+	}
 	if errors.Is(err, jetstream.ErrBucketExists) {
 		kv, err = js.KeyValue(ctx, o.bucket) // created by a racing peer
 	}
@@ -65,6 +78,24 @@ func createBucket(ctx context.Context, nc *nats.Conn, js jetstream.JetStream, o 
 		return nil, fmt.Errorf("%w: bucket %q does not exist and creating it failed: %w", ErrRegistry, o.bucket, err)
 	}
 	return kv, nil
+}
+
+// clusterReplicas is how many servers of a cluster store a registry bucket
+// by default: a quorum survives the loss of one.
+const clusterReplicas = 3
+
+// JetStream's error codes for a stream it cannot place: fewer servers
+// online than replicas asked for.
+const (
+	jsNoSuitablePeers       = 10005 // "no suitable peers for placement"
+	jsInsufficientResources = 10023 // "insufficient resources"
+)
+
+// tooFewServers says whether err is JetStream's refusal to place a stream
+// for lack of servers.
+func tooFewServers(err error) bool {
+	var apiErr *jetstream.APIError
+	return errors.As(err, &apiErr) && (apiErr.ErrorCode == jsNoSuitablePeers || apiErr.ErrorCode == jsInsufficientResources)
 }
 
 // bucketGoneErr says whether err means the bucket does not exist.

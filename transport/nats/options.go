@@ -92,7 +92,7 @@ type options struct {
 	bucket         string
 	heartbeat      time.Duration
 	createBucket   bool
-	replicas       int
+	replicas       int // 0: WithReplicas's default, chosen by whether the server is clustered
 }
 
 // connOptions applies opts, each with apply, for fn, a function that
@@ -149,7 +149,6 @@ func defaults() options {
 		bucket:         defaultBucket,
 		heartbeat:      defaultHeartbeat,
 		createBucket:   true,
-		replicas:       1,
 	}
 }
 
@@ -276,7 +275,14 @@ func WithCreateBucket(create bool) RegistryOption {
 }
 
 // WithReplicas sets how many servers of a cluster store a bucket the
-// registry creates. Honoured by [OpenRegistry]. Default: 1; n from 1 to 5.
+// registry creates; a bucket that exists keeps its own. Honoured by
+// [OpenRegistry]. Default: 3 when the server the connection is on belongs
+// to a cluster ([nats.Conn.ConnectedClusterName] is not empty), so that
+// the registry survives the loss of one server, and 1 otherwise; when a
+// cluster has fewer than three JetStream servers online (JetStream answers
+// "no suitable peers for placement" or "insufficient resources"), that
+// default falls back to 1, logging a warning that names this option. n
+// from 1 to 5; a given n is used as is.
 func WithReplicas(n int) RegistryOption {
 	return option(func(o *options) error {
 		if n < 1 || n > 5 {

@@ -111,7 +111,8 @@ type departure struct {
 // "goxfer_agents") over nc, which stays the caller's, and starts watching
 // it; it returns once the Registry knows every agent present. ctx bounds
 // only the opening: the Registry watches until [Registry.Close]. A missing
-// bucket is created (History 1, TTL 3 heartbeats, [WithReplicas]) unless
+// bucket is created (History 1, TTL 3 heartbeats, [WithReplicas]: 3 on a
+// cluster, 1 on a lone server) unless
 // [WithCreateBucket](false); when it is missing and cannot be created (not
 // allowed, or JetStream unavailable) the error matches [ErrRegistry] and
 // names the bucket and the cause. A JetStream that does not answer is

@@ -7,6 +7,16 @@
 //	if err != nil { ... }
 //	defer srv.Shutdown()
 //	nc, err := srv.Connect()
+//
+// [StartCluster] runs N such servers routed into one cluster, each with
+// JetStream, the topology of a real deployment on one machine: a stream
+// or the goxfer registry's bucket can be replicated on three of them, and
+// a test can kill and restart any one.
+//
+//	c, err := natsserver.StartCluster(ctx, 3)
+//	if err != nil { ... }
+//	defer c.Shutdown()
+//	nc, err := c.Connect(nats.MaxReconnects(-1)) // any server, failing over to the others
 package natsserver
 
 import (
@@ -41,6 +51,9 @@ type options struct {
 	storeDir  string
 	jetStream bool
 	configure []func(*server.Options)
+	// Set by StartCluster for each of its servers; zero for a lone one.
+	name    string      // the server's name, unique in its cluster
+	cluster clusterOpts // its cluster; cluster.name "" for a lone server
 }
 
 // WithPort makes the server listen on port. Default: a random free port.
@@ -159,6 +172,11 @@ func (s *Server) start(ctx context.Context) error {
 		NoLog:     true,
 		NoSigs:    true,
 	}
+	if s.o.cluster.name != "" {
+		so.ServerName = s.o.name
+		so.Cluster = server.ClusterOpts{Name: s.o.cluster.name, Host: s.o.host, Port: s.o.cluster.port}
+		so.Routes = s.o.cluster.routes
+	}
 	if s.tempDir != "" {
 		so.StoreDir = s.tempDir
 	}
@@ -195,6 +213,9 @@ func (s *Server) start(ctx context.Context) error {
 	if err := fatal.failure(); err != nil {
 		stop()
 		if errors.Is(err, syscall.EADDRINUSE) {
+			if s.o.cluster.name != "" {
+				return fmt.Errorf("natsserver: listen on %s or its route port %d: address in use: %w", addr, s.o.cluster.port, err)
+			}
 			return fmt.Errorf("natsserver: listen on %s: address in use: %w", addr, err)
 		}
 		return fmt.Errorf("natsserver: start on %s: %w", addr, err)
@@ -263,6 +284,10 @@ func (s *Server) URL() string {
 	return "nats://" + net.JoinHostPort(s.o.host, strconv.Itoa(s.port))
 }
 
+// Name returns the server's name in its cluster, "goxfer-i" for server i
+// of a [Cluster]; "" for a server started alone.
+func (s *Server) Name() string { return s.o.name }
+
 // Connect dials the server with nats.go's defaults and opts; the caller
 // owns the connection and closes it.
 func (s *Server) Connect(opts ...nats.Option) (*nats.Conn, error) {
@@ -305,20 +330,33 @@ func (s *Server) Restart() error {
 		return errors.New("natsserver: Restart after Shutdown")
 	}
 	s.stop()
-	// The port was just released; wait briefly should the old listener
-	// still hold it.
-	addr := net.JoinHostPort(s.o.host, strconv.Itoa(s.port))
-	deadline := time.Now().Add(readyWithin)
-	for {
-		l, err := net.Listen("tcp", addr)
-		if err == nil {
-			_ = l.Close()
-			break
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("natsserver: restart: port still busy: %w", err)
-		}
-		time.Sleep(50 * time.Millisecond)
+	if err := s.waitPortsFree(); err != nil {
+		return err
 	}
 	return s.start(context.Background())
+}
+
+// waitPortsFree waits, up to readyWithin, until the ports of the server
+// just stopped can be listened on again, should its old listeners still
+// hold them.
+func (s *Server) waitPortsFree() error {
+	addrs := []string{net.JoinHostPort(s.o.host, strconv.Itoa(s.port))}
+	if s.o.cluster.name != "" {
+		addrs = append(addrs, net.JoinHostPort(s.o.host, strconv.Itoa(s.o.cluster.port)))
+	}
+	deadline := time.Now().Add(readyWithin)
+	for _, addr := range addrs {
+		for {
+			l, err := net.Listen("tcp", addr)
+			if err == nil {
+				_ = l.Close()
+				break
+			}
+			if time.Now().After(deadline) {
+				return fmt.Errorf("natsserver: restart: port still busy: %w", err)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	return nil
 }
