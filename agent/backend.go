@@ -241,6 +241,47 @@ type DeviceDirect interface {
 	DirectDevice(peer Info, segs []Segment) (path string, ok bool)
 }
 
+// Publisher is an optional [Backend] interface for backends that hand
+// peers a way to reach exposed memory without asking the agent for each
+// access: cma publishes the exposures that lie in shared host memory
+// (package shm) to its same-host peers, which map the segments and check a
+// revocation word before each copy. The agent calls Publish for every new
+// exposure of host memory in shared segments, before [Agent.Expose]
+// returns (so before any peer can hold its key), and Unpublish once when
+// it is revoked, after no new lease can be granted and before
+// [Exposure.Revoke] waits for the leases: Unpublish returns only once no
+// peer can touch the memory through what Publish handed out, bounded by
+// the backend's own timeouts. closing says the agent is closing (peers
+// should hear "lost", not "revoked"). Neither may block on a peer beyond
+// that bound, nor call back into Expose or Revoke. Without it, every
+// access goes through [Host.Open].
+type Publisher interface {
+	Publish(x Published)
+	Unpublish(x Published, closing bool)
+}
+
+// Published is an exposure as a [Publisher] sees it.
+type Published struct{ e *Exposure }
+
+// Key returns the exposure's key.
+func (x Published) Key() Key { return x.e.key }
+
+// Access returns the access the exposure grants.
+func (x Published) Access() Access { return x.e.access }
+
+// Regions returns the exposure's regions, sorted by address.
+func (x Published) Regions() []Region { return x.e.regions() }
+
+// Bind records that the peer on l used the exposure, having proved it
+// holds its key, as a lease would: the peer becomes the exposure's peer if
+// it has none, and the loss of l reaches it ([Host.LinkLost]). It works
+// also once the exposure is revoked (from Unpublish).
+func (x Published) Bind(l Link) {
+	x.e.mu.Lock()
+	x.e.bind(l)
+	x.e.mu.Unlock()
+}
+
 func stagesDevice(b Backend) bool {
 	s, ok := b.(DeviceStager)
 	return ok && s.StagesDevice()

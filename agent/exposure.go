@@ -80,6 +80,12 @@ type Exposure struct {
 	// regions lie in, so they cannot be freed while exposed; Revoke calls
 	// them.
 	unpins []func()
+	// published are the backends that published the exposure
+	// (Publisher), once pubDone is closed; the first Revoke unpublishes
+	// it from them, and every Revoke waits for unpubDone.
+	published []Publisher
+	pubDone   chan struct{}
+	unpubDone chan struct{}
 	// stageErr is the first failure to copy a peer's staged WRITE into
 	// device memory; notifications delivered afterwards carry it.
 	stageErr error
@@ -135,7 +141,8 @@ func (a *Agent) expose(acc Access, regions []Local, queue int, shared bool) (*Ex
 			return nil, err
 		}
 	}
-	e := &Exposure{a: a, key: NewKey(), access: acc, set: newRegionSet(regions), devs: devs, gone: make(chan struct{}), events: make(chan Event, queue), shared: shared}
+	e := &Exposure{a: a, key: NewKey(), access: acc, set: newRegionSet(regions), devs: devs, gone: make(chan struct{}), events: make(chan Event, queue), shared: shared,
+		pubDone: make(chan struct{}), unpubDone: make(chan struct{})}
 	e.drained.L = &e.mu
 	for _, r := range regions {
 		if r.Kind == KindDRAM {
@@ -145,13 +152,32 @@ func (a *Agent) expose(acc Access, regions []Local, queue int, shared bool) (*Ex
 		}
 	}
 	a.expMu.Lock()
-	defer a.expMu.Unlock()
 	if a.isClosed() {
+		a.expMu.Unlock()
 		e.unpin()
 		return nil, ErrClosed
 	}
 	a.exps[e.key] = e
+	a.expMu.Unlock()
+	if len(e.unpins) > 0 { // some memory lies in shared segments
+		for _, b := range a.backends {
+			if p, ok := b.(Publisher); ok {
+				p.Publish(Published{e})
+				e.published = append(e.published, p)
+			}
+		}
+	}
+	close(e.pubDone)
 	return e, nil
+}
+
+// regions returns the exposure's regions.
+func (e *Exposure) regions() []Region {
+	rs := make([]Region, len(e.set.regs))
+	for i, r := range e.set.regs {
+		rs[i] = r.Region
+	}
+	return rs
 }
 
 // Key returns the capability that grants access to the exposure.
@@ -198,10 +224,22 @@ func (e *Exposure) Revoke() {
 	e.a.expMu.Unlock()
 
 	e.mu.Lock()
-	if !e.revoked {
+	first := !e.revoked
+	if first {
 		close(e.gone)
 	}
 	e.revoked = true
+	e.mu.Unlock()
+	if first {
+		<-e.pubDone
+		closing := e.a.isClosed()
+		for _, p := range e.published {
+			p.Unpublish(Published{e}, closing)
+		}
+		close(e.unpubDone)
+	}
+	<-e.unpubDone
+	e.mu.Lock()
 	for e.leases > 0 || e.standing > 0 {
 		e.drained.Wait()
 	}

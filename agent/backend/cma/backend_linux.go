@@ -28,7 +28,7 @@ import (
 
 // Backend is the cross-memory-attach backend: an [agent.Backend] that is
 // also an [agent.KeyedReacher], an [agent.Departer], [agent.Counting] and
-// an [agent.DeviceStager].
+// an [agent.DeviceStager] and an [agent.Publisher].
 // Create one per agent with [New] and hand it to [agent.WithBackends]; the
 // agent starts and closes it, and it serves that agent only. Safe for
 // concurrent use.
@@ -76,6 +76,7 @@ type Backend struct {
 	stop  chan struct{}  // closed when the last transfer is done: workers exit
 
 	dev devState // the agent's device driver, for the device path (ipc_linux.go)
+	pub shmPub   // exposures published in shared memory (shm_linux.go)
 
 	retry time.Duration // how long a failed verdict stands: retryFailed
 	swept time.Time     // when expired verdicts were last dropped

@@ -288,7 +288,7 @@ func (b *Backend) serve(c *net.UnixConn, pid int, pass *serve.Pass) {
 	defer pass.Done()
 	defer c.Close()
 	s := &server{b: b, c: c, pid: pid, pass: pass, leases: map[uint64]held{}, done: make(chan struct{})}
-	defer s.closeShm()
+	defer s.stopShm()
 	defer s.watchWG.Wait()
 	defer close(s.done)
 	if err := s.handshake(); err != nil {
@@ -300,7 +300,13 @@ func (b *Backend) serve(c *net.UnixConn, pid int, pass *serve.Pass) {
 	if s.ptracer {
 		defer b.ptracers.release(s.pid)
 	}
-	err := s.loop()
+	var err error
+	if s.shm {
+		err = s.startShm()
+	}
+	if err == nil {
+		err = s.loop()
+	}
 	if closedByPeer(err) {
 		s.sh.peerGone.Store(true) // no copy of the peer's runs in its mappings
 	}
@@ -324,6 +330,7 @@ func (b *Backend) serve(c *net.UnixConn, pid int, pass *serve.Pass) {
 	// presented, after every notification it carried was delivered: a
 	// probe, or a stranger claiming a peer's ID, reports nothing.
 	if s.link != (agent.Link{}) {
+		s.bindShm() // exposures the copier used through shared memory hear of it too
 		b.host.LinkLost(s.link, fmt.Errorf("cma: connection from peer %s: %w: %w", s.peer, agent.ErrRemoteLost, err))
 	}
 }
@@ -398,14 +405,17 @@ func (s *server) handshake() error {
 		if in.caps&capStaged != 0 {
 			out.caps |= b.agreeDevice(in.caps)
 		}
-		if in.caps&capShm != 0 && b.cfg.shm && sameUser(s.c) {
-			out.caps |= capShm
-		}
 	}
 	if err == nil && b.scope == 1 {
 		// Before the answer: the peer probes as soon as it has it. The
 		// exception is withdrawn when this connection closes (serve).
 		out.ptracer = s.nameTracer(in)
+	}
+	// Shared memory, only to a peer that may read this process's memory
+	// with cma: same user (or root), and under Yama mode 1 named ptracer
+	// for a key it presented.
+	if err == nil && in.caps&capShm != 0 && b.cfg.shm && sameUser(s.c) && (b.scope <= 0 || out.ptracer == ptrNamed) {
+		out.caps |= capShm
 	}
 	out.put(hs[:])
 	if _, werr := s.c.Write(hs[:]); werr != nil && err == nil {
@@ -476,8 +486,13 @@ func (s *server) loop() error {
 			err = s.begin(&f)
 		case tEnd:
 			err = s.end(&f)
-		case tMap:
-			err = s.mapReq(&f)
+		case tUse:
+			// A large copy through shared memory begins: the exposure
+			// hears of this connection's loss, as through a lease. A key
+			// refused is counted as a lease would be.
+			if l, err := s.b.host.Open(s.link, f.key, agent.Access(f.status)); err == nil {
+				l.Release()
+			}
 		case tNotify:
 			// Delivered at once, also while lease requests are being
 			// staged: the ends read before it are handled (a WRITE's

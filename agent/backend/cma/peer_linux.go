@@ -38,12 +38,11 @@ type peer struct {
 	// have two words).
 	device bool
 	lim    limits
-	// shm: the peer shares its segments of shared host memory (capShm);
-	// sh is the connection's mappings of them. asking counts the mapping
-	// requests unanswered (under mu): the reader's deadline covers them.
-	shm    bool
-	sh     shmPeer
-	asking int
+	// shm: the peer publishes its exposures of shared host memory
+	// (capShm); sh is the connection's mappings of its lease table and
+	// segments.
+	shm bool
+	sh  shmPeer
 
 	ready   chan struct{} // closed once connect has set verdict and failed
 	verdict error         // nil: connected and permitted
@@ -272,11 +271,6 @@ func (p *peer) loop() error {
 				return err
 			}
 			continue
-		case tMapped:
-			if err := p.mappedAnswer(&f); err != nil {
-				return err
-			}
-			continue
 		case tTable:
 			if err := p.table(&f, rr); err != nil {
 				return err
@@ -292,9 +286,7 @@ func (p *peer) loop() error {
 				return err
 			}
 			continue
-		case tUnmap:
-			p.unmap(&f)
-			continue
+
 		case tBye:
 			return errBye
 		default:
@@ -383,7 +375,7 @@ func (p *peer) flushAnswer(f *frame) error {
 // unanswered: a peer that hangs is lost after the timeout. The caller holds
 // p.mu.
 func (p *peer) watch() {
-	if len(p.waiting) > 0 || p.asking > 0 {
+	if len(p.waiting) > 0 {
 		_ = p.c.SetReadDeadline(time.Now().Add(p.b.cfg.timeout))
 	} else {
 		_ = p.c.SetReadDeadline(time.Time{})

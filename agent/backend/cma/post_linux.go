@@ -148,16 +148,16 @@ func remoteVRAM(segs []agent.Segment) bool {
 // touches w's local memory only until it calls w.Finish. Safe for
 // concurrent use.
 //
-// Where the peer shares the exposed memory in segments of shared host
-// memory (WithSharedMemory), the transfer is copied through the peer's
-// segments mapped here instead: no lease round trip, at most 1 MiB copied
-// before Post returns, larger ones by the workers (shm_linux.go).
+// Where the peer published the exposure in shared host memory
+// (WithSharedMemory), the transfer is copied through the peer's segments
+// mapped here instead: no lease round trip, at most 1 MiB copied before
+// Post returns, larger ones by the workers (shm_linux.go).
 func (b *Backend) Post(x *agent.Work) error {
 	p, err := b.usable(x.Peer)
 	if err != nil {
 		return err
 	}
-	if p.shm && sharable(x) && b.postMapped(p, x) {
+	if p.shm && sharable(x) && b.postShared(p, x) {
 		return nil
 	}
 	return b.postLeases(p, x)

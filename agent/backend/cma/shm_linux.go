@@ -4,11 +4,11 @@ package cma
 
 import (
 	"cmp"
+	"crypto/sha256"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"slices"
-	"sort"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -22,12 +22,6 @@ import (
 
 // Shared host memory: the exposing side's half (shmServe, on the server)
 // and the copier's (shmPeer, on the peer). shmwire.go has the protocol.
-
-// mapKey names a mapping: an exposure key, for one access.
-type mapKey struct {
-	key agent.Key
-	acc agent.Access
-}
 
 // slotWords are a lease-table slot's words, in a mapping of the table.
 type slotWords struct {
@@ -98,248 +92,6 @@ func newTable(n int) (mem []byte, fd int, err error) {
 	return mem, fd, nil
 }
 
-// shmServe is the exposing side's shared-memory state for one connection.
-type shmServe struct {
-	mu    sync.Mutex
-	table []byte // the lease table, mapped; nil until the first mapping
-	gens  []uint64
-	free  []int // slots free for reuse; slots past len(gens) are fresh
-	byKey map[mapKey]*served
-	segs  map[uint64]int // segments sent on the connection: mappings naming them
-	// peerGone: the copier closed its end (its process exited, or it
-	// closed the socket once its copies were over): no copy of its runs.
-	peerGone atomic.Bool
-	over     bool // the connection ended: send nothing more
-}
-
-// served is one mapping granted on a connection.
-type served struct {
-	k        mapKey
-	retiring bool // under shmServe.mu: the slot is being retired
-	ans      mapAnswer
-	lease    agent.Lease // standing: released once the slot drained
-	segs     []uint64
-}
-
-// mapReq answers a tMap (f): it checks the key and access as for a lease,
-// and grants the exposure's regions that lie in shared segments, sending
-// the lease table and the segments new to the connection first.
-func (s *server) mapReq(f *frame) error {
-	k := mapKey{key: f.key, acc: agent.Access(f.status)}
-	sv := &s.sh
-	sv.mu.Lock()
-	if m := sv.byKey[k]; m != nil && !m.retiring {
-		sv.mu.Unlock()
-		return s.answerMap(f.id, &m.ans) // asked again (the copier dropped its copy)
-	}
-	sv.mu.Unlock()
-	lease, err := s.b.host.Open(s.link, f.key, k.acc)
-	if errors.Is(err, agent.ErrRemoteLost) {
-		return s.answer(tMapped, f.id, stLost, err, nil)
-	}
-	if err != nil {
-		s.b.stats.Deny()
-		return s.answer(tMapped, f.id, stDenied, err, nil)
-	}
-	var ents []mapEntry
-	var segs []uint64
-	sizes := map[uint64]uint64{}
-	for _, r := range lease.Regions() {
-		if r.Kind != agent.KindDRAM {
-			continue
-		}
-		sg, ok := shm.Find(r.Addr, r.Len)
-		if !ok {
-			continue
-		}
-		ents = append(ents, mapEntry{addr: r.Addr, n: r.Len, seg: sg.ID, off: r.Addr - sg.Base})
-		if _, seen := sizes[sg.ID]; !seen {
-			sizes[sg.ID] = sg.Size
-			segs = append(segs, sg.ID)
-		}
-	}
-	if len(ents) == 0 || len(ents) > maxMapEntries {
-		lease.Release()
-		return s.answer(tMapped, f.id, stNone, nil, nil)
-	}
-	sv.mu.Lock()
-	defer sv.mu.Unlock()
-	if m := sv.byKey[k]; m != nil { // a retiring one, being revoked
-		lease.Release()
-		return s.answer(tMapped, f.id, stNone, nil, nil)
-	}
-	fresh := 0
-	for _, id := range segs {
-		if _, ok := sv.segs[id]; !ok {
-			fresh++
-		}
-	}
-	slot := -1
-	switch {
-	case len(sv.segs)+fresh > maxShares:
-	case len(sv.free) > 0:
-		slot = sv.free[len(sv.free)-1]
-		sv.free = sv.free[:len(sv.free)-1]
-	case len(sv.gens) < maxSlots:
-		slot = len(sv.gens)
-		sv.gens = append(sv.gens, 0)
-	}
-	if slot < 0 {
-		lease.Release()
-		return s.answer(tMapped, f.id, stNone, nil, nil)
-	}
-	if sv.table == nil {
-		mem, fd, err := newTable(maxSlots)
-		if err != nil {
-			sv.free = append(sv.free, slot)
-			lease.Release()
-			s.b.log.Warn("cma: no lease table for shared memory; leases serve instead", "peer", s.peer, "err", err)
-			return s.answer(tMapped, f.id, stNone, nil, nil)
-		}
-		var b [hdrSize]byte
-		(&header{typ: tTable, id: uint64(len(mem))}).put(b[:])
-		err = s.write(b[:], unix.UnixRights(fd))
-		unix.Close(fd)
-		sv.table = mem
-		if err != nil {
-			lease.Release()
-			return err
-		}
-	}
-	for _, id := range segs {
-		if _, ok := sv.segs[id]; ok {
-			continue
-		}
-		fd, err := shm.DupFD(id)
-		if err != nil { // pinned by the exposure: cannot happen but through a bug
-			sv.free = append(sv.free, slot)
-			lease.Release()
-			return s.answer(tMapped, f.id, stNone, nil, nil)
-		}
-		b := make([]byte, hdrSize, hdrSize+segInfoSize)
-		(&header{typ: tSeg, id: id, length: segInfoSize}).put(b)
-		b = binary.LittleEndian.AppendUint64(b, sizes[id])
-		err = s.write(b, unix.UnixRights(fd))
-		unix.Close(fd)
-		if err != nil {
-			lease.Release()
-			return err
-		}
-		if sv.segs == nil {
-			sv.segs = map[uint64]int{}
-		}
-		sv.segs[id] = 0
-	}
-	for _, id := range segs {
-		sv.segs[id]++
-	}
-	sv.gens[slot]++
-	gen := sv.gens[slot]
-	w := slotAt(sv.table, slot)
-	atomic.StoreUint32(w.readers, 0)
-	atomic.StoreUint32(w.waiting, 0)
-	atomic.StoreUint64(w.stamp, gen<<2|slotLive)
-	lease.Stand()
-	m := &served{k: k, ans: mapAnswer{slot: uint32(slot), gen: gen, entries: ents}, lease: lease, segs: segs}
-	if sv.byKey == nil {
-		sv.byKey = map[mapKey]*served{}
-	}
-	sv.byKey[k] = m
-	gone := lease.Gone()
-	s.watchWG.Add(1)
-	go func() {
-		defer s.watchWG.Done()
-		select {
-		case <-gone:
-		case <-s.done:
-		}
-		s.retire(m)
-	}()
-	return s.answerMap(f.id, &m.ans)
-}
-
-// answerMap writes a granted tMapped.
-func (s *server) answerMap(id uint64, a *mapAnswer) error {
-	b := make([]byte, hdrSize, hdrSize+len(a.entries)*mapEntrySize+mapAnswerSize)
-	(&header{typ: tMapped, status: stOK, count: uint32(len(a.entries)), id: id, length: mapAnswerSize}).put(b)
-	return s.write(putMapAnswer(b, *a), nil)
-}
-
-// retire ends mapping m, whose exposure is gone or whose connection ended:
-// it marks the slot revoked, waits until no copy is inside it (at most
-// WithTimeout; at once if the copier's end closed), then releases the
-// exposure's standing lease, so that Revoke returns only once no copy
-// touches the memory. Past the timeout the connection is dropped
-// (errRevoking) and the lease released: the peer is not waited for
-// forever. The copier then hears tUnmap, and tSegDrop for segments no
-// mapping names any more.
-func (s *server) retire(m *served) {
-	sv := &s.sh
-	sv.mu.Lock()
-	m.retiring = true
-	w := slotAt(sv.table, int(m.ans.slot))
-	sv.mu.Unlock()
-	state := uint64(slotRevoked)
-	if m.lease.Closing() {
-		state = slotClosed
-	}
-	atomic.StoreUint64(w.stamp, m.ans.gen<<2|state)
-	deadline := time.Now().Add(s.b.cfg.timeout)
-	for {
-		r := atomic.LoadUint32(w.readers)
-		if r == 0 || sv.peerGone.Load() {
-			break
-		}
-		if !time.Now().Before(deadline) {
-			s.b.log.Warn("cma: a peer stayed inside a revoked mapping of shared memory past the timeout; its connection is dropped", "peer", s.peer, "readers", r)
-			s.abort(fmt.Errorf("%w: %d copies inside a revoked mapping of shared memory", errRevoking, r))
-			break
-		}
-		atomic.StoreUint32(w.waiting, 1)
-		futexWait(w.readers, r, time.Millisecond)
-	}
-	atomic.StoreUint32(w.waiting, 0)
-	m.lease.Release()
-	sv.mu.Lock()
-	defer sv.mu.Unlock()
-	delete(sv.byKey, m.k)
-	sv.free = append(sv.free, int(m.ans.slot))
-	var drop []uint64
-	for _, id := range m.segs {
-		if sv.segs[id]--; sv.segs[id] <= 0 {
-			delete(sv.segs, id)
-			drop = append(drop, id)
-		}
-	}
-	if sv.over {
-		return
-	}
-	var b [hdrSize]byte
-	(&header{typ: tUnmap, status: uint8(m.k.acc), id: uint64(m.ans.slot), key: m.k.key}).put(b[:])
-	if err := s.write(b[:], nil); err != nil {
-		return // the connection is ending: the copier unmaps everything
-	}
-	for _, id := range drop {
-		(&header{typ: tSegDrop, id: id}).put(b[:])
-		if err := s.write(b[:], nil); err != nil {
-			return
-		}
-	}
-}
-
-// closeShm unmaps the connection's lease table, once every mapping was
-// retired (serve calls it after the watchers returned).
-func (s *server) closeShm() {
-	sv := &s.sh
-	sv.mu.Lock()
-	defer sv.mu.Unlock()
-	sv.over = true
-	if sv.table != nil {
-		_ = unix.Munmap(sv.table)
-		sv.table = nil
-	}
-}
-
 // mapped is a peer's memory file mapped in this process: a segment or a
 // lease table, unmapped when the last reference goes.
 type mapped struct {
@@ -355,124 +107,526 @@ func (m *mapped) unref() {
 	}
 }
 
-// mapping is the copier's view of one granted mapping: the slot to enter,
-// the generation to find there, and the exposure's regions in shared
-// segments with where they are mapped here. A negative one (none) says
-// the exposure has no shared memory: leases serve it.
-type mapping struct {
-	k      mapKey
-	none   bool
-	slot   uint32
-	w      slotWords
-	want   uint64
-	regs   []shmReg // sorted by addr
-	maxEnd []uint64 // running maximum end, as agent's regionSet
-	held   []*mapped
-	refs   atomic.Int32 // the cache's, and one per transfer using it
+// keyHash is what a lease table holds of an exposure's key: the first 16
+// bytes of its SHA-256. A copier that holds the key finds the slot; one
+// that reads the table learns no key.
+func keyHash(k agent.Key) (h [16]byte) {
+	sum := sha256.Sum256(k[:])
+	copy(h[:], sum[:16])
+	return h
 }
 
-// shmReg is an exposed region of the peer mapped here.
-type shmReg struct {
-	addr, n uint64
-	mem     []byte
+// load16 and store16 read and write 16 bytes of a slot, word by word.
+func load16(b []byte) (v [16]byte) {
+	binary.LittleEndian.PutUint64(v[0:], atomic.LoadUint64((*uint64)(unsafe.Pointer(&b[0]))))
+	binary.LittleEndian.PutUint64(v[8:], atomic.LoadUint64((*uint64)(unsafe.Pointer(&b[8]))))
+	return v
 }
 
-func (m *mapping) release() {
-	if m.refs.Add(-1) == 0 {
-		for _, h := range m.held {
-			h.unref()
+func store16(b []byte, v [16]byte) {
+	atomic.StoreUint64((*uint64)(unsafe.Pointer(&b[0])), binary.LittleEndian.Uint64(v[0:]))
+	atomic.StoreUint64((*uint64)(unsafe.Pointer(&b[8])), binary.LittleEndian.Uint64(v[8:]))
+}
+
+func load64(b []byte) uint64     { return atomic.LoadUint64((*uint64)(unsafe.Pointer(&b[0]))) }
+func store64(b []byte, v uint64) { atomic.StoreUint64((*uint64)(unsafe.Pointer(&b[0])), v) }
+func load32(b []byte) uint32     { return atomic.LoadUint32((*uint32)(unsafe.Pointer(&b[0]))) }
+func store32(b []byte, v uint32) { atomic.StoreUint32((*uint32)(unsafe.Pointer(&b[0])), v) }
+
+// slot returns slot i's bytes.
+func slotBytes(table []byte, i int) []byte {
+	return table[tableHeader+i*slotSize : tableHeader+(i+1)*slotSize]
+}
+
+// slotView is what a slot publishes.
+type slotView struct {
+	hash   [16]byte
+	lo, hi uint64
+	acc    agent.Access
+	segs   []uint64 // the segment IDs named, at most slotSegs
+}
+
+// readSlot reads slot i's publication (a hint until the slot is entered).
+func readSlot(table []byte, i int) slotView {
+	b := slotBytes(table, i)
+	v := slotView{hash: load16(b[16:]), lo: load64(b[32:]), hi: load64(b[40:]), acc: agent.Access(load32(b[48:]))}
+	n := min(int(load32(b[52:])), slotSegs)
+	for j := range n {
+		if id := load64(b[80+8*j:]); id != 0 {
+			v.segs = append(v.segs, id)
+		}
+	}
+	return v
+}
+
+// putSlot writes an exposure into slot i, its stamp last.
+func putSlot(table []byte, i int, v slotView, nsegs int, stamp uint64) {
+	b := slotBytes(table, i)
+	w := slotAt(table, i)
+	atomic.StoreUint32(w.readers, 0)
+	atomic.StoreUint32(w.waiting, 0)
+	store16(b[16:], v.hash)
+	store64(b[32:], v.lo)
+	store64(b[40:], v.hi)
+	store32(b[48:], uint32(v.acc))
+	store32(b[52:], uint32(nsegs))
+	store16(b[64:], [16]byte{})
+	for j := range slotSegs {
+		var id uint64
+		if j < len(v.segs) {
+			id = v.segs[j]
+		}
+		store64(b[80+8*j:], id)
+	}
+	atomic.StoreUint64(w.stamp, stamp)
+}
+
+// proven reports whether slot i holds the proof of the key whose hash is
+// h: a copier that used the slot wrote the key.
+func proven(table []byte, i int, h [16]byte) bool {
+	p := load16(slotBytes(table, i)[64:])
+	return p != [16]byte{} && keyHash(agent.Key(p)) == h
+}
+
+// home is the first slot an exposure may take in a table of n, by the
+// hash of its key.
+func home(h [16]byte, n int) int { return int(binary.LittleEndian.Uint64(h[:8]) & uint64(n-1)) }
+
+// shmPub is the exposing side's shared memory, for the whole backend: the
+// exposures published (Publisher) and the connections they are published
+// on. Its mutex also guards every connection's shmServe but peerGone.
+type shmPub struct {
+	mu    sync.Mutex
+	exps  map[agent.Key]*pubExp
+	conns map[*server]struct{}
+}
+
+// pubExp is an exposure published to same-host peers.
+type pubExp struct {
+	x    agent.Published
+	view slotView
+	segs []shm.Seg
+}
+
+// shmServe is the exposing side's shared memory on one connection.
+type shmServe struct {
+	table *mapped  // the lease table; nil until the connection agreed capShm
+	slots []uint64 // per slot: the generation it last held
+	used  map[agent.Key]int
+	segs  map[uint64]int // segments sent: published exposures lying in them
+	// out queues tSeg and tSegDrop frames for the sender (shmSend): a
+	// peer that does not read holds up no Expose or Revoke.
+	out     []shmFrame
+	wake    chan struct{}
+	sending sync.WaitGroup
+	over    bool // the connection ended: publish nothing more
+	// peerGone: the copier closed its end (its process exited, or it
+	// closed the socket once its copies were over): no copy of its runs.
+	peerGone atomic.Bool
+}
+
+// shmFrame is a queued frame, with the segment whose descriptor it
+// carries (tSeg).
+type shmFrame struct {
+	typ  uint8
+	seg  shm.Seg
+	drop uint64
+}
+
+// Publish implements [agent.Publisher]: an exposure whose memory lies in
+// shared segments is written into the lease table of every connection that
+// agreed shared memory, and its segments sent to those that lack them.
+// Exposures of other memory are ignored. Safe for concurrent use.
+func (b *Backend) Publish(x agent.Published) {
+	regions := x.Regions()
+	if !b.cfg.shm || len(regions) == 0 {
+		return
+	}
+	key := x.Key()
+	pe := &pubExp{x: x, view: slotView{hash: keyHash(key), acc: x.Access(), lo: ^uint64(0)}}
+	for _, r := range regions {
+		pe.view.lo, pe.view.hi = min(pe.view.lo, r.Addr), max(pe.view.hi, r.Addr+r.Len)
+		if r.Kind != agent.KindDRAM {
+			continue
+		}
+		if sg, ok := shm.Find(r.Addr, r.Len); ok && !slices.ContainsFunc(pe.segs, func(s shm.Seg) bool { return s.ID == sg.ID }) {
+			pe.segs = append(pe.segs, sg)
+			if len(pe.view.segs) < slotSegs {
+				pe.view.segs = append(pe.view.segs, sg.ID)
+			}
+		}
+	}
+	if len(pe.segs) == 0 {
+		return
+	}
+	b.pub.mu.Lock()
+	defer b.pub.mu.Unlock()
+	if b.pub.exps == nil {
+		b.pub.exps = map[agent.Key]*pubExp{}
+	}
+	b.pub.exps[key] = pe
+	for s := range b.pub.conns {
+		s.publishLocked(key, pe)
+	}
+}
+
+// publishLocked writes pe into the connection's table, if a slot is free
+// within maxProbe of its home, after sending (or queueing) the segments
+// new to the connection. The caller holds b.pub.mu.
+func (s *server) publishLocked(key agent.Key, pe *pubExp) {
+	sv := &s.sh
+	if sv.over {
+		return
+	}
+	n := len(sv.slots)
+	i, h := -1, home(pe.view.hash, n)
+	for j := range min(maxProbe, n) {
+		k := (h + j) & (n - 1)
+		if atomic.LoadUint64(slotAt(sv.table.mem, k).stamp)&3 == 0 {
+			i = k
+			break
+		}
+	}
+	if i < 0 || len(sv.segs)+len(pe.segs) > maxShares {
+		return // not published here: leases serve it
+	}
+	for _, sg := range pe.segs {
+		if sv.segs[sg.ID] == 0 {
+			s.queueSeg(sg)
+		}
+		sv.segs[sg.ID]++
+	}
+	sv.slots[i]++
+	putSlot(sv.table.mem, i, pe.view, len(pe.segs), sv.slots[i]<<2|slotLive)
+	sv.used[key] = i
+}
+
+// queueSeg sends segment sg at once if the connection is idle and its
+// socket has room (an honest copier then has it before it can hold a key
+// of the exposure), else queues it for the sender, in order. The caller
+// holds b.pub.mu.
+func (s *server) queueSeg(sg shm.Seg) {
+	sv := &s.sh
+	if len(sv.out) == 0 && s.wmu.TryLock() {
+		sent, err := s.trySendSeg(sg)
+		s.wmu.Unlock()
+		if err != nil {
+			s.abort(err)
+		}
+		if sent || err != nil {
+			return
+		}
+	}
+	sv.out = append(sv.out, shmFrame{typ: tSeg, seg: sg})
+	s.shmKick()
+}
+
+// shmKick wakes the connection's sender.
+func (s *server) shmKick() {
+	select {
+	case s.sh.wake <- struct{}{}:
+	default:
+	}
+}
+
+// retiring is a slot being revoked on one connection.
+type retiring struct {
+	s    *server
+	slot int
+	tbl  *mapped // referenced until the wait is over
+}
+
+// Unpublish implements [agent.Publisher]: the exposure's slot on every
+// connection is marked revoked (closed, if the agent is closing), and it
+// returns once no copy is inside any of them: at most WithTimeout in all,
+// past which the connections still inside are dropped. A connection whose
+// copier proved it used the slot is bound to the exposure. The slots are
+// then free for reuse and segments no published exposure lies in any more
+// are dropped.
+func (b *Backend) Unpublish(x agent.Published, closing bool) {
+	key := x.Key()
+	b.pub.mu.Lock()
+	pe := b.pub.exps[key]
+	if pe == nil {
+		b.pub.mu.Unlock()
+		return
+	}
+	delete(b.pub.exps, key)
+	state := uint64(slotRevoked)
+	if closing {
+		state = slotClosed
+	}
+	var rs []retiring
+	for s := range b.pub.conns {
+		i, ok := s.sh.used[key]
+		if !ok {
+			continue
+		}
+		delete(s.sh.used, key)
+		atomic.StoreUint64(slotAt(s.sh.table.mem, i).stamp, s.sh.slots[i]<<2|state)
+		rs = append(rs, retiring{s: s, slot: i, tbl: s.sh.table.ref()})
+	}
+	b.pub.mu.Unlock()
+	deadline := time.Now().Add(b.cfg.timeout)
+	for _, r := range rs {
+		r.s.drainSlot(r.tbl.mem, r.slot, deadline)
+		if proven(r.tbl.mem, r.slot, pe.view.hash) {
+			x.Bind(r.s.link)
+		}
+	}
+	b.pub.mu.Lock()
+	for _, r := range rs {
+		sv := &r.s.sh
+		if sv.over {
+			continue // its slots die with it
+		}
+		// Free for the next exposure, with a stamp no copier holds.
+		atomic.StoreUint64(slotAt(sv.table.mem, r.slot).stamp, sv.slots[r.slot]<<2)
+		for _, sg := range pe.segs {
+			if sv.segs[sg.ID]--; sv.segs[sg.ID] <= 0 {
+				delete(sv.segs, sg.ID)
+				sv.out = append(sv.out, shmFrame{typ: tSegDrop, drop: sg.ID})
+			}
+		}
+		r.s.shmKick()
+	}
+	b.pub.mu.Unlock()
+	for _, r := range rs {
+		r.tbl.unref()
+	}
+}
+
+// bindShm binds to the connection the exposures published on it whose
+// slot its copier proved it used, before the connection's loss is
+// reported: they hear of it, as through a lease.
+func (s *server) bindShm() {
+	sv := &s.sh
+	if sv.table == nil {
+		return
+	}
+	b := s.b
+	b.pub.mu.Lock()
+	defer b.pub.mu.Unlock()
+	for key, i := range sv.used {
+		if pe := b.pub.exps[key]; pe != nil && proven(sv.table.mem, i, pe.view.hash) {
+			pe.x.Bind(s.link)
 		}
 	}
 }
 
-// find returns the mapped bytes of the peer's [addr, addr+n), or nil if
-// they lie in no region of the mapping.
-func (m *mapping) find(addr, n uint64) []byte {
-	end := addr + n
-	if n == 0 || end < addr {
+// drainSlot waits until no copy is inside slot i of the connection's table
+// (mem), until deadline: at once if the copier's end closed; past it the
+// connection is dropped, as for a lease held too long (errRevoking).
+func (s *server) drainSlot(mem []byte, i int, deadline time.Time) {
+	w := slotAt(mem, i)
+	for {
+		r := atomic.LoadUint32(w.readers)
+		if r == 0 || s.sh.peerGone.Load() {
+			break
+		}
+		if !time.Now().Before(deadline) {
+			s.b.log.Warn("cma: a peer stayed inside a revoked exposure of shared memory past the timeout; its connection is dropped", "peer", s.peer, "readers", r)
+			s.abort(fmt.Errorf("%w: %d copies inside a revoked exposure of shared memory", errRevoking, r))
+			break
+		}
+		atomic.StoreUint32(w.waiting, 1)
+		futexWait(w.readers, r, time.Millisecond)
+	}
+	atomic.StoreUint32(w.waiting, 0)
+}
+
+// startShm sets the connection up for shared memory, once the handshake
+// agreed it: it creates and sends the lease table, starts the sender, and
+// publishes the exposures published so far. On failure the connection
+// goes on without (leases serve everything).
+func (s *server) startShm() error {
+	mem, fd, err := newTable(maxSlots)
+	if err != nil {
+		s.b.log.Warn("cma: no lease table for shared memory; leases serve it", "peer", s.peer, "err", err)
 		return nil
 	}
-	i := sort.Search(len(m.regs), func(i int) bool { return m.regs[i].addr > addr }) - 1
-	for ; i >= 0 && m.maxEnd[i] >= end; i-- {
-		if r := &m.regs[i]; r.addr <= addr && end <= r.addr+r.n {
-			off := addr - r.addr
-			return r.mem[off : off+n : off+n]
-		}
+	var h [hdrSize]byte
+	(&header{typ: tTable, id: uint64(len(mem))}).put(h[:])
+	err = s.write(h[:], unix.UnixRights(fd))
+	unix.Close(fd)
+	if err != nil {
+		_ = unix.Munmap(mem)
+		return err
+	}
+	sv := &s.sh
+	sv.table = &mapped{mem: mem}
+	sv.table.refs.Store(1)
+	sv.slots = make([]uint64, maxSlots)
+	sv.used, sv.segs = map[agent.Key]int{}, map[uint64]int{}
+	sv.wake = make(chan struct{}, 1)
+	sv.sending.Add(1)
+	go s.shmSend()
+	b := s.b
+	b.pub.mu.Lock()
+	defer b.pub.mu.Unlock()
+	if b.pub.conns == nil {
+		b.pub.conns = map[*server]struct{}{}
+	}
+	b.pub.conns[s] = struct{}{}
+	for key, pe := range b.pub.exps {
+		s.publishLocked(key, pe)
 	}
 	return nil
 }
 
-// shmPeer is the copier's shared-memory state for one connection.
+// shmSend sends the queued segments and drops, in order, until the
+// connection ends. A segment freed before it could be sent is skipped, and
+// so is its drop.
+func (s *server) shmSend() {
+	defer s.sh.sending.Done()
+	skipped := map[uint64]bool{}
+	for {
+		select {
+		case <-s.sh.wake:
+		case <-s.done:
+			return
+		}
+		s.b.pub.mu.Lock()
+		out := s.sh.out
+		s.sh.out = nil
+		s.b.pub.mu.Unlock()
+		s.wmu.Lock()
+		var err error
+		for _, f := range out {
+			switch f.typ {
+			case tSeg:
+				var sent bool
+				if sent, err = s.sendSegLocked(sg(f)); err == nil && !sent {
+					skipped[f.seg.ID] = true
+				}
+			default:
+				if skipped[f.drop] {
+					delete(skipped, f.drop)
+					continue
+				}
+				var h [hdrSize]byte
+				(&header{typ: tSegDrop, id: f.drop}).put(h[:])
+				err = s.writeLocked(h[:], nil)
+			}
+			if err != nil {
+				break
+			}
+		}
+		s.wmu.Unlock()
+		if err != nil {
+			s.abort(err)
+			return
+		}
+	}
+}
+
+func sg(f shmFrame) shm.Seg { return f.seg }
+
+// segFrame builds the tSeg of sg with a new descriptor of it, or reports
+// (fd < 0) that it was freed meanwhile.
+func segFrame(sg shm.Seg) (b []byte, fd int) {
+	fd, err := shm.DupFD(sg.ID)
+	if err != nil {
+		return nil, -1
+	}
+	b = make([]byte, hdrSize, hdrSize+segInfoSize)
+	(&header{typ: tSeg, id: sg.ID, length: segInfoSize}).put(b)
+	return putSeg(b, sg.Size, sg.Base), fd
+}
+
+// sendSegLocked sends segment sg with its descriptor, waiting for the
+// peer to read as any write does; sent is false if the segment was freed
+// before it could be. The caller holds s.wmu.
+func (s *server) sendSegLocked(sg shm.Seg) (sent bool, err error) {
+	b, fd := segFrame(sg)
+	if fd < 0 {
+		return false, nil
+	}
+	defer unix.Close(fd)
+	return true, s.writeLocked(b, unix.UnixRights(fd))
+}
+
+// trySendSeg sends segment sg now if the socket has room for the whole
+// frame without waiting; sent is false if it had not (nothing was sent).
+// The caller holds s.wmu.
+func (s *server) trySendSeg(sg shm.Seg) (sent bool, err error) {
+	b, fd := segFrame(sg)
+	if fd < 0 {
+		return false, nil // the sender retries, or skips it and its drop
+	}
+	defer unix.Close(fd)
+	rc, err := s.c.SyscallConn()
+	if err != nil {
+		return false, nil
+	}
+	var n int
+	var serr error
+	if err := rc.Write(func(sfd uintptr) bool {
+		n, serr = unix.SendmsgN(int(sfd), b, unix.UnixRights(fd), nil, unix.MSG_DONTWAIT)
+		return true
+	}); err != nil {
+		return false, nil
+	}
+	switch {
+	case serr == unix.EAGAIN || serr == unix.EWOULDBLOCK:
+		return false, nil
+	case serr != nil:
+		return false, serr
+	case n < len(b):
+		// Part of the frame went, with the descriptor: the rest must
+		// follow before anything else.
+		return true, s.writeLocked(b[n:], nil)
+	}
+	return true, nil
+}
+
+// stopShm ends the connection's shared memory once its reader returned:
+// no more publishing; every slot still live is revoked and waited for
+// (at once if the copier closed its end, which it does only once no copy
+// of its runs), then the table is unmapped, once no Unpublish uses it.
+func (s *server) stopShm() {
+	sv := &s.sh
+	if sv.table == nil {
+		return
+	}
+	b := s.b
+	b.pub.mu.Lock()
+	delete(b.pub.conns, s)
+	sv.over = true
+	var slots []int
+	for _, i := range sv.used {
+		atomic.StoreUint64(slotAt(sv.table.mem, i).stamp, sv.slots[i]<<2|slotRevoked)
+		slots = append(slots, i)
+	}
+	sv.used = nil
+	b.pub.mu.Unlock()
+	deadline := time.Now().Add(b.cfg.timeout)
+	for _, i := range slots {
+		s.drainSlot(sv.table.mem, i, deadline)
+	}
+	sv.sending.Wait() // s.done is closed by now
+	sv.table.unref()
+}
+
+// segMap is one of the exposing side's segments mapped here.
+type segMap struct {
+	id, base, size uint64
+	m              *mapped
+}
+
+// shmPeer is the copier's shared memory for one connection: the lease
+// table and the segments mapped, sorted by their address in the exposing
+// process.
 type shmPeer struct {
 	mu    sync.Mutex
 	table *mapped
 	slots int
-	segs  map[uint64]*mapped // nil entry: the segment could not be mapped
-	maps  map[mapKey]*mapping
-	asks  map[uint64]*mapAsk // by request ID
-	byKey map[mapKey]*mapAsk
-	err   error // the connection failed: map nothing more
-}
-
-// mapAsk is a tMap in flight and the transfers waiting for its answer.
-type mapAsk struct {
-	k    mapKey
-	then []func(m *mapping, err error)
-}
-
-// maxMaps bounds the mappings a connection caches; past it the negative
-// ones are forgotten.
-const maxMaps = 8192
-
-// mapping returns the cached mapping of k, referenced, or asks the peer
-// for it (tMap) and arranges for then to run with the answer, on a
-// goroutine of its own; asked then says so. A negative mapping is
-// returned as such.
-func (p *peer) mapping(k mapKey, then func(m *mapping, err error)) (m *mapping, asked bool, err error) {
-	sp := &p.sh
-	sp.mu.Lock()
-	if sp.err != nil {
-		err = sp.err
-		sp.mu.Unlock()
-		return nil, false, err
-	}
-	if m = sp.maps[k]; m != nil {
-		m.refs.Add(1)
-		sp.mu.Unlock()
-		return m, false, nil
-	}
-	if a := sp.byKey[k]; a != nil {
-		a.then = append(a.then, then)
-		sp.mu.Unlock()
-		return nil, true, nil
-	}
-	id := p.seq.Add(1)
-	a := &mapAsk{k: k, then: []func(*mapping, error){then}}
-	if sp.asks == nil {
-		sp.asks, sp.byKey = map[uint64]*mapAsk{}, map[mapKey]*mapAsk{}
-	}
-	sp.asks[id], sp.byKey[k] = a, a
-	sp.mu.Unlock()
-	p.mu.Lock()
-	p.asking++
-	p.watch()
-	p.mu.Unlock()
-	p.send(&header{typ: tMap, status: uint8(k.acc), id: id, key: k.key}, nil, nil)
-	return nil, true, nil
-}
-
-// answered hands a tMap's outcome to the transfers waiting for it.
-func (p *peer) answered(a *mapAsk, m *mapping, err error) {
-	p.mu.Lock()
-	p.asking--
-	p.watch()
-	p.mu.Unlock()
-	for _, then := range a.then {
-		if m != nil {
-			m.refs.Add(1)
-		}
-		go then(m, err)
-	}
+	segs  []*segMap
+	err   error // the connection failed: nothing more is mapped
+	// arrived is closed, and cleared, when the table or a segment
+	// arrives: transfers waiting for one retry (resolve).
+	arrived chan struct{}
+	noTable bool // the table did not come: no transfer waits for it again
 }
 
 // table handles a tTable: the connection's lease table, mapped once.
@@ -506,195 +660,82 @@ func (p *peer) table(f *frame, rr *rightsReader) error {
 	sp.table = &mapped{mem: mem}
 	sp.table.refs.Store(1)
 	sp.slots = n
+	if sp.arrived != nil {
+		close(sp.arrived)
+		sp.arrived = nil
+	}
 	return nil
 }
 
-// segment handles a tSeg: a segment the peer shares, mapped once. One
-// that cannot be mapped (memory) is recorded: mappings naming it fall back
-// to leases.
+// segment handles a tSeg: a segment of the peer's, mapped once. One that
+// cannot be mapped for want of memory is logged and left out: transfers
+// of it go to leases.
 func (p *peer) segment(f *frame, rr *rightsReader) error {
 	fd := rr.take()
 	if fd < 0 {
 		return fmt.Errorf("%w: segment %d came with no file descriptor", errProtocol, f.id)
 	}
 	defer unix.Close(fd)
-	size := binary.LittleEndian.Uint64(f.payload)
+	si, err := getSeg(f)
+	if err != nil {
+		return err
+	}
 	sp := &p.sh
 	sp.mu.Lock()
 	defer sp.mu.Unlock()
-	if _, dup := sp.segs[f.id]; dup {
-		return fmt.Errorf("%w: segment %d shared twice", errProtocol, f.id)
+	if sp.err != nil {
+		return nil
+	}
+	if slices.ContainsFunc(sp.segs, func(s *segMap) bool { return s.id == si.id }) {
+		return fmt.Errorf("%w: segment %d shared twice", errProtocol, si.id)
 	}
 	if len(sp.segs) >= maxShares {
 		return fmt.Errorf("%w: more than %d segments shared on one connection", errLimit, maxShares)
 	}
-	if sp.err != nil {
-		return nil
-	}
-	if sp.segs == nil {
-		sp.segs = map[uint64]*mapped{}
-	}
-	mem, err := shm.Map(fd, size)
+	mem, err := shm.Map(fd, si.size)
 	if err != nil {
 		if errors.Is(err, shm.ErrInvalid) {
-			return fmt.Errorf("%w: segment %d: %w", errProtocol, f.id, err)
+			return fmt.Errorf("%w: segment %d: %w", errProtocol, si.id, err)
 		}
 		p.b.log.Warn("cma: could not map a peer's shared segment; leases serve it", "peer", p.id, "err", err)
-		sp.segs[f.id] = nil
 		return nil
 	}
-	m := &mapped{mem: mem}
-	m.refs.Store(1)
-	sp.segs[f.id] = m
+	sm := &segMap{id: si.id, base: si.base, size: si.size, m: &mapped{mem: mem}}
+	sm.m.refs.Store(1)
+	i, _ := slices.BinarySearchFunc(sp.segs, si.base, func(s *segMap, b uint64) int { return cmp.Compare(s.base, b) })
+	sp.segs = slices.Insert(sp.segs, i, sm)
+	if sp.arrived != nil {
+		close(sp.arrived)
+		sp.arrived = nil
+	}
 	return nil
 }
 
 // segDrop handles a tSegDrop: the connection's reference on the segment
-// goes; mappings naming it keep theirs.
+// goes; transfers copying through it keep theirs.
 func (p *peer) segDrop(id uint64) error {
 	sp := &p.sh
 	sp.mu.Lock()
-	m, ok := sp.segs[id]
-	delete(sp.segs, id)
+	i := slices.IndexFunc(sp.segs, func(s *segMap) bool { return s.id == id })
+	var sm *segMap
+	if i >= 0 {
+		sm = sp.segs[i]
+		sp.segs = slices.Delete(sp.segs, i, i+1)
+	}
 	failed := sp.err != nil
 	sp.mu.Unlock()
-	if !ok {
+	if sm == nil {
 		if failed {
 			return nil
 		}
 		return fmt.Errorf("%w: drop of segment %d, which was not shared", errProtocol, id)
 	}
-	if m != nil {
-		m.unref()
-	}
+	sm.m.unref()
 	return nil
 }
 
-// unmap handles a tUnmap: the mapping is over; the cache forgets it.
-func (p *peer) unmap(f *frame) {
-	k := mapKey{key: f.key, acc: agent.Access(f.status)}
-	sp := &p.sh
-	sp.mu.Lock()
-	m := sp.maps[k]
-	if m != nil && !m.none && uint64(m.slot) == f.id {
-		delete(sp.maps, k)
-	} else {
-		m = nil
-	}
-	sp.mu.Unlock()
-	if m != nil {
-		m.release()
-	}
-}
-
-// mapped handles a tMapped (f): it builds the mapping from the answer,
-// checked against the table and segments shared before it, caches it, and
-// hands it to the transfers waiting.
-func (p *peer) mappedAnswer(f *frame) error {
-	sp := &p.sh
-	sp.mu.Lock()
-	a := sp.asks[f.id]
-	if a == nil {
-		failed := sp.err != nil
-		sp.mu.Unlock()
-		if failed {
-			return nil
-		}
-		return fmt.Errorf("%w: a mapping answer to request %d, which awaits none", errProtocol, f.id)
-	}
-	delete(sp.asks, f.id)
-	delete(sp.byKey, a.k)
-	var m *mapping
-	var err error
-	switch f.status {
-	case stOK:
-		var berr error
-		if m, berr = sp.build(a.k, f); berr != nil {
-			// The connection fails: the failure answers a, as every
-			// request still waiting (shmFail).
-			sp.asks[f.id], sp.byKey[a.k] = a, a
-			sp.mu.Unlock()
-			return berr
-		}
-	case stNone:
-		m = &mapping{k: a.k, none: true}
-	case stLost:
-		err = fmt.Errorf("cma: peer %s is closing: %w (%q)", p.id, agent.ErrRemoteLost, f.payload)
-	default:
-		err = fmt.Errorf("cma: peer %s refused: %w (%q)", p.id, agent.ErrAccessDenied, f.payload)
-	}
-	if m != nil {
-		if len(sp.maps) >= maxMaps {
-			for k, old := range sp.maps {
-				if old.none {
-					delete(sp.maps, k)
-				}
-			}
-		}
-		if old := sp.maps[a.k]; old != nil && !old.none {
-			defer old.release() // answered afresh: the cache's reference goes
-		}
-		if sp.maps == nil {
-			sp.maps = map[mapKey]*mapping{}
-		}
-		if len(sp.maps) < maxMaps {
-			m.refs.Store(1) // the cache's
-			sp.maps[a.k] = m
-		} else {
-			delete(sp.maps, a.k)
-		}
-	}
-	sp.mu.Unlock()
-	p.answered(a, m, err)
-	return nil
-}
-
-// build makes the mapping a granted tMapped (f) describes. The caller
-// holds sp.mu. An answer naming a slot outside the table, a segment never
-// shared, or a range outside its segment breaks the protocol; one naming
-// a segment that could not be mapped is a negative mapping.
-func (sp *shmPeer) build(k mapKey, f *frame) (*mapping, error) {
-	ans, err := getMapAnswer(f)
-	if err != nil {
-		return nil, err
-	}
-	if sp.table == nil || int(ans.slot) >= sp.slots {
-		return nil, fmt.Errorf("%w: mapping answer %d names slot %d of a table of %d", errProtocol, f.id, ans.slot, sp.slots)
-	}
-	m := &mapping{k: k, slot: ans.slot, w: slotAt(sp.table.mem, int(ans.slot)), want: ans.gen<<2 | slotLive}
-	m.regs = make([]shmReg, 0, len(ans.entries))
-	used := map[uint64]*mapped{}
-	for i, e := range ans.entries {
-		seg, ok := sp.segs[e.seg]
-		if !ok {
-			return nil, fmt.Errorf("%w: mapping answer %d: entry %d names segment %d, never shared", errProtocol, f.id, i, e.seg)
-		}
-		if seg == nil {
-			return &mapping{k: k, none: true}, nil
-		}
-		if e.off+e.n > uint64(len(seg.mem)) {
-			return nil, fmt.Errorf("%w: mapping answer %d: entry %d, [%d, +%d) of segment %d of %d bytes", errProtocol, f.id, i, e.off, e.n, e.seg, len(seg.mem))
-		}
-		m.regs = append(m.regs, shmReg{addr: e.addr, n: e.n, mem: seg.mem[e.off : e.off+e.n : e.off+e.n]})
-		used[e.seg] = seg
-	}
-	slices.SortFunc(m.regs, func(a, b shmReg) int { return cmp.Compare(a.addr, b.addr) })
-	m.maxEnd = make([]uint64, len(m.regs))
-	var end uint64
-	for i, r := range m.regs {
-		end = max(end, r.addr+r.n)
-		m.maxEnd[i] = end
-	}
-	m.held = append(m.held, sp.table.ref())
-	for _, seg := range used {
-		m.held = append(m.held, seg.ref())
-	}
-	return m, nil
-}
-
-// shmFail ends the connection's shared-memory state: the transfers waiting
-// for an answer fail with err, and the mappings are dropped (unmapped once
-// the copies using them returned).
+// shmFail ends the connection's shared memory: the mappings go once the
+// copies using them returned.
 func (p *peer) shmFail(err error) {
 	sp := &p.sh
 	sp.mu.Lock()
@@ -703,26 +744,213 @@ func (p *peer) shmFail(err error) {
 		return
 	}
 	sp.err = err
-	asks := sp.asks
-	maps, segs, table := sp.maps, sp.segs, sp.table
-	sp.asks, sp.byKey, sp.maps, sp.segs, sp.table = nil, nil, nil, nil, nil
+	segs, table := sp.segs, sp.table
+	sp.segs, sp.table = nil, nil
 	sp.mu.Unlock()
-	for _, a := range asks {
-		p.answered(a, nil, err)
-	}
-	for _, m := range maps {
-		if !m.none {
-			m.release()
-		}
-	}
 	for _, s := range segs {
-		if s != nil {
-			s.unref()
-		}
+		s.m.unref()
 	}
 	if table != nil {
 		table.unref()
 	}
+}
+
+// shmXfer is a transfer resolved against the peer's published exposure:
+// its slot, the stamp to find there, and the mappings it copies through,
+// referenced until it ends.
+type shmXfer struct {
+	w    slotWords
+	want uint64
+	held []*mapped
+}
+
+func (t *shmXfer) release() {
+	for _, m := range t.held {
+		m.unref()
+	}
+}
+
+// findSeg returns the mapped segment holding the peer's [addr, addr+n).
+// The caller holds sp.mu.
+func (sp *shmPeer) findSeg(addr, n uint64) *segMap {
+	i, found := slices.BinarySearchFunc(sp.segs, addr, func(s *segMap, a uint64) int { return cmp.Compare(s.base, a) })
+	if !found {
+		i--
+	}
+	if i < 0 {
+		return nil
+	}
+	s := sp.segs[i]
+	if addr+n < addr || addr+n > s.base+s.size {
+		return nil
+	}
+	return s
+}
+
+// resolve finds x's exposure published in the peer's lease table and
+// where each of its ranges lies in the segments mapped here, into ops. It
+// reports false (nothing held) if the key is not published for x's access,
+// or a range lies outside the exposure's span or outside every segment:
+// leases then serve x. The lease table on a new connection, and a segment
+// the slot names, that have not arrived yet (sent right after the
+// handshake, or as the exposure was made: still in the socket) are waited
+// for, a little (segWait).
+func (p *peer) resolve(x *agent.Work, ops []shmOp) (*shmXfer, bool) {
+	h := keyHash(x.Key)
+	deadline := time.Time{}
+	for {
+		t, missing, arrived := p.resolveOnce(x, h, ops)
+		if !missing {
+			return t, t != nil
+		}
+		if deadline.IsZero() {
+			deadline = time.Now().Add(segWait)
+		}
+		wait := time.Until(deadline)
+		if wait <= 0 {
+			p.sh.mu.Lock()
+			if p.sh.table == nil {
+				p.sh.noTable = true // the peer sent none: it had none to send
+			}
+			p.sh.mu.Unlock()
+			return nil, false
+		}
+		timer := time.NewTimer(wait)
+		select {
+		case <-arrived:
+		case <-p.dead:
+		case <-timer.C:
+		}
+		timer.Stop()
+	}
+}
+
+// segWait bounds how long a transfer waits for a segment its exposure's
+// slot names and the peer sent, before leases serve it instead.
+const segWait = 100 * time.Millisecond
+
+// resolveOnce is one try of resolve. missing says a segment the slot names
+// has not arrived; arrived is closed when the next one does.
+func (p *peer) resolveOnce(x *agent.Work, h [16]byte, ops []shmOp) (t *shmXfer, missing bool, arrived chan struct{}) {
+	sp := &p.sh
+	sp.mu.Lock()
+	defer sp.mu.Unlock()
+	if sp.err != nil || sp.noTable {
+		return nil, false, nil
+	}
+	if sp.table == nil {
+		// Sent right after the handshake: a transfer posted at once on a
+		// new connection gets there first.
+		if sp.arrived == nil {
+			sp.arrived = make(chan struct{})
+		}
+		return nil, true, sp.arrived
+	}
+	tbl := sp.table.mem
+	slot := -1
+	var v slotView
+	home := home(h, sp.slots)
+	for j := range min(maxProbe, sp.slots) {
+		k := (home + j) & (sp.slots - 1)
+		if v = readSlot(tbl, k); v.hash == h {
+			slot = k
+			break
+		}
+	}
+	if slot < 0 {
+		return nil, false, nil
+	}
+	w := slotAt(tbl, slot)
+	want := atomic.LoadUint64(w.stamp)
+	if want&3 != slotLive || v.acc != x.Op.Access() {
+		return nil, false, nil
+	}
+	for _, id := range v.segs {
+		if !slices.ContainsFunc(sp.segs, func(s *segMap) bool { return s.id == id }) {
+			if sp.arrived == nil {
+				sp.arrived = make(chan struct{})
+			}
+			return nil, true, sp.arrived
+		}
+	}
+	t = &shmXfer{w: w, want: want}
+	var used [4]*segMap
+	nused := 0
+	for i := range x.Segments {
+		sg := &x.Segments[i]
+		a, n := sg.Remote.Addr, sg.Remote.Len
+		if a < v.lo || a+n > v.hi || a+n < a || uint64(len(sg.Local.Mem)) != n {
+			t.release()
+			return nil, false, nil
+		}
+		s := sp.findSeg(a, n)
+		if s == nil {
+			t.release()
+			return nil, false, nil
+		}
+		off := a - s.base
+		ops[i] = shmOp{local: sg.Local.Mem, remote: s.m.mem[off : off+n : off+n]}
+		if slices.Contains(used[:nused], s) {
+			continue
+		}
+		if nused < len(used) {
+			used[nused] = s
+			nused++
+		}
+		t.held = append(t.held, s.m.ref())
+	}
+	t.held = append(t.held, sp.table.ref())
+	// The proof that this connection used the exposure: the key itself,
+	// which only a holder of it can write (its hash is what the slot
+	// shows).
+	if b := slotBytes(tbl, slot)[64:]; load16(b) != x.Key {
+		store16(b, x.Key)
+	}
+	return t, false, nil
+}
+
+// postShared moves x through the peer's shared memory if its exposure is
+// published there and every range lies in it, and reports whether it
+// did; otherwise leases serve x. Transfers of up to shmInline bytes are
+// copied before it returns, on the caller's goroutine; larger ones by the
+// workers, after a tUse tells the exposing side.
+func (b *Backend) postShared(p *peer, x *agent.Work) bool {
+	var one [1]shmOp
+	ops := one[:]
+	if len(x.Segments) > 1 {
+		ops = make([]shmOp, len(x.Segments))
+	}
+	t, ok := p.resolve(x, ops)
+	if !ok {
+		return false
+	}
+	x.Via("shm")
+	if x.Bytes() <= shmInline {
+		b.finishShared(p, x, t, b.copyShared(p, x, t, ops, 1))
+		return true
+	}
+	p.send(&header{typ: tUse, status: uint8(x.Op.Access()), key: x.Key}, nil, nil)
+	go func() { b.finishShared(p, x, t, b.copyShared(p, x, t, ops, b.cfg.workers)) }()
+	return true
+}
+
+// finishShared ends a transfer moved through shared memory: its
+// notification goes out (queued, one way), then it finishes.
+func (b *Backend) finishShared(p *peer, x *agent.Work, t *shmXfer, err error) {
+	t.release()
+	if err == nil && x.Notify != nil {
+		err = p.notify(x.Key, x.Notify)
+	}
+	x.Finish(err)
+	b.xwg.Done()
+}
+
+// revoked says why a copy found its slot's stamp changed.
+func (p *peer) revoked(t *shmXfer, key agent.Key) error {
+	if atomic.LoadUint64(t.w.stamp) == t.want&^3|slotClosed {
+		return fmt.Errorf("cma: peer %s is closing: %w", p.id, agent.ErrRemoteLost)
+	}
+	return fmt.Errorf("cma: peer %s: %w: exposure %v revoked", p.id, agent.ErrAccessDenied, key)
 }
 
 // shmOp is one segment's copy through a mapping.
@@ -741,71 +969,22 @@ const (
 	shmHold   = 16 << 20
 )
 
-// postShared moves x through mapping m (referenced for it), if every
-// remote range lies in it: it reports false, m released, if one does not
-// (leases then serve x). Small transfers are copied before it returns.
-func (b *Backend) postShared(p *peer, x *agent.Work, m *mapping) bool {
-	if len(x.Segments) == 1 { // the common small case: no allocation
-		sg := &x.Segments[0]
-		mem := m.find(sg.Remote.Addr, sg.Remote.Len)
-		if mem == nil || uint64(len(sg.Local.Mem)) != sg.Remote.Len {
-			m.release()
-			return false
-		}
-		x.Via("shm")
-		if sg.Remote.Len <= shmInline {
-			b.finishShared(p, x, m, b.copyShared(p, x, m, []shmOp{{local: sg.Local.Mem, remote: mem}}, 1))
-			return true
-		}
-	}
-	ops := make([]shmOp, len(x.Segments))
-	var total uint64
-	for i := range x.Segments {
-		sg := &x.Segments[i]
-		mem := m.find(sg.Remote.Addr, sg.Remote.Len)
-		if mem == nil || uint64(len(sg.Local.Mem)) != sg.Remote.Len {
-			m.release()
-			return false
-		}
-		ops[i] = shmOp{local: sg.Local.Mem, remote: mem}
-		total += sg.Remote.Len
-	}
-	x.Via("shm")
-	if total <= shmInline {
-		b.finishShared(p, x, m, b.copyShared(p, x, m, ops, 1))
-		return true
-	}
-	go func() { b.finishShared(p, x, m, b.copyShared(p, x, m, ops, b.cfg.workers)) }()
-	return true
-}
-
-// finishShared ends a transfer moved through a mapping: its notification
-// goes out (queued, one way), then it finishes.
-func (b *Backend) finishShared(p *peer, x *agent.Work, m *mapping, err error) {
-	m.release()
-	if err == nil && x.Notify != nil {
-		err = p.notify(x.Key, x.Notify)
-	}
-	x.Finish(err)
-	b.xwg.Done()
-}
-
-// copyShared copies ops through m with up to workers goroutines (this one
-// included), inside m's slot, and reports why it stopped early: the
+// copyShared copies ops through t with up to workers goroutines (this one
+// included), inside t's slot, and reports why it stopped early: the
 // transfer was cancelled, the exposure revoked, or the peer lost (checked
 // before each piece: a peer that died is no longer there to hear of it,
 // even though its memory is still mapped here). The
 // connection stays open while copies run (holdShared), since its end is
 // what tells the exposing side that none does.
-func (b *Backend) copyShared(p *peer, x *agent.Work, m *mapping, ops []shmOp, workers int) error {
+func (b *Backend) copyShared(p *peer, x *agent.Work, t *shmXfer, ops []shmOp, workers int) error {
 	if err := p.holdShared(); err != nil {
 		return err
 	}
 	defer p.unholdShared()
 	write := x.Op == agent.OpWrite
 	if workers <= 1 {
-		if !m.w.enter(m.want) {
-			return p.revoked(m)
+		if !t.w.enter(t.want) {
+			return p.revoked(t, x.Key)
 		}
 		for _, op := range ops {
 			if write {
@@ -814,7 +993,7 @@ func (b *Backend) copyShared(p *peer, x *agent.Work, m *mapping, ops []shmOp, wo
 				copy(op.local, op.remote)
 			}
 		}
-		m.w.leave()
+		t.w.leave()
 		return nil
 	}
 	// Pieces of at most shmPiece bytes, taken in turn.
@@ -838,7 +1017,7 @@ func (b *Backend) copyShared(p *peer, x *agent.Work, m *mapping, ops []shmOp, wo
 				break
 			}
 			if in && held >= shmHold {
-				m.w.leave()
+				t.w.leave()
 				in, held = false, 0
 			}
 			select {
@@ -859,8 +1038,8 @@ func (b *Backend) copyShared(p *peer, x *agent.Work, m *mapping, ops []shmOp, wo
 				break
 			}
 			if !in {
-				if !m.w.enter(m.want) {
-					err := p.revoked(m)
+				if !t.w.enter(t.want) {
+					err := p.revoked(t, x.Key)
 					failed.CompareAndSwap(nil, &err)
 					return
 				}
@@ -875,7 +1054,7 @@ func (b *Backend) copyShared(p *peer, x *agent.Work, m *mapping, ops []shmOp, wo
 			held += len(op.local)
 		}
 		if in {
-			m.w.leave()
+			t.w.leave()
 		}
 	}
 	var wg sync.WaitGroup
@@ -889,22 +1068,6 @@ func (b *Backend) copyShared(p *peer, x *agent.Work, m *mapping, ops []shmOp, wo
 		return *err
 	}
 	return nil
-}
-
-// revoked drops m from the cache, whose slot no longer holds it, and says
-// why the copy stopped.
-func (p *peer) revoked(m *mapping) error {
-	sp := &p.sh
-	sp.mu.Lock()
-	if sp.maps[m.k] == m {
-		delete(sp.maps, m.k)
-		defer m.release()
-	}
-	sp.mu.Unlock()
-	if atomic.LoadUint64(m.w.stamp) == m.want&^3|slotClosed {
-		return fmt.Errorf("cma: peer %s is closing: %w", p.id, agent.ErrRemoteLost)
-	}
-	return fmt.Errorf("cma: peer %s: %w: exposure %v revoked", p.id, agent.ErrAccessDenied, m.k.key)
 }
 
 // holdShared keeps the connection open while a copy through a mapping
@@ -940,59 +1103,4 @@ func sharable(x *agent.Work) bool {
 		}
 	}
 	return len(x.Segments) > 0
-}
-
-// postMapped tries the shared-memory path for x: it reports whether it
-// took x (then x finishes there); otherwise leases serve it. On a mapping
-// not yet known it asks the peer and takes x, which continues when the
-// answer arrives, through a mapping or through leases (postLeases).
-func (b *Backend) postMapped(p *peer, x *agent.Work) bool {
-	k := mapKey{key: x.Key, acc: x.Op.Access()}
-	var claimed atomic.Bool
-	then := func(m *mapping, err error) {
-		if !claimed.CompareAndSwap(false, true) {
-			if m != nil {
-				m.release()
-			}
-			return
-		}
-		switch {
-		case err != nil:
-			if m != nil {
-				m.release()
-			}
-			x.Finish(err)
-			b.xwg.Done()
-		case m.none:
-			m.release()
-			if err := b.postLeases(p, x); err != nil {
-				x.Finish(err)
-			}
-		default:
-			if !b.postShared(p, x, m) {
-				if err := b.postLeases(p, x); err != nil {
-					x.Finish(err)
-				}
-			}
-		}
-	}
-	m, asked, err := p.mapping(k, then)
-	switch {
-	case err != nil:
-		return false // the peer failed: leases say so
-	case asked:
-		// The answer's arrival or the cancellation, whichever comes
-		// first, finishes x; the other does nothing.
-		x.AfterCancel(func() {
-			if claimed.CompareAndSwap(false, true) {
-				x.Finish(x.CancelErr())
-				b.xwg.Done()
-			}
-		})
-		return true
-	case m.none:
-		m.release()
-		return false
-	}
-	return b.postShared(p, x, m)
 }

@@ -6,6 +6,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -65,6 +66,10 @@ func TestShmReadWrite(t *testing.T) {
 		base := agent.DRAM(p.buf.Bytes()).Addr
 		pattern.Fill(p.buf.Bytes(), 7, 0, 0)
 		dst := make([]byte, size)
+		// The first transfer connects; the lease table and the segments
+		// arrive right after, so it may use leases.
+		require.NoError(t, waitX(t, p.post(t, agent.OpRead, dst[:1], base, nil)))
+		time.Sleep(10 * time.Millisecond)
 		x := p.post(t, agent.OpRead, dst, base+100, []byte("done"))
 		require.NoError(t, waitX(t, x))
 		require.Equal(t, "cma+shm", x.Path())
@@ -76,7 +81,11 @@ func TestShmReadWrite(t *testing.T) {
 		w := newShmPair(t, size, agent.AccessWrite)
 		src := make([]byte, size)
 		pattern.Fill(src, 9, 0, 0)
-		require.NoError(t, waitX(t, w.post(t, agent.OpWrite, src, agent.DRAM(w.buf.Bytes()).Addr, nil)))
+		require.NoError(t, waitX(t, w.post(t, agent.OpWrite, src[:1], agent.DRAM(w.buf.Bytes()).Addr, nil)))
+		time.Sleep(10 * time.Millisecond)
+		x = w.post(t, agent.OpWrite, src, agent.DRAM(w.buf.Bytes()).Addr, nil)
+		require.NoError(t, waitX(t, x))
+		require.Equal(t, "cma+shm", x.Path())
 		require.Equal(t, src, w.buf.Bytes())
 		// The second transfer needs no mapping request: same slot.
 		require.NoError(t, waitX(t, w.post(t, agent.OpWrite, src[:10], agent.DRAM(w.buf.Bytes()).Addr+5, nil)))
@@ -128,9 +137,9 @@ func TestShmRevokeStopsWrites(t *testing.T) {
 	}
 }
 
-// copierMapping returns the copier's cached mapping of the pair's
-// exposure (a READ or WRITE of it must have run).
-func copierMapping(t *testing.T, p *shmPair) (*peer, *mapping) {
+// copierSlot returns the copier's peer and the slot its lease table holds
+// for the pair's exposure, with the stamp found there.
+func copierSlot(t *testing.T, p *shmPair) (*peer, slotWords, uint64) {
 	t.Helper()
 	p.bc.mu.Lock()
 	ps := p.bc.peers[p.a.ID()]
@@ -139,10 +148,18 @@ func copierMapping(t *testing.T, p *shmPair) (*peer, *mapping) {
 	sp := &ps[0].sh
 	sp.mu.Lock()
 	defer sp.mu.Unlock()
-	m := sp.maps[mapKey{key: p.exp.Key(), acc: p.exp.Access()}]
-	require.NotNil(t, m)
-	require.False(t, m.none)
-	return ps[0], m
+	require.NotNil(t, sp.table)
+	hash := keyHash(p.exp.Key())
+	h := home(hash, sp.slots)
+	for j := range maxProbe {
+		k := (h + j) & (sp.slots - 1)
+		if readSlot(sp.table.mem, k).hash == hash {
+			w := slotAt(sp.table.mem, k)
+			return ps[0], w, atomic.LoadUint64(w.stamp)
+		}
+	}
+	t.Fatal("the exposure is not published to the copier")
+	return nil, slotWords{}, 0
 }
 
 // A copier stuck inside a mapping (frozen, or hostile: it entered the
@@ -153,8 +170,8 @@ func TestShmRevokeBoundedStuckReader(t *testing.T) {
 	p := newShmPair(t, 4096, agent.AccessRead, WithTimeout(timeout))
 	base := agent.DRAM(p.buf.Bytes()).Addr
 	require.NoError(t, waitX(t, p.post(t, agent.OpRead, make([]byte, 16), base, nil)))
-	_, m := copierMapping(t, p)
-	require.True(t, m.w.enter(m.want)) // and never leaves
+	_, w, want := copierSlot(t, p)
+	require.True(t, w.enter(want)) // and never leaves
 	start := time.Now()
 	p.exp.Revoke()
 	took := time.Since(start)
@@ -172,8 +189,8 @@ func TestShmRevokeCopierGone(t *testing.T) {
 	p := newShmPair(t, 4096, agent.AccessRead, WithTimeout(timeout))
 	base := agent.DRAM(p.buf.Bytes()).Addr
 	require.NoError(t, waitX(t, p.post(t, agent.OpRead, make([]byte, 16), base, nil)))
-	pc, m := copierMapping(t, p)
-	require.True(t, m.w.enter(m.want))
+	pc, w, want := copierSlot(t, p)
+	require.True(t, w.enter(want))
 	start := time.Now()
 	go func() {
 		time.Sleep(50 * time.Millisecond)
@@ -185,18 +202,16 @@ func TestShmRevokeCopierGone(t *testing.T) {
 	t.Logf("Revoke returned %v after it began, the copier's end closing at 50ms", took)
 }
 
-// The copier rechecks the slot's stamp on every transfer: after Revoke a
-// cached mapping is not used (the copy is refused, not made), and asking
-// again is denied.
+// The copier rechecks the slot's stamp on every copy: after Revoke a stamp
+// found before is refused (the copy is not made), and the transfer is
+// denied.
 func TestShmStaleMappingRefused(t *testing.T) {
 	p := newShmPair(t, 4096, agent.AccessRead)
 	base := agent.DRAM(p.buf.Bytes()).Addr
 	require.NoError(t, waitX(t, p.post(t, agent.OpRead, make([]byte, 16), base, nil)))
-	_, m := copierMapping(t, p)
-	m.refs.Add(1) // keep it alive past the cache
-	defer m.release()
+	_, w, want := copierSlot(t, p)
 	p.exp.Revoke()
-	require.False(t, m.w.enter(m.want), "a revoked slot let a copy in")
+	require.False(t, w.enter(want), "a revoked slot let a copy in")
 	err := waitX(t, p.post(t, agent.OpRead, make([]byte, 16), base, nil))
 	require.ErrorIs(t, err, agent.ErrAccessDenied)
 }
@@ -240,8 +255,8 @@ func TestShmOff(t *testing.T) {
 }
 
 // Transfers over memory partly in a segment and partly on the Go heap use
-// leases for the whole transfer; heap-only exposures are answered "none"
-// once and then go straight to leases.
+// leases for the whole transfer; heap-only exposures are not published and
+// go straight to leases.
 func TestShmMixedAndHeap(t *testing.T) {
 	a, _ := newAgent(t)
 	c, _ := newAgent(t)

@@ -2,7 +2,6 @@ package cma
 
 import (
 	"bytes"
-	"encoding/binary"
 	"errors"
 	"io"
 	"testing"
@@ -38,20 +37,15 @@ func FuzzLeaseTable(f *testing.F) {
 
 // FuzzShmFrames reads arbitrary frames on a connection that agreed shared
 // memory: every frame is accepted whole within the limits or refused as a
-// protocol violation, and a granted mapping answer decodes into entries
-// that neither wrap nor are empty.
+// protocol violation, and a segment decodes into a span that neither
+// wraps nor is empty.
 func FuzzShmFrames(f *testing.F) {
 	lim := limits{maxRanges: 64, maxNotify: 1 << 10, shm: true}
-	ans := putMapAnswer(nil, mapAnswer{slot: 3, gen: 9, entries: []mapEntry{{addr: 0x1000, n: 4096, seg: 1, off: 0}}})
-	f.Add(frameBytes(header{typ: tMapped, status: stOK, count: 1, id: 7, length: mapAnswerSize}, nil, ans))
-	f.Add(frameBytes(header{typ: tMapped, status: stNone, id: 7}, nil, nil))
-	f.Add(frameBytes(header{typ: tMapped, status: stDenied, id: 7, length: 2}, nil, []byte("no")))
-	seg := binary.LittleEndian.AppendUint64(nil, 1<<20)
-	f.Add(frameBytes(header{typ: tSeg, id: 1, length: segInfoSize}, nil, seg))
+	f.Add(frameBytes(header{typ: tSeg, id: 1, length: segInfoSize}, nil, putSeg(nil, 1<<20, 0x7000_0000)))
+	f.Add(frameBytes(header{typ: tSeg, id: 1, length: segInfoSize}, nil, putSeg(nil, 1<<20, ^uint64(0)-10)))
 	f.Add(frameBytes(header{typ: tTable, id: uint64(tableSize(maxSlots))}, nil, nil))
-	f.Add(frameBytes(header{typ: tUnmap, id: 2, status: 1}, nil, nil))
 	f.Add(frameBytes(header{typ: tSegDrop, id: 1}, nil, nil))
-	f.Add(frameBytes(header{typ: tMap, status: 1, id: 1}, nil, nil))
+	f.Add(frameBytes(header{typ: tUse, status: 1, key: [16]byte{1}}, nil, nil))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		r := bytes.NewReader(data)
 		var hdr [hdrSize]byte
@@ -65,26 +59,21 @@ func FuzzShmFrames(f *testing.F) {
 				}
 				return
 			}
-			if cap(buf) > maxMapEntries*mapEntrySize+maxErrMsg+lim.maxNotify {
+			if cap(buf) > lim.maxRanges*rangeSize+maxErrMsg+lim.maxNotify {
 				t.Fatalf("buffer of %d bytes", cap(buf))
 			}
-			if fr.typ != tMapped || fr.status != stOK {
+			if fr.typ != tSeg {
 				continue
 			}
-			a, err := getMapAnswer(&fr)
+			s, err := getSeg(&fr)
 			if err != nil {
 				if !errors.Is(err, errProtocol) {
 					t.Fatalf("error %v does not wrap errProtocol", err)
 				}
 				continue
 			}
-			if len(a.entries) != int(fr.count) {
-				t.Fatalf("%d entries decoded of %d", len(a.entries), fr.count)
-			}
-			for _, e := range a.entries {
-				if e.n == 0 || e.addr+e.n < e.addr || e.off+e.n < e.off {
-					t.Fatalf("accepted entry %+v", e)
-				}
+			if s.id == 0 || s.size == 0 || s.base == 0 || s.base+s.size < s.base {
+				t.Fatalf("accepted segment %+v", s)
 			}
 		}
 	})

@@ -5,9 +5,9 @@ package cma
 import (
 	"bufio"
 	"context"
-	"encoding/binary"
 	"net"
 	"os"
+	"runtime"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -19,9 +19,9 @@ import (
 	"github.com/goxfer/goxfer/agent/shm"
 )
 
-// shmExposer is a fake exposing side that agrees shared memory and then
-// answers each mapping request as the test says.
-func shmExposer(t *testing.T, serve func(c *net.UnixConn, f *frame)) *fakeSocket {
+// shmExposer is a fake exposing side that agrees shared memory, runs
+// start once the handshake is done, then hands each frame it reads to on.
+func shmExposer(t *testing.T, start func(c *net.UnixConn), on func(c *net.UnixConn, f *frame)) *fakeSocket {
 	t.Helper()
 	return listenFake(t, "shm", func(fs *fakeSocket, c *net.UnixConn) {
 		br := bufio.NewReader(c)
@@ -35,16 +35,19 @@ func shmExposer(t *testing.T, serve func(c *net.UnixConn, f *frame)) *fakeSocket
 		if _, err := c.Write(hs[:]); err != nil {
 			return
 		}
+		start(c)
 		var hdr [hdrSize]byte
 		var buf []byte
 		var f frame
 		for readFrame(br, hdr[:], &buf, limits{maxRanges: 4096, maxNotify: 64 << 10, shm: true}, &f) == nil {
-			serve(c, &f)
+			if on != nil {
+				on(c, &f)
+			}
 		}
 	})
 }
 
-func sendFD(t *testing.T, c *net.UnixConn, h header, payload []byte, fd int) {
+func sendFD(c *net.UnixConn, h header, payload []byte, fd int) {
 	b := make([]byte, hdrSize)
 	h.put(b)
 	b = append(b, payload...)
@@ -55,176 +58,211 @@ func sendFD(t *testing.T, c *net.UnixConn, h header, payload []byte, fd int) {
 	_, _, _ = c.WriteMsgUnix(b, oob, nil)
 }
 
-func sendTable(t *testing.T, c *net.UnixConn, slots int, mangle func([]byte)) {
+// fakeTable is a lease table the fake exposing side made.
+type fakeTable struct {
+	mem []byte
+	fd  int
+}
+
+func newFakeTable(t *testing.T, slots int) *fakeTable {
 	mem, fd, err := newTable(slots)
 	require.NoError(t, err)
-	if mangle != nil {
-		mangle(mem)
-	}
-	defer unix.Munmap(mem)
-	defer unix.Close(fd)
-	sendFD(t, c, header{typ: tTable, id: uint64(len(mem))}, nil, fd)
+	t.Cleanup(func() { _ = unix.Munmap(mem); _ = unix.Close(fd) })
+	return &fakeTable{mem: mem, fd: fd}
 }
 
-func sendSeg(t *testing.T, c *net.UnixConn, id uint64, fd int, size uint64) {
-	sendFD(t, c, header{typ: tSeg, id: id, length: segInfoSize}, binary.LittleEndian.AppendUint64(nil, size), fd)
+func (ft *fakeTable) send(c *net.UnixConn) {
+	sendFD(c, header{typ: tTable, id: uint64(len(ft.mem))}, nil, ft.fd)
 }
 
-func sendMapped(c *net.UnixConn, id uint64, a mapAnswer) {
-	b := make([]byte, hdrSize)
-	(&header{typ: tMapped, status: stOK, count: uint32(len(a.entries)), id: id, length: mapAnswerSize}).put(b)
-	_, _ = c.Write(putMapAnswer(b, a))
+func sendSeg(c *net.UnixConn, id uint64, fd int, size, base uint64) {
+	sendFD(c, header{typ: tSeg, id: id, length: segInfoSize}, putSeg(nil, size, base), fd)
 }
 
 // A hostile or broken exposing side cannot make the copier touch memory
 // outside what it mapped, crash it, or hang a transfer: every malformed
-// table, segment or answer drops the connection, and the transfer fails
-// with ErrRemoteLost within the timeout.
+// table or segment drops the connection, and the transfer fails with
+// ErrRemoteLost.
 func TestShmHostileExposer(t *testing.T) {
 	seg, err := shm.Alloc(1 << 20)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = seg.Free() })
-	dup := func() int { return memfdOf(t, seg) }
 	const remote = 0x7000_0000
-	good := func(id uint64) mapAnswer {
-		return mapAnswer{slot: 0, gen: 1, entries: []mapEntry{{addr: remote, n: 4096, seg: 1, off: 0}}}
-	}
 	for _, tc := range []struct {
 		name  string
-		serve func(t *testing.T, c *net.UnixConn, f *frame)
+		start func(t *testing.T, c *net.UnixConn)
 	}{
-		{"NoTable", func(t *testing.T, c *net.UnixConn, f *frame) {
-			fd := dup()
+		{"TableBadMagic", func(t *testing.T, c *net.UnixConn) {
+			ft := newFakeTable(t, 4)
+			ft.mem[0] = 'X'
+			ft.send(c)
+		}},
+		{"TableNotPowerOfTwo", func(t *testing.T, c *net.UnixConn) {
+			ft := newFakeTable(t, 4)
+			putTable(ft.mem, 3)
+			ft.send(c)
+		}},
+		{"TableTooFewBytes", func(t *testing.T, c *net.UnixConn) {
+			ft := newFakeTable(t, 4)
+			putTable(ft.mem, 4096)
+			ft.send(c)
+		}},
+		{"TableWithoutFD", func(t *testing.T, c *net.UnixConn) {
+			sendFD(c, header{typ: tTable, id: uint64(tableSize(4))}, nil, -1)
+		}},
+		{"TableTwice", func(t *testing.T, c *net.UnixConn) {
+			ft := newFakeTable(t, 4)
+			ft.send(c)
+			ft.send(c)
+		}},
+		{"SegmentBiggerThanFile", func(t *testing.T, c *net.UnixConn) {
+			fd := memfdOf(t, seg)
 			defer unix.Close(fd)
-			sendSeg(t, c, 1, fd, 1<<20)
-			sendMapped(c, f.id, good(f.id))
+			sendSeg(c, 1, fd, 1<<30, remote)
 		}},
-		{"TableBadMagic", func(t *testing.T, c *net.UnixConn, f *frame) {
-			sendTable(t, c, 4, func(b []byte) { b[0] = 'X' })
-		}},
-		{"TableTooFewBytes", func(t *testing.T, c *net.UnixConn, f *frame) {
-			sendTable(t, c, 4, func(b []byte) { binary.LittleEndian.PutUint32(b[8:], 4096) })
-		}},
-		{"TableWithoutFD", func(t *testing.T, c *net.UnixConn, f *frame) {
-			sendFD(t, c, header{typ: tTable, id: uint64(tableSize(4))}, nil, -1)
-		}},
-		{"SlotOutsideTable", func(t *testing.T, c *net.UnixConn, f *frame) {
-			sendTable(t, c, 4, nil)
-			fd := dup()
+		{"SegmentWraps", func(t *testing.T, c *net.UnixConn) {
+			fd := memfdOf(t, seg)
 			defer unix.Close(fd)
-			sendSeg(t, c, 1, fd, 1<<20)
-			a := good(f.id)
-			a.slot = 4
-			sendMapped(c, f.id, a)
+			sendSeg(c, 1, fd, 1<<20, ^uint64(0)-100)
 		}},
-		{"UnknownSegment", func(t *testing.T, c *net.UnixConn, f *frame) {
-			sendTable(t, c, 4, nil)
-			sendMapped(c, f.id, good(f.id))
-		}},
-		{"RangeOutsideSegment", func(t *testing.T, c *net.UnixConn, f *frame) {
-			sendTable(t, c, 4, nil)
-			fd := dup()
-			defer unix.Close(fd)
-			sendSeg(t, c, 1, fd, 1<<20)
-			a := good(f.id)
-			a.entries[0].off = 1<<20 - 100
-			sendMapped(c, f.id, a)
-		}},
-		{"SegmentBiggerThanFile", func(t *testing.T, c *net.UnixConn, f *frame) {
-			sendTable(t, c, 4, nil)
-			fd := dup()
-			defer unix.Close(fd)
-			sendSeg(t, c, 1, fd, 1<<30)
-		}},
-		{"UnsealedSegment", func(t *testing.T, c *net.UnixConn, f *frame) {
-			sendTable(t, c, 4, nil)
+		{"UnsealedSegment", func(t *testing.T, c *net.UnixConn) {
 			fd, err := unix.MemfdCreate("x", unix.MFD_CLOEXEC)
 			require.NoError(t, err)
 			defer unix.Close(fd)
 			require.NoError(t, unix.Ftruncate(fd, 1<<20))
-			sendSeg(t, c, 1, fd, 1<<20)
+			sendSeg(c, 1, fd, 1<<20, remote)
 		}},
-		{"SegmentNotAFile", func(t *testing.T, c *net.UnixConn, f *frame) {
-			sendTable(t, c, 4, nil)
+		{"SegmentNotAFile", func(t *testing.T, c *net.UnixConn) {
 			var p [2]int
 			require.NoError(t, unix.Pipe2(p[:], unix.O_CLOEXEC))
 			defer unix.Close(p[0])
 			defer unix.Close(p[1])
-			sendSeg(t, c, 1, p[0], 1<<20)
+			sendSeg(c, 1, p[0], 1<<20, remote)
 		}},
-		{"SegmentTwice", func(t *testing.T, c *net.UnixConn, f *frame) {
-			sendTable(t, c, 4, nil)
-			fd := dup()
+		{"SegmentWithoutFD", func(t *testing.T, c *net.UnixConn) {
+			sendSeg(c, 1, -1, 1<<20, remote)
+		}},
+		{"SegmentTwice", func(t *testing.T, c *net.UnixConn) {
+			fd := memfdOf(t, seg)
 			defer unix.Close(fd)
-			sendSeg(t, c, 1, fd, 1<<20)
-			sendSeg(t, c, 1, fd, 1<<20)
+			sendSeg(c, 1, fd, 1<<20, remote)
+			sendSeg(c, 1, fd, 1<<20, remote)
 		}},
-		{"UnaskedAnswer", func(t *testing.T, c *net.UnixConn, f *frame) {
-			sendTable(t, c, 4, nil)
-			sendMapped(c, f.id+1000, good(f.id))
+		{"DropUnknownSegment", func(t *testing.T, c *net.UnixConn) {
+			sendFD(c, header{typ: tSegDrop, id: 99}, nil, -1)
 		}},
-		{"DropUnknownSegment", func(t *testing.T, c *net.UnixConn, f *frame) {
-			sendTable(t, c, 4, nil)
-			sendFD(t, c, header{typ: tSegDrop, id: 99}, nil, -1)
-		}},
-		{"Silent", func(t *testing.T, c *net.UnixConn, f *frame) {}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			fs := shmExposer(t, func(c *net.UnixConn, f *frame) {
-				if f.typ == tMap {
-					tc.serve(t, c, f)
-				}
-			})
-			a, _ := newAgent(t, WithTimeout(500*time.Millisecond))
+			fs := shmExposer(t, func(c *net.UnixConn) { tc.start(t, c) }, nil)
+			a, _ := newAgent(t, WithTimeout(2*time.Second))
 			dst := make([]byte, 4096)
 			x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: fs.info, Key: agent.NewKey(), Backend: Name,
 				Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: remote, Len: 4096, Kind: agent.KindDRAM}}}})
-			require.NoError(t, err)
-			select {
-			case <-x.Done():
-			case <-time.After(10 * time.Second):
-				t.Fatal("transfer hangs")
+			if err == nil {
+				select {
+				case <-x.Done():
+				case <-time.After(10 * time.Second):
+					t.Fatal("transfer hangs")
+				}
+				err = x.Err()
 			}
-			require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
-			t.Logf("%v", x.Err())
+			require.ErrorIs(t, err, agent.ErrRemoteLost)
+			t.Logf("%v", err)
 		})
 	}
 }
 
-// An exposing side that drops a segment (tSegDrop) while copies through it
-// run does not unmap it under them: the mapping holds the segment until
-// the copies returned. The copier neither crashes nor fails the transfer.
+// What a hostile exposing side publishes in a well-formed table is
+// checked against what the copier mapped: a slot whose span or segment
+// does not cover a transfer's ranges sends it to leases (which this fake
+// never answers: the transfer times out, lost), never outside a mapping.
+func TestShmHostileSlots(t *testing.T) {
+	seg, err := shm.Alloc(1 << 20)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = seg.Free() })
+	const remote = 0x7000_0000
+	for _, tc := range []struct {
+		name   string
+		lo, hi uint64 // the span published
+		segAt  uint64 // where the segment is said to lie
+		at     uint64 // the range read
+		shm    bool   // through the mapping
+	}{
+		{"Honest", remote, remote + 1<<20, remote, remote + 4096, true},
+		{"SpanTooSmall", remote, remote + 100, remote, remote + 50, false},
+		{"RangeOutsideSegment", remote, remote + 1<<30, remote, remote + 1<<20 - 50, false},
+		{"SegmentElsewhere", remote, remote + 1<<20, remote + 1<<30, remote, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			key := agent.NewKey()
+			ft := newFakeTable(t, 16)
+			putSlot(ft.mem, home(keyHash(key), 16), slotView{hash: keyHash(key), lo: tc.lo, hi: tc.hi, acc: agent.AccessRead, segs: []uint64{1}}, 1, 1<<2|slotLive)
+			fs := shmExposer(t, func(c *net.UnixConn) {
+				ft.send(c)
+				fd := memfdOf(t, seg)
+				defer unix.Close(fd)
+				sendSeg(c, 1, fd, 1<<20, tc.segAt)
+			}, nil)
+			a, _ := newAgent(t, WithTimeout(300*time.Millisecond))
+			require.NoError(t, a.Notify(context.Background(), fs.info, agent.NewKey(), []byte("hi"))) // connects
+			time.Sleep(20 * time.Millisecond)                                                         // the table and segment are read
+			dst := make([]byte, 100)
+			x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: fs.info, Key: key, Backend: Name,
+				Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: tc.at, Len: 100, Kind: agent.KindDRAM}}}})
+			require.NoError(t, err)
+			<-x.Done()
+			if tc.shm {
+				require.NoError(t, x.Err())
+				require.Equal(t, Name+"+shm", x.Path())
+			} else {
+				require.ErrorIs(t, x.Err(), agent.ErrRemoteLost)
+				require.Equal(t, Name, x.Path())
+			}
+		})
+	}
+}
+
+// An exposing side that drops a segment while copies through it run does
+// not unmap it under them: the copy holds the mapping until it returns.
+// The copier neither crashes nor fails the transfer.
 func TestShmEarlySegmentDrop(t *testing.T) {
 	seg, err := shm.Alloc(64 << 20)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = seg.Free() })
 	const remote = 0x7000_0000
-	table, tfd, err := newTable(4)
-	require.NoError(t, err)
-	defer unix.Munmap(table)
-	defer unix.Close(tfd)
-	atomic64(table, 0, 1<<2|slotLive)
-	fs := shmExposer(t, func(c *net.UnixConn, f *frame) {
-		if f.typ != tMap {
-			return
-		}
-		sendFD(t, c, header{typ: tTable, id: uint64(len(table))}, nil, tfd)
-		fd := memfdOf(t, seg)
-		sendSeg(t, c, 1, fd, 64<<20)
-		unix.Close(fd)
-		sendMapped(c, f.id, mapAnswer{slot: 0, gen: 1, entries: []mapEntry{{addr: remote, n: 64 << 20, seg: 1}}})
-		sendFD(t, c, header{typ: tSegDrop, id: 1}, nil, -1) // at once: copies may be running
-	})
-	a, _ := newAgent(t)
 	key := agent.NewKey()
-	for range 5 {
-		dst := make([]byte, 64<<20)
-		x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: fs.info, Key: key, Backend: Name,
-			Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: remote, Len: 64 << 20, Kind: agent.KindDRAM}}}})
-		require.NoError(t, err)
-		<-x.Done()
-		require.NoError(t, x.Err())
-	}
+	ft := newFakeTable(t, 16)
+	putSlot(ft.mem, home(keyHash(key), 16), slotView{hash: keyHash(key), lo: remote, hi: remote + 64<<20, acc: agent.AccessRead, segs: []uint64{1}}, 1, 1<<2|slotLive)
+	var dropped atomic.Bool
+	fs := shmExposer(t, func(c *net.UnixConn) {
+		ft.send(c)
+		fd := memfdOf(t, seg)
+		defer unix.Close(fd)
+		sendSeg(c, 1, fd, 64<<20, remote)
+		// As soon as a copy is inside the slot, the segment is dropped.
+		go func() {
+			w := slotAt(ft.mem, home(keyHash(key), 16))
+			for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); {
+				if atomic.LoadUint32(w.readers) > 0 {
+					sendFD(c, header{typ: tSegDrop, id: 1}, nil, -1)
+					dropped.Store(true)
+					return
+				}
+				runtime.Gosched()
+			}
+		}()
+	}, nil)
+	a, _ := newAgent(t)
+	require.NoError(t, a.Notify(context.Background(), fs.info, agent.NewKey(), []byte("hi"))) // connects
+	time.Sleep(20 * time.Millisecond)
+	dst := make([]byte, 64<<20)
+	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: fs.info, Key: key, Backend: Name,
+		Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: remote, Len: 64 << 20, Kind: agent.KindDRAM}}}})
+	require.NoError(t, err)
+	<-x.Done()
+	require.NoError(t, x.Err())
+	require.Equal(t, Name+"+shm", x.Path())
+	require.True(t, dropped.Load())
 }
 
 // memfdOf returns a new descriptor of buf's segment; the caller closes it.
@@ -235,9 +273,4 @@ func memfdOf(t *testing.T, buf *shm.Buffer) int {
 	fd, err := shm.DupFD(sg.ID)
 	require.NoError(t, err)
 	return fd
-}
-
-// atomic64 stores v in the stamp of slot i of a lease table.
-func atomic64(table []byte, i int, v uint64) {
-	atomic.StoreUint64(slotAt(table, i).stamp, v)
 }

@@ -7,76 +7,92 @@ import (
 
 // Shared host memory (capShm): the frames and the lease table.
 //
-// When both agents agree capShm, the copying side asks, once per exposure
-// key and access, for a mapping of the exposure's memory that lies in
-// shared segments (package shm): tMap, with the key and the access in the
-// header's status. The exposing side checks the key and access as for a
-// lease, and answers tMapped: stNone if no region of the exposure lies in
-// a segment, or no slot is free (the copier then uses leases); stDenied or
-// stLost with an error text, as a tGrant; stOK with count entries of
-// mapEntrySize bytes, (address u64, length u64, segment u64, offset u64)
-// per region that lies in a segment (the region's address in the
-// exposing process, where it lies in which segment), and a payload of
-// mapAnswerSize bytes: the slot u32, 0 u32, the slot's generation u64.
-// Before that answer, on the same connection, come the lease table (tTable,
-// once per connection) and every segment the answer names that is new to
-// the connection (tSeg), each with its file descriptor attached
-// (SCM_RIGHTS) to the frame's first byte.
+// When both agents agree capShm, the exposing side creates a lease table
+// for the connection (a memory file both processes map) and sends it right
+// after the handshake (tTable). It then publishes in the table every
+// exposure of its memory that lies in shared segments (package shm), when
+// the exposure is created or, for those that exist, when the connection
+// is made: a slot per exposure, found by hashing its key, holding the key,
+// the access, the span of its regions and a stamp. Each segment such an
+// exposure lies in is sent to the copier once per connection (tSeg), with
+// where it lies in the exposing process. A copier that holds a key finds
+// the slot, checks every range against the slot's span and the segments it
+// mapped, and copies through its mapping with no round trip; anything it
+// does not find goes to leases, as memory on the Go heap does. A copier
+// that uses a slot writes the key itself into it (proof): the exposing
+// side binds the exposure to the connection only for a proof that hashes
+// to the slot's hash, so that the exposure hears of the loss of a copier
+// that used it, and of no other.
 //
-//	tTable: id = the table's size in bytes; no payload
-//	tSeg:   id = the segment (nonzero); payload: its size u64
-//	tUnmap: id = the slot; key and status (access) name the mapping: the
-//	        exposure was revoked and every copy through the slot is over
-//	tSegDrop: id = the segment: no mapping on the connection names it
+//	tTable:   id = the table's size in bytes; the file by SCM_RIGHTS
+//	tSeg:     id = the segment (nonzero); payload: its size u64, its
+//	          address in the exposing process u64; the file by SCM_RIGHTS
+//	tSegDrop: id = the segment: no exposure published on the connection
+//	          lies in it any more; the copier unmaps it once its copies
+//	          through it returned
+//	tUse:     copier → exposing: key, status = access: a transfer of more
+//	          than shmInline bytes through the exposure begins; the
+//	          exposing side binds the exposure to the connection (the key
+//	          checked as for a lease), so that it hears of the copier's
+//	          loss in the middle of it
 //
-// The lease table is a memory file the exposing side creates per
-// connection and both sides map: a header, then one slot per mapping.
-// Every integer is little-endian, every word naturally aligned.
+// The lease table: a header, then slots. Every integer is little-endian,
+// every word naturally aligned.
 //
 //	header (tableHeader bytes)
 //	  0  magic    "GXLT"
 //	  4  version  u16 (tableVersion)
 //	  6  slotSize u16 (slotSize)
-//	  8  slots    u32 (1 to maxSlots)
+//	  8  slots    u32 (a power of two, 1 to maxSlots)
 //	 12  -        zeros to the end of the header
 //	slot i, at tableHeader + i*slotSize
 //	  0  readers  u32  copies in progress through the slot (a futex word)
 //	  4  waiting  u32  nonzero while the exposing side waits for readers
-//	  8  stamp    u64  generation<<2 | state (slotLive, slotRevoked,
-//	                   slotClosed: revoked because the agent is closing)
-//	 16  -        zeros
+//	  8  stamp    u64  generation<<2 | state (0 free, slotLive,
+//	                   slotRevoked, slotClosed: revoked because the agent
+//	                   is closing)
+//	 16  hash     [16]byte  SHA-256 of the key, first 16 bytes
+//	 32  lo       u64  the lowest address of the exposure's regions
+//	 40  hi       u64  the end of its highest
+//	 48  access   u32
+//	 52  segs     u32  segments the exposure lies in
+//	 56  -        zeros
+//	 64  proof    [16]byte  written by the copier: the key
+//	 80  seg IDs  4 × u64   the first four of them (0: none)
+//	112  -        zeros
 //
-// A copy through a mapping enters its slot (readers += 1), checks that the
-// stamp is still the generation it was answered with and live, copies,
-// and leaves (readers -= 1, waking the futex if waiting is set and readers
-// reached 0); a stamp that does not match means the exposure was revoked:
-// the copy leaves without touching the memory. Revocation stores the
-// revoked stamp, then waits until readers is 0, at most WithTimeout; only
-// then is the exposure's lease released. All accesses are atomic and
-// sequentially consistent, so a copy either sees the revoked stamp or is
-// counted by the revocation's wait.
+// An exposure's slot is the first free one from its home (the hash's
+// first 8 bytes, little-endian, & (slots-1)) on,
+// at most maxProbe slots (none free: not published on the connection).
+// A copy enters the slot (readers += 1), checks that the stamp is the one
+// it found with the key (same generation, live), copies, and leaves
+// (readers -= 1, waking the futex if waiting is set and readers reached 0);
+// any other stamp means the exposure was revoked: the copy leaves without
+// touching the memory. Revocation stores the revoked stamp, then waits
+// until readers is 0, at most WithTimeout (at once if the copier's end of
+// the connection closed); only then may the slot be reused, with the next
+// generation. All accesses are atomic and sequentially consistent, so a
+// copy either sees the revoked stamp or is counted by the revocation's
+// wait.
 const (
-	tMap     = 9  // active→passive: map the exposure key for access
-	tMapped  = 10 // passive→active: the answer to a tMap
-	tTable   = 11 // passive→active: the connection's lease table (fd)
-	tSeg     = 12 // passive→active: a shared segment (fd)
-	tUnmap   = 13 // passive→active: a mapping is over
-	tSegDrop = 14 // passive→active: unmap a segment
+	tUse     = 9  // copier→exposing: a large transfer through shared memory begins
+	tTable   = 11 // exposing→copier: the connection's lease table (fd)
+	tSeg     = 12 // exposing→copier: a shared segment (fd)
+	tSegDrop = 14 // exposing→copier: unmap a segment
 
-	stNone = 5 // tMapped: no shared memory to map; use leases
-
-	// capShm, in the handshake's caps: the dialler maps shared segments
-	// (tMap); in the answer, the exposing side serves tMap.
+	// capShm, in the handshake's caps: the dialler maps the exposing
+	// side's lease table and segments; in the answer, the exposing side
+	// publishes them.
 	capShm = 1 << 3
 
-	mapEntrySize  = 32
-	mapAnswerSize = 16
-	segInfoSize   = 8
+	segInfoSize = 16
 
 	tableHeader  = 64
-	slotSize     = 64
+	slotSize     = 128
+	slotSegs     = 4 // segment IDs a slot names
 	tableVersion = 1
 	maxSlots     = 4096
+	maxProbe     = 8
 
 	slotLive    = 1
 	slotRevoked = 2
@@ -114,8 +130,8 @@ func parseTable(b []byte, size uint64) (int, error) {
 		return 0, fmt.Errorf("%w: lease table slots of %d bytes, want %d", errProtocol, s, slotSize)
 	}
 	n := binary.LittleEndian.Uint32(b[8:])
-	if n == 0 || n > maxSlots {
-		return 0, fmt.Errorf("%w: lease table of %d slots, want 1 to %d", errProtocol, n, maxSlots)
+	if n == 0 || n > maxSlots || n&(n-1) != 0 {
+		return 0, fmt.Errorf("%w: lease table of %d slots, want a power of two from 1 to %d", errProtocol, n, maxSlots)
 	}
 	if uint64(tableSize(int(n))) > size {
 		return 0, fmt.Errorf("%w: lease table of %d slots in %d bytes, want %d", errProtocol, n, size, tableSize(int(n)))
@@ -123,52 +139,23 @@ func parseTable(b []byte, size uint64) (int, error) {
 	return int(n), nil
 }
 
-// mapEntry is one region of a tMapped answer: where it lies in the
-// exposing process, and where in which segment.
-type mapEntry struct {
-	addr, n  uint64
-	seg, off uint64
+// segInfo is a decoded tSeg: a segment of the exposing process.
+type segInfo struct {
+	id, size, base uint64
 }
 
-// mapAnswer is a decoded granted tMapped.
-type mapAnswer struct {
-	slot    uint32
-	gen     uint64
-	entries []mapEntry
+// getSeg decodes a tSeg (f), already checked by readFrame. An empty
+// segment, or one whose span wraps, is a protocol violation.
+func getSeg(f *frame) (segInfo, error) {
+	s := segInfo{id: f.id, size: binary.LittleEndian.Uint64(f.payload), base: binary.LittleEndian.Uint64(f.payload[8:])}
+	if s.size == 0 || s.base == 0 || s.base+s.size < s.base {
+		return s, fmt.Errorf("%w: segment %d spans [0x%x, +%d)", errProtocol, s.id, s.base, s.size)
+	}
+	return s, nil
 }
 
-// getMapAnswer decodes a granted tMapped (f), already checked by
-// readFrame. Entries whose range wraps or is empty are a protocol
-// violation; the segments and slot are checked by the caller, which knows
-// them.
-func getMapAnswer(f *frame) (mapAnswer, error) {
-	var a mapAnswer
-	if len(f.payload) != mapAnswerSize || len(f.table) != int(f.count)*mapEntrySize || f.count == 0 {
-		return a, fmt.Errorf("%w: mapping answer %d with %d entries and %d payload bytes", errProtocol, f.id, f.count, len(f.payload))
-	}
-	a.slot = binary.LittleEndian.Uint32(f.payload)
-	a.gen = binary.LittleEndian.Uint64(f.payload[8:])
-	a.entries = make([]mapEntry, f.count)
-	for i := range a.entries {
-		b := f.table[i*mapEntrySize:]
-		e := mapEntry{addr: binary.LittleEndian.Uint64(b), n: binary.LittleEndian.Uint64(b[8:]), seg: binary.LittleEndian.Uint64(b[16:]), off: binary.LittleEndian.Uint64(b[24:])}
-		if e.n == 0 || e.addr+e.n < e.addr || e.off+e.n < e.off {
-			return a, fmt.Errorf("%w: mapping answer %d: entry %d spans [0x%x, +%d) at offset %d", errProtocol, f.id, i, e.addr, e.n, e.off)
-		}
-		a.entries[i] = e
-	}
-	return a, nil
-}
-
-// putMapAnswer appends a granted tMapped's table and payload to b.
-func putMapAnswer(b []byte, a mapAnswer) []byte {
-	for _, e := range a.entries {
-		b = binary.LittleEndian.AppendUint64(b, e.addr)
-		b = binary.LittleEndian.AppendUint64(b, e.n)
-		b = binary.LittleEndian.AppendUint64(b, e.seg)
-		b = binary.LittleEndian.AppendUint64(b, e.off)
-	}
-	b = binary.LittleEndian.AppendUint32(b, a.slot)
-	b = binary.LittleEndian.AppendUint32(b, 0)
-	return binary.LittleEndian.AppendUint64(b, a.gen)
+// putSeg appends a tSeg's payload to b.
+func putSeg(b []byte, size, base uint64) []byte {
+	b = binary.LittleEndian.AppendUint64(b, size)
+	return binary.LittleEndian.AppendUint64(b, base)
 }

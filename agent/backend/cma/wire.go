@@ -188,9 +188,6 @@ type limits struct {
 	shm bool
 }
 
-// maxMapEntries bounds the regions one mapping answer names.
-const maxMapEntries = 1 << 16
-
 // frame is a decoded frame. table and payload alias the reader's buffer and
 // are valid until the next read.
 type frame struct {
@@ -292,28 +289,14 @@ func readFrame(r io.Reader, hdr []byte, buf *[]byte, lim limits, f *frame) error
 		if lim.entry != devEntrySize || f.id == 0 {
 			return fmt.Errorf("%w: unshare of device share %d on a connection that agreed none", errProtocol, f.id)
 		}
-	case tMap:
+	case tUse:
 		if !lim.shm {
-			return fmt.Errorf("%w: a mapping request on a connection that agreed no shared memory", errProtocol)
+			return fmt.Errorf("%w: a shared-memory use on a connection that agreed none", errProtocol)
 		}
 		if f.status != uint8(agent.AccessRead) && f.status != uint8(agent.AccessWrite) {
-			return fmt.Errorf("%w: mapping request for access %d", errProtocol, f.status)
+			return fmt.Errorf("%w: shared-memory use for access %d", errProtocol, f.status)
 		}
-	case tMapped:
-		if !lim.shm {
-			return fmt.Errorf("%w: a mapping answer on a connection that agreed no shared memory", errProtocol)
-		}
-		switch f.status {
-		case stOK:
-			if f.count == 0 || f.count > maxMapEntries {
-				return fmt.Errorf("%w: mapping answer of %d regions, want 1 to %d", errProtocol, f.count, maxMapEntries)
-			}
-			tableLen, maxLen = int(f.count)*mapEntrySize, mapAnswerSize
-		case stNone:
-		default:
-			maxLen = maxErrMsg
-		}
-	case tTable, tSeg, tUnmap, tSegDrop:
+	case tTable, tSeg, tSegDrop:
 		if !lim.shm {
 			return fmt.Errorf("%w: shared-memory frame type %d on a connection that agreed none", errProtocol, f.typ)
 		}
@@ -338,7 +321,7 @@ func readFrame(r io.Reader, hdr []byte, buf *[]byte, lim limits, f *frame) error
 	default:
 		return fmt.Errorf("%w: frame type %d", errProtocol, f.typ)
 	}
-	if f.typ != tBegin && f.typ != tGrant && f.typ != tMapped && f.count != 0 {
+	if f.typ != tBegin && f.typ != tGrant && f.count != 0 {
 		return fmt.Errorf("%w: frame type %d with %d ranges", errProtocol, f.typ, f.count)
 	}
 	if uint64(f.length) > uint64(maxLen) {
