@@ -261,6 +261,22 @@ func (c *Cluster) Len() int { return len(c.servers) }
 // the cluster's bookkeeping.
 func (c *Cluster) Server(i int) *Server { return c.servers[i] }
 
+// MetaLeader returns the index of the server that leads the JetStream
+// meta group now (it places streams and consumers: while it is being
+// re-elected, creating them waits), or -1 if no running server leads it,
+// or the cluster runs without JetStream.
+func (c *Cluster) MetaLeader() int {
+	for i, s := range c.servers {
+		s.mu.Lock()
+		leads := !s.down && s.srv != nil && s.srv.JetStreamIsLeader()
+		s.mu.Unlock()
+		if leads {
+			return i
+		}
+	}
+	return -1
+}
+
 // URLs returns every server's client URL, such as
 // "nats://127.0.0.1:4222", in server order, in a fresh slice. They stay the
 // same across Kill and Restart.

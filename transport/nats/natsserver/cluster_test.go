@@ -52,6 +52,7 @@ func TestClusterKillRestart(t *testing.T) {
 
 	moved := nc.StatusChanged(nats.CONNECTED)
 	defer nc.RemoveStatusListener(moved)
+	assert.GreaterOrEqual(t, c.MetaLeader(), 0)
 	require.NoError(t, c.Kill(0))
 	require.NoError(t, c.Kill(0), "killing a killed server does nothing")
 	select {
@@ -120,6 +121,7 @@ func TestClusterArguments(t *testing.T) {
 	defer c.Shutdown()
 	assert.Error(t, c.Kill(2))
 	assert.Error(t, c.Kill(-1))
+	assert.Equal(t, -1, c.MetaLeader(), "no JetStream")
 }
 
 // ctx bounds the start; a cluster not formed in time is shut down.
