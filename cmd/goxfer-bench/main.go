@@ -63,6 +63,10 @@ type config struct {
 	// interleave runs small operations in batches alternating with the
 	// 4 KiB TCP ping-pong (interleave.go).
 	interleave bool
+	// gap pauses after each operation (-gap): a passive side slower per
+	// operation than the active one then queues no notifications, and
+	// "done" is the latency of one operation alone.
+	gap time.Duration
 	// cpuProfile is where this process writes its CPU profile; a spawned
 	// target writes its own beside it, with ".target" appended.
 	cpuProfile string
@@ -167,6 +171,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.StringVar(&c.ucx, "ucx", "auto", "auto: run ucx_perftest when it is on PATH; off: never")
 	fs.StringVar(&ucxTLS, "ucx-tls", "tcp,self;posix,self", "UCX_TLS settings for ucx_perftest, separated by ';'")
 	fs.StringVar(&c.ucxAlloc, "ucx-alloc", "both", "buffers of the ucx rows, on both sides: on: allocated by UCX (ucp_mem_map ALLOCATE, as ucx_perftest's); off: Go heap; both: a row of each")
+	fs.DurationVar(&c.gap, "gap", 0, "pause this long after each measured operation (0: none): back to back, a target slower per operation than the initiator queues completion notifications and the done latencies grow with the batch; with a gap they are each operation's own")
 	fs.BoolVar(&c.interleave, "interleave", true, "run the points of at most 64 KiB with one operation in flight in batches alternating with batches of the raw 4 KiB TCP ping-pong (with -baselines), and report the median of each pair's p50 ratio, active and passive (\"×ping\"); false: only the ping-pong measured apart")
 	fs.StringVar(&c.cpuProfile, "cpuprofile", "", "write this process's CPU profile (go tool pprof) to this file, from start to end, setup included; a target spawned with -role both writes its own to FILE.target")
 	fs.IntVar(&c.latIters, "latency-iters", 2000, "round trips of the 4 KiB ping-pong and the control-plane measurements")

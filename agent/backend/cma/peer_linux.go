@@ -61,6 +61,9 @@ type peer struct {
 	// closed when the writer sent some.
 	qnote, qnew int
 	qroom       chan struct{}
+	// writing: the writer, or a goroutine sending a notification straight
+	// to an idle socket (sendNow), is writing; the other waits. Under qmu.
+	writing bool
 
 	// departed is set, under b.mu, when PeerDeparted names the peer while
 	// its probe runs: the connection is failed as soon as it is up.

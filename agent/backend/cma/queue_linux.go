@@ -8,6 +8,8 @@ import (
 	"slices"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/goxfer/goxfer/agent"
 )
 
@@ -62,9 +64,14 @@ func (p *peer) writer() {
 			return
 		}
 		p.qmu.Lock()
+		if p.writing {
+			p.qmu.Unlock()
+			continue // sendNow writes; it wakes us after if frames wait
+		}
 		out, p.q = p.q, out[:0]
 		notes := p.qnew
 		p.qnew = 0
+		p.writing = len(out) > 0
 		p.qmu.Unlock()
 		if len(out) == 0 {
 			continue
@@ -80,14 +87,22 @@ func (p *peer) writer() {
 			p.fail(fmt.Errorf("cma: write to peer %s: %w: %w", p.id, agent.ErrRemoteLost, err))
 			return
 		}
+		p.qmu.Lock()
+		p.writing = false
 		if notes > 0 {
-			p.qmu.Lock()
 			p.qnote -= notes
 			if p.qroom != nil {
 				close(p.qroom)
 				p.qroom = nil
 			}
-			p.qmu.Unlock()
+		}
+		more := len(p.q) > 0
+		p.qmu.Unlock()
+		if more {
+			select {
+			case wake <- struct{}{}:
+			default:
+			}
 		}
 		if cap(out) > 1<<20 {
 			out = nil // a burst passed; do not keep its buffer
@@ -120,6 +135,13 @@ func (p *peer) queueNotify(ctx context.Context, key agent.Key, msg []byte, wait 
 		if p.broken.Load() {
 			p.qmu.Unlock()
 			return p.failure()
+		}
+		if !wait && !p.writing && len(p.q) == 0 {
+			// An idle socket: the notification goes out from this
+			// goroutine, with no writer to wake.
+			p.sendNow(&header{typ: tNotify, length: uint32(len(msg)), key: key}, msg)
+			p.qmu.Unlock()
+			return nil
 		}
 		if !wait || p.qnote == 0 || p.qnote+len(msg) <= maxQueuedNotify {
 			// Queued after the ends of the transfer's leases: the exposing
@@ -171,4 +193,50 @@ func (b *Backend) Notify(ctx context.Context, info agent.Info, key agent.Key, ms
 	}
 	defer b.xwg.Done()
 	return p.queueNotify(ctx, key, msg, true)
+}
+
+// sendNow writes one frame (h, payload) to the socket from the calling
+// goroutine, without waiting: what the socket does not take at once is
+// queued for the writer, ahead of any frame queued meanwhile. The caller
+// holds p.qmu, with the queue empty and no write under way; sendNow
+// releases it and takes it back.
+func (p *peer) sendNow(h *header, payload []byte) {
+	var buf [hdrSize + 256]byte
+	b := buf[:hdrSize]
+	h.put(b)
+	b = append(b, payload...)
+	p.writing = true
+	p.qmu.Unlock()
+	n := 0
+	if rc, err := p.c.SyscallConn(); err == nil {
+		_ = rc.Write(func(fd uintptr) bool {
+			for n < len(b) {
+				k, err := unix.SendmsgN(int(fd), b[n:], nil, nil, unix.MSG_DONTWAIT|unix.MSG_NOSIGNAL)
+				if err == unix.EINTR {
+					continue
+				}
+				if err != nil || k <= 0 {
+					break
+				}
+				n += k
+			}
+			return true
+		})
+	}
+	p.qmu.Lock()
+	p.writing = false
+	if n < len(b) {
+		// The rest (all of it, on any failure: the writer reports that),
+		// before anything queued since.
+		p.q = append(append([]byte(nil), b[n:]...), p.q...)
+	}
+	if len(p.q) > 0 {
+		if p.qwake == nil {
+			p.qwake = make(chan struct{}, 1)
+		}
+		select {
+		case p.qwake <- struct{}{}:
+		default:
+		}
+	}
 }

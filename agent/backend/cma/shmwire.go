@@ -91,8 +91,8 @@ const (
 	slotSize     = 128
 	slotSegs     = 4 // segment IDs a slot names
 	tableVersion = 1
-	maxSlots     = 4096
-	maxProbe     = 8
+	maxSlots     = 8192
+	maxProbe     = 32
 
 	slotLive    = 1
 	slotRevoked = 2
