@@ -354,9 +354,9 @@ func TestShmMergeOps(t *testing.T) {
 	l, r := make([]byte, 64), make([]byte, 64)
 	ops := mergeOps([]shmOp{
 		{l[0:8], r[0:8]}, {l[8:16], r[8:16]}, // merge
-		{l[16:24:24], r[24:32]},              // remote not contiguous with the previous
-		{l[24:32], r[32:40]},                 // local: the previous was cut to its length
-		{l[32:40], r[40:48]},                 // merges with the previous
+		{l[16:24:24], r[24:32]}, // remote not contiguous with the previous
+		{l[24:32], r[32:40]},    // local: the previous was cut to its length
+		{l[32:40], r[40:48]},    // merges with the previous
 	})
 	require.Len(t, ops, 3)
 	require.Len(t, ops[0].local, 16)
