@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
@@ -127,13 +128,32 @@ func (sc *systemCluster) kill(i int) {
 // runs the registry (R3) and request/serve through the crash (SIGKILL) of
 // one server, then its restart: no request is lost, the clients it served
 // fail over, the registry keeps resolving and declares nobody departed.
-// The crashed server is one that does not lead the registry bucket's
-// stream: see TestClusterPartitionHealed for what a lost leader does to
-// the registry today.
+// The crashed server does not lead the registry bucket's stream
+// (follower), or it does (bucket-leader): then the others elect a leader
+// first (4 to 9 s), and today the registry declares the crashed server's
+// agent departed although it reconnected to the others at once: the
+// registry issue TestClusterPartitionHealed describes (a silence of
+// everybody's, the store unwritable, counted against that agent). The
+// test logs such departures in that case rather than failing on them,
+// unless GOXFER_CLUSTER_STRICT is set.
 func TestClusterOfSystemServers(t *testing.T) {
 	if _, err := exec.LookPath(debianServer); err != nil {
 		t.Skip("no", debianServer)
 	}
+	strict := os.Getenv("GOXFER_CLUSTER_STRICT") != ""
+	for _, leads := range []bool{false, true} {
+		name := "follower"
+		if leads {
+			name = "bucket-leader"
+		}
+		t.Run(name, func(t *testing.T) { crashSystemServer(t, leads, strict) })
+	}
+}
+
+// crashSystemServer runs TestClusterOfSystemServers, crashing the bucket's
+// leader if leads, else another server; strict fails on departures of live
+// agents in both cases.
+func crashSystemServer(t *testing.T, leads, strict bool) {
 	sc := startSystemCluster(t, 3)
 	var agents []*clusterAgent
 	for i := range 3 {
@@ -151,7 +171,7 @@ func TestClusterOfSystemServers(t *testing.T) {
 
 	leader := bucketLeader(t, agents[0].nc)
 	victim := 0
-	for sc.names[victim] == leader {
+	for (sc.names[victim] == leader) != leads {
 		victim++
 	}
 	served := l.on(sc.names[victim])
@@ -178,5 +198,13 @@ func TestClusterOfSystemServers(t *testing.T) {
 	requireHealthy(t, agents...)
 	sent := l.requireNoneLost(t)
 	t.Logf("%d requests through the crash and restart, none lost", sent)
-	requireNoDepartures(t, live, agents...)
+	if strict || !leads {
+		requireNoDepartures(t, live, agents...)
+		return
+	}
+	for _, a := range agents {
+		if d := a.log.departures(live); len(d) > 0 {
+			t.Logf("registry issue (see TestClusterPartitionHealed): %s's registry declared live agents departed: %v", a.name, d)
+		}
+	}
 }
