@@ -159,11 +159,14 @@ func readSlot(table []byte, i int) slotView {
 	return v
 }
 
-// putSlot writes an exposure into slot i, its stamp last.
+// putSlot writes an exposure into slot i, its stamp last. It leaves
+// readers alone: a copier holding the stamp of the slot's last exposure
+// may be between the two halves of a failing enter, and its leave must
+// find its own increment (a count reset under it wraps below zero, and
+// the next revocation waits for a copy that does not exist).
 func putSlot(table []byte, i int, v slotView, nsegs int, stamp uint64) {
 	b := slotBytes(table, i)
 	w := slotAt(table, i)
-	atomic.StoreUint32(w.readers, 0)
 	atomic.StoreUint32(w.waiting, 0)
 	store16(b[16:], v.hash)
 	store64(b[32:], v.lo)
@@ -849,11 +852,19 @@ func (p *peer) resolveOnce(x *agent.Work, h [16]byte, ops []shmOp) (t *shmXfer, 
 	tbl := sp.table.mem
 	slot := -1
 	var v slotView
+	var want uint64
 	home := home(h, sp.slots)
 	for j := range min(maxProbe, sp.slots) {
 		k := (home + j) & (sp.slots - 1)
+		// The stamp before the view: the exposing side writes a slot's
+		// view only while its stamp is no live one, and its stamp last,
+		// so a view read between this stamp and an enter that finds it
+		// unchanged is the one published with it. Read after the view,
+		// the stamp could be that of an exposure which took the slot
+		// since: the old key would enter the new exposure's generation.
+		st := atomic.LoadUint64(slotAt(tbl, k).stamp)
 		if v = readSlot(tbl, k); v.hash == h {
-			slot = k
+			slot, want = k, st
 			break
 		}
 	}
@@ -861,7 +872,6 @@ func (p *peer) resolveOnce(x *agent.Work, h [16]byte, ops []shmOp) (t *shmXfer, 
 		return nil, false, nil
 	}
 	w := slotAt(tbl, slot)
-	want := atomic.LoadUint64(w.stamp)
 	if want&3 != slotLive || v.acc != x.Op.Access() {
 		return nil, false, nil
 	}
