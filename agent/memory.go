@@ -239,7 +239,7 @@ func (a *Agent) unref(keys []regKey) error {
 // blocks would otherwise pin its peak size for the agent's life. The copy
 // costs at most a quarter of the deletions that led to it.
 func (a *Agent) shrinkRegs() {
-	const floor = 1024 // small maps are not worth a copy
+	const floor = 1 << 14 // smaller maps are not worth a copy: a KV hand-off of 4096 blocks registers and releases them per operation, and a map rebuilt each time regrows each time
 	if a.regsPeak < floor || len(a.regs) > a.regsPeak/4 {
 		return
 	}

@@ -863,6 +863,9 @@ func (p *peer) resolveOnce(x *agent.Work, h [16]byte, ops []shmOp) (t *shmXfer, 
 		// the stamp could be that of an exposure which took the slot
 		// since: the old key would enter the new exposure's generation.
 		st := atomic.LoadUint64(slotAt(tbl, k).stamp)
+		if st == 0 {
+			break // never used: an exposure published would lie here or before
+		}
 		if v = readSlot(tbl, k); v.hash == h {
 			slot, want = k, st
 			break
