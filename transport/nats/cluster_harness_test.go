@@ -367,6 +367,20 @@ func openFresh(t *testing.T, nc *nats.Conn) *Registry {
 	}
 }
 
+// waitFor checks cond every 5 ms until it holds or d has passed, and says
+// whether it held; unlike require.Eventually, it leaves failing to the
+// caller.
+func waitFor(d time.Duration, cond func() bool) bool {
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	return true
+}
+
 // requireHealthy waits until every agent's registry hears its bucket again.
 func requireHealthy(t *testing.T, agents ...*clusterAgent) {
 	t.Helper()
