@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -166,7 +165,7 @@ func (in *initiator) runOps(ctx context.Context, c *connect.Connector, p *prepar
 		run.begin[i], run.lat[i], ends[i] = t0, time.Duration(t1-t0), t1
 		addPath(path)
 		if in.cfg.gap > 0 {
-			pause(in.cfg.gap)
+			time.Sleep(in.cfg.gap)
 		}
 		if check && op == dirRead {
 			if err := slots[s].verify(readSeed(p.id, s)); err != nil {
@@ -245,15 +244,3 @@ func span(begin, ends []int64, lo, hi int) time.Duration {
 	return time.Duration(slices.Max(ends[lo:hi]) - slices.Min(begin[lo:hi]))
 }
 
-// pause waits d: spinning below a millisecond, which keeps this process
-// as awake as back-to-back operations do (a sleep of 100 µs makes the
-// next operation pay the wake-up), else sleeping.
-func pause(d time.Duration) {
-	if d >= time.Millisecond {
-		time.Sleep(d)
-		return
-	}
-	for start := time.Now(); time.Since(start) < d; {
-		runtime.Gosched()
-	}
-}
