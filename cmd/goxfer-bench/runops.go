@@ -243,4 +243,3 @@ func (in *initiator) runOps(ctx context.Context, c *connect.Connector, p *prepar
 func span(begin, ends []int64, lo, hi int) time.Duration {
 	return time.Duration(slices.Max(ends[lo:hi]) - slices.Min(begin[lo:hi]))
 }
-
