@@ -219,7 +219,11 @@ type shmServe struct {
 	segs  map[uint64]int // segments sent: published exposures lying in them
 	// out queues tSeg and tSegDrop frames for the sender (shmSend): a
 	// peer that does not read holds up no Expose or Revoke.
-	out     []shmFrame
+	out []shmFrame
+	// taken: the sender took frames from out and has not written them
+	// all yet; a segment sent at once would overtake them (a segment
+	// sent again ahead of its drop).
+	taken   bool
 	wake    chan struct{}
 	sending sync.WaitGroup
 	over    bool // the connection ended: publish nothing more
@@ -310,7 +314,7 @@ func (s *server) publishLocked(key agent.Key, pe *pubExp) {
 // holds b.pub.mu.
 func (s *server) queueSeg(sg shm.Seg) {
 	sv := &s.sh
-	if len(sv.out) == 0 && s.wmu.TryLock() {
+	if len(sv.out) == 0 && !sv.taken && s.wmu.TryLock() {
 		sent, err := s.trySendSeg(sg)
 		s.wmu.Unlock()
 		if err != nil {
@@ -491,7 +495,7 @@ func (s *server) shmSend() {
 		}
 		s.b.pub.mu.Lock()
 		out := s.sh.out
-		s.sh.out = nil
+		s.sh.out, s.sh.taken = nil, len(out) > 0
 		s.b.pub.mu.Unlock()
 		s.wmu.Lock()
 		var err error
@@ -520,6 +524,9 @@ func (s *server) shmSend() {
 			s.abort(err)
 			return
 		}
+		s.b.pub.mu.Lock()
+		s.sh.taken = false
+		s.b.pub.mu.Unlock()
 	}
 }
 
@@ -630,6 +637,10 @@ type shmPeer struct {
 	// arrives: transfers waiting for one retry (resolve).
 	arrived chan struct{}
 	noTable bool // the table did not come: no transfer waits for it again
+	// unmapped lists the segments sent that could not be mapped here
+	// (for want of memory or address space): transfers of exposures
+	// lying in them go to leases at once, and their drops are honest.
+	unmapped map[uint64]bool
 }
 
 // table handles a tTable: the connection's lease table, mapped once.
@@ -689,10 +700,10 @@ func (p *peer) segment(f *frame, rr *rightsReader) error {
 	if sp.err != nil {
 		return nil
 	}
-	if slices.ContainsFunc(sp.segs, func(s *segMap) bool { return s.id == si.id }) {
+	if sp.unmapped[si.id] || slices.ContainsFunc(sp.segs, func(s *segMap) bool { return s.id == si.id }) {
 		return fmt.Errorf("%w: segment %d shared twice", errProtocol, si.id)
 	}
-	if len(sp.segs) >= maxShares {
+	if len(sp.segs)+len(sp.unmapped) >= maxShares {
 		return fmt.Errorf("%w: more than %d segments shared on one connection", errLimit, maxShares)
 	}
 	mem, err := shm.Map(fd, si.size)
@@ -701,6 +712,14 @@ func (p *peer) segment(f *frame, rr *rightsReader) error {
 			return fmt.Errorf("%w: segment %d: %w", errProtocol, si.id, err)
 		}
 		p.b.log.Warn("cma: could not map a peer's shared segment; leases serve it", "peer", p.id, "err", err)
+		if sp.unmapped == nil {
+			sp.unmapped = map[uint64]bool{}
+		}
+		sp.unmapped[si.id] = true
+		if sp.arrived != nil { // transfers waiting for it go to leases
+			close(sp.arrived)
+			sp.arrived = nil
+		}
 		return nil
 	}
 	sm := &segMap{id: si.id, base: si.base, size: si.size, m: &mapped{mem: mem}}
@@ -725,7 +744,8 @@ func (p *peer) segDrop(id uint64) error {
 		sm = sp.segs[i]
 		sp.segs = slices.Delete(sp.segs, i, i+1)
 	}
-	failed := sp.err != nil
+	failed := sp.err != nil || sp.unmapped[id]
+	delete(sp.unmapped, id)
 	sp.mu.Unlock()
 	if sm == nil {
 		if failed {
@@ -879,6 +899,9 @@ func (p *peer) resolveOnce(x *agent.Work, h [16]byte, ops []shmOp) (t *shmXfer, 
 		return nil, false, nil
 	}
 	for _, id := range v.segs {
+		if sp.unmapped[id] {
+			return nil, false, nil
+		}
 		if !slices.ContainsFunc(sp.segs, func(s *segMap) bool { return s.id == id }) {
 			if sp.arrived == nil {
 				sp.arrived = make(chan struct{})

@@ -3,12 +3,16 @@
 package cma
 
 import (
+	"context"
+	"net"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/goxfer/goxfer/agent"
 )
@@ -164,5 +168,121 @@ func TestShmAttackStaleKeyAcrossReuse(t *testing.T) {
 		})
 		t.Logf("trial %d: %d resolves of the revoked key raced the reuse of slot %d", trial, tries.Load(), r.slot)
 		require.Zero(t, hits.Load(), "a revoked key resolved to the live stamp %#x of exposure %v in its old slot: the copy would enter and write the old span after Revoke returned", got.Load(), e.Key())
+	}
+}
+
+// A segment the copier could not map (mmap failing for want of memory or
+// address space: RLIMIT_AS, vm.max_map_count; here a memory file sealed
+// against writes, which fails mmap the same way) is logged and left out:
+// "transfers of it go to leases". Then the exposing side, honest, drops
+// the segment once its exposures are revoked. The copier must take the
+// drop of a segment it was sent and left out as the drop it is, not as a
+// protocol violation that ends the connection (failing every transfer on
+// it and telling the exposures bound to it that the peer is lost); and a
+// transfer of an exposure lying in it must not wait for it (segWait) as
+// for a segment still in the socket, every time.
+func TestShmAttackUnmappableSegment(t *testing.T) {
+	const remote = 0x7000_0000
+	key := agent.NewKey()
+	ft := newFakeTable(t, 16)
+	putSlot(ft.mem, home(keyHash(key), 16), slotView{hash: keyHash(key), lo: remote, hi: remote + 1<<20, acc: agent.AccessRead, segs: []uint64{1}}, 1, 1<<2|slotLive)
+	drop := make(chan struct{})
+	fs := shmExposer(t, func(c *net.UnixConn) {
+		ft.send(c)
+		fd, err := unix.MemfdCreate("unmappable", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+		require.NoError(t, err)
+		defer unix.Close(fd)
+		require.NoError(t, unix.Ftruncate(fd, 1<<20))
+		_, err = unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_WRITE)
+		require.NoError(t, err)
+		sendSeg(c, 1, fd, 1<<20, remote)
+		go func() {
+			<-drop
+			sendFD(c, header{typ: tSegDrop, id: 1}, nil, -1)
+		}()
+	}, nil)
+	a, b := newAgent(t, WithTimeout(2*time.Second))
+	require.NoError(t, a.Notify(context.Background(), fs.info, agent.NewKey(), []byte("hi"))) // connects
+	var p *peer
+	require.Eventually(t, func() bool {
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		if ps := b.peers[fs.info.ID]; len(ps) == 1 {
+			p = ps[0]
+			p.sh.mu.Lock()
+			defer p.sh.mu.Unlock()
+			return p.sh.table != nil
+		}
+		return false
+	}, 5*time.Second, 5*time.Millisecond)
+	time.Sleep(20 * time.Millisecond) // the segment is read, and left out
+
+	x := &agent.Work{Op: agent.OpRead, Key: key, Segments: []agent.Segment{{
+		Local: agent.DRAM(make([]byte, 100)), Remote: agent.Region{Addr: remote, Len: 100, Kind: agent.KindDRAM}}}}
+	start := time.Now()
+	_, ok := p.resolve(x, make([]shmOp, 1))
+	took := time.Since(start)
+	require.False(t, ok)
+	t.Logf("a transfer of the exposure in the unmapped segment waited %v before leases", took)
+
+	close(drop)
+	time.Sleep(50 * time.Millisecond)
+	select {
+	case <-p.dead:
+		t.Fatalf("the drop of a segment left out ended the connection: %v", p.failure())
+	default:
+	}
+	require.Less(t, took, segWait/2, "a segment that could not be mapped was waited for as one still in the socket")
+}
+
+// An exposing side that exposes and revokes one block of a pool at a
+// time (a KV-cache pool serving one request after another) sends the
+// pool's segment, drops it when its last exposure is revoked, and sends
+// it again with the next exposure. The frames must reach the copier in
+// that order: a segment sent again before the drop of its last sending
+// reads as "shared twice", a protocol violation, and the copier drops
+// the connection, failing whatever runs on it. The sender takes the
+// queued frames, then the connection's write lock: an Expose in between
+// (the socket idle, the queue empty) sends the segment at once, ahead of
+// the drop the sender holds. Here the write lock is held (as a grant
+// being written would) while the drop is queued and taken, so that the
+// sender waits in that window; the next Expose comes as it is released.
+func TestShmAttackSegmentResentBeforeDrop(t *testing.T) {
+	for round := range 20 {
+		p := newShmPair(t, 64<<10, agent.AccessRead)
+		base := agent.DRAM(p.buf.Bytes()).Addr
+		require.Eventually(t, func() bool {
+			x := p.post(t, agent.OpRead, make([]byte, 16), base, nil)
+			return waitX(t, x) == nil && x.Path() == "cma+shm"
+		}, 5*time.Second, 5*time.Millisecond)
+		pc, _, _ := copierSlot(t, p)
+		p.ba.pub.mu.Lock()
+		require.Len(t, p.ba.pub.conns, 1)
+		var s *server
+		for c := range p.ba.pub.conns {
+			s = c
+		}
+		p.ba.pub.mu.Unlock()
+
+		s.wmu.Lock()
+		p.exp.Revoke() // the segment's last exposure: its drop is queued
+		taken := func() bool {
+			p.ba.pub.mu.Lock()
+			defer p.ba.pub.mu.Unlock()
+			return len(s.sh.out) == 0
+		}
+		for !taken() {
+			runtime.Gosched()
+		}
+		s.wmu.Unlock()
+		e, err := p.a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(p.buf.Bytes()[:4096])})
+		require.NoError(t, err)
+		t.Cleanup(e.Revoke)
+		time.Sleep(20 * time.Millisecond)
+		select {
+		case <-pc.dead:
+			t.Fatalf("round %d: the copier dropped the connection: %v", round, pc.failure())
+		default:
+		}
 	}
 }
