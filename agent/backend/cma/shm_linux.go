@@ -144,13 +144,18 @@ type slotView struct {
 	lo, hi uint64
 	acc    agent.Access
 	segs   []uint64 // the segment IDs named, at most slotSegs
+	// all: segs names every segment the exposure lies in (it lies in
+	// at most slotSegs), so a range in any other is not the exposure's.
+	all bool
 }
 
 // readSlot reads slot i's publication (a hint until the slot is entered).
 func readSlot(table []byte, i int) slotView {
 	b := slotBytes(table, i)
 	v := slotView{hash: load16(b[16:]), lo: load64(b[32:]), hi: load64(b[40:]), acc: agent.Access(load32(b[48:]))}
-	n := min(int(load32(b[52:])), slotSegs)
+	total := load32(b[52:])
+	v.all = total <= slotSegs
+	n := min(int(total), slotSegs)
 	for j := range n {
 		if id := load64(b[80+8*j:]); id != 0 {
 			v.segs = append(v.segs, id)
@@ -920,7 +925,9 @@ func (p *peer) resolveOnce(x *agent.Work, h [16]byte, ops []shmOp) (t *shmXfer, 
 			return nil, false, nil
 		}
 		s := sp.findSeg(a, n)
-		if s == nil {
+		if s == nil || v.all && !slices.Contains(v.segs, s.id) {
+			// Outside every segment mapped, or in one the exposure does
+			// not lie in (between two that it does: inside its span).
 			t.release()
 			return nil, false, nil
 		}

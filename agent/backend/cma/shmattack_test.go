@@ -3,9 +3,12 @@
 package cma
 
 import (
+	"bytes"
+	"cmp"
 	"context"
 	"net"
 	"runtime"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -15,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/shm"
 )
 
 // Attacks on the shared-memory path's slot reuse (issue 17): a lease-table
@@ -285,4 +289,48 @@ func TestShmAttackSegmentResentBeforeDrop(t *testing.T) {
 		default:
 		}
 	}
+}
+
+// The span check is the span of the exposure's regions: for an exposure
+// of regions in two segments, every other segment lying between them in
+// the exposing process is inside the span. A copier holding the key of a
+// WRITE exposure of the outer two must not write through it into the
+// middle segment, which only a READ exposure grants (published on the
+// same connection, so mapped there): leases refuse such a range, and so
+// must the mapping, where the exposure's slot names all its segments.
+func TestShmAttackSpanCoversOtherSegment(t *testing.T) {
+	a, _ := newAgent(t)
+	c, _ := newAgent(t)
+	var bufs []*shm.Buffer
+	for range 3 {
+		buf, err := shm.Alloc(64 << 10)
+		require.NoError(t, err)
+		t.Cleanup(func() { require.NoError(t, buf.Free()) })
+		bufs = append(bufs, buf)
+	}
+	slices.SortFunc(bufs, func(x, y *shm.Buffer) int {
+		return cmp.Compare(agent.DRAM(x.Bytes()).Addr, agent.DRAM(y.Bytes()).Addr)
+	})
+	lo, mid, hi := bufs[0], bufs[1], bufs[2]
+	r, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(mid.Bytes())})
+	require.NoError(t, err)
+	t.Cleanup(r.Revoke)
+	w, err := a.Expose(agent.AccessWrite, []agent.Local{agent.DRAM(lo.Bytes()[:4096]), agent.DRAM(hi.Bytes()[:4096])})
+	require.NoError(t, err)
+	t.Cleanup(w.Revoke)
+	write := func(at uint64, n int) *agent.Xfer {
+		x, err := c.Post(context.Background(), agent.Request{Op: agent.OpWrite, Peer: a.Info(), Key: w.Key(), Backend: Name,
+			Segments: []agent.Segment{{Local: agent.DRAM(bytes.Repeat([]byte{0xEE}, n)), Remote: agent.Region{Addr: at, Len: uint64(n), Kind: agent.KindDRAM}}}})
+		require.NoError(t, err)
+		_ = waitX(t, x)
+		return x
+	}
+	require.Eventually(t, func() bool {
+		x := write(agent.DRAM(lo.Bytes()).Addr, 16)
+		return x.Err() == nil && x.Path() == "cma+shm"
+	}, 5*time.Second, 5*time.Millisecond)
+	x := write(agent.DRAM(mid.Bytes()).Addr, 4096)
+	t.Logf("a WRITE with the key of an exposure of other segments into a read-only exposed one: path %s, err %v", x.Path(), x.Err())
+	require.Error(t, x.Err(), "a write key reached a segment its exposure does not lie in")
+	require.Equal(t, make([]byte, 4096), mid.Bytes()[:4096])
 }
