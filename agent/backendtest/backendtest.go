@@ -90,6 +90,11 @@ type Config struct {
 	// environment variable for its duration: such a Run must not be
 	// parallel to others.
 	SharedHost bool
+	// Fast says the backend copies at memory speed within a host (UCX
+	// over shared memory): the cases that interrupt a transfer in flight
+	// move 512 MiB instead of 64, or the transfer ends before they can.
+	// SharedHost implies it.
+	Fast bool
 }
 
 // hangGuard bounds every wait the suite does, so that a broken backend

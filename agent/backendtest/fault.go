@@ -23,9 +23,10 @@ const (
 	// process, largeCrossProcess that of those interrupted by killing a
 	// child process.
 	largeInProcess = 64 << 20
-	// largeShared replaces largeInProcess with Config.SharedHost: copies
-	// through mapped shared memory run at memory speed, and a transfer of
-	// 64 MiB ends before a Close or a cancellation can catch it.
+	// largeShared replaces largeInProcess with Config.SharedHost or
+	// Fast: copies through mapped shared memory run at memory speed, and a
+	// transfer of 64 MiB ends before a Close or a cancellation can catch
+	// it.
 	largeShared       = 512 << 20
 	largeCrossProcess = 256 << 20
 	// attempts bounds how often a fault case retries when the transfer it
@@ -61,7 +62,7 @@ func testFault(t *testing.T, cfg Config) {
 
 // largeSize is the size of the transfers interrupted in this process.
 func largeSize(cfg Config) int {
-	if cfg.SharedHost {
+	if cfg.SharedHost || cfg.Fast {
 		return largeShared
 	}
 	return largeInProcess

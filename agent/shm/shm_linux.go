@@ -191,8 +191,7 @@ func DupFD(id uint64) (int, error) {
 }
 
 // Map maps a segment a peer handed over (fd) into this process, readable
-// and writable, its pages faulted in ahead: the first copy does not pay
-// for them. The file must be a sealed memory file at least size bytes long
+// and writable; its pages are faulted in as they are first touched. The file must be a sealed memory file at least size bytes long
 // (size is what the peer claims; the file's own size is checked). The
 // caller unmaps it with [Unmap] and keeps fd's ownership.
 func Map(fd int, size uint64) ([]byte, error) {
@@ -213,7 +212,10 @@ func Map(fd int, size uint64) ([]byte, error) {
 	if uint64(st.Size) < size {
 		return nil, fmt.Errorf("%w: the memory file holds %d bytes, the peer claims %d", ErrInvalid, st.Size, size)
 	}
-	mem, err := unix.Mmap(fd, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_POPULATE)
+	// Not MAP_POPULATE: faulting in a sparse segment (a pool mostly
+	// untouched) would allocate all of it, here, for a peer that claims a
+	// terabyte. Pages are faulted in as copies first touch them.
+	mem, err := unix.Mmap(fd, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
 		return nil, fmt.Errorf("shm: mapping a peer's segment of %d bytes: %w", size, err)
 	}

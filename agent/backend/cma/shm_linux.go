@@ -381,7 +381,7 @@ func (b *Backend) Unpublish(x agent.Published, closing bool) {
 	b.pub.mu.Unlock()
 	deadline := time.Now().Add(b.cfg.timeout)
 	for _, r := range rs {
-		r.s.drainSlot(r.tbl.mem, r.slot, deadline)
+		r.s.drainSlot(r.tbl.mem, r.slot, pe.view.hash, deadline)
 		if proven(r.tbl.mem, r.slot, pe.view.hash) {
 			x.Bind(r.s.link)
 		}
@@ -426,14 +426,29 @@ func (s *server) bindShm() {
 	}
 }
 
+// later returns the later of a and b.
+func later(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
+	}
+	return b
+}
+
 // drainSlot waits until no copy is inside slot i of the connection's table
 // (mem), until deadline: at once if the copier's end closed; past it the
 // connection is dropped, as for a lease held too long (errRevoking).
-func (s *server) drainSlot(mem []byte, i int, deadline time.Time) {
+func (s *server) drainSlot(mem []byte, i int, hash [16]byte, deadline time.Time) {
 	w := slotAt(mem, i)
+	// Each connection gets a moment of its own, even once another used up
+	// the deadline.
+	deadline = later(deadline, time.Now().Add(10*time.Millisecond))
 	for {
 		r := atomic.LoadUint32(w.readers)
-		if r == 0 || s.sh.peerGone.Load() {
+		// A copier writes the key into the slot before it enters: a count
+		// without that proof is no copy of the exposure's, only a peer
+		// that wrote into its own table (it may not hold the key, and
+		// must not hold the revocation up).
+		if r == 0 || s.sh.peerGone.Load() || !proven(mem, i, hash) {
 			break
 		}
 		if !time.Now().Before(deadline) {
@@ -608,16 +623,20 @@ func (s *server) stopShm() {
 	b.pub.mu.Lock()
 	delete(b.pub.conns, s)
 	sv.over = true
-	var slots []int
-	for _, i := range sv.used {
+	type used struct {
+		slot int
+		hash [16]byte
+	}
+	var slots []used
+	for key, i := range sv.used {
 		atomic.StoreUint64(slotAt(sv.table.mem, i).stamp, sv.slots[i]<<2|slotRevoked)
-		slots = append(slots, i)
+		slots = append(slots, used{slot: i, hash: keyHash(key)})
 	}
 	sv.used = nil
 	b.pub.mu.Unlock()
 	deadline := time.Now().Add(b.cfg.timeout)
-	for _, i := range slots {
-		s.drainSlot(sv.table.mem, i, deadline)
+	for _, u := range slots {
+		s.drainSlot(sv.table.mem, u.slot, u.hash, deadline)
 	}
 	sv.sending.Wait() // s.done is closed by now
 	sv.table.unref()

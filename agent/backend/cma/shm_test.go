@@ -139,9 +139,25 @@ func TestShmRevokeStopsWrites(t *testing.T) {
 }
 
 // copierSlot returns the copier's peer and the slot its lease table holds
-// for the pair's exposure, with the stamp found there.
+// for the pair's exposure, with the stamp found there, once a transfer of
+// 16 bytes at the exposure's start went through it (the copier's proof is
+// in the slot).
 func copierSlot(t *testing.T, p *shmPair) (*peer, slotWords, uint64) {
 	t.Helper()
+	base := agent.DRAM(p.buf.Bytes()).Addr
+	for deadline := time.Now().Add(5 * time.Second); ; {
+		op := agent.OpRead
+		if p.exp.Access() == agent.AccessWrite {
+			op = agent.OpWrite
+		}
+		x := p.post(t, op, make([]byte, 16), base, nil)
+		require.NoError(t, waitX(t, x))
+		if x.Path() == Name+"+shm" {
+			break
+		}
+		require.True(t, time.Now().Before(deadline), "no transfer went through the shared memory")
+		time.Sleep(5 * time.Millisecond)
+	}
 	p.bc.mu.Lock()
 	ps := p.bc.peers[p.a.ID()]
 	p.bc.mu.Unlock()
