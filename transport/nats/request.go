@@ -124,8 +124,25 @@ func (s *Service) Close() error {
 				s.closeErr = fmt.Errorf("goxfer/nats: close service on subject %q: %w", s.subject, err)
 			}
 		}
-		for range closed {
+		// The channel hears of the subscription's close only if it comes
+		// after it was asked for: one closed already (its connection was
+		// closed first) sends nothing, so its status is checked too.
+		for {
+			if !s.sub.IsValid() {
+				break
+			}
+			timer := time.NewTimer(50 * time.Millisecond)
+			select {
+			case _, ok := <-closed:
+				if !ok {
+					timer.Stop()
+					goto drained
+				}
+			case <-timer.C:
+			}
+			timer.Stop()
 		}
+	drained:
 		s.wg.Wait()
 	})
 	return s.closeErr

@@ -369,3 +369,21 @@ func TestRequestSurvivesAServerRestart(t *testing.T) {
 	t.Logf("%d requests through the restart, %d handler calls", sent, handled.Load())
 	assert.GreaterOrEqual(t, handled.Load(), int32(sent))
 }
+
+// A Service whose connection was closed first still closes, at once: its
+// subscription is closed already, and no status will come.
+func TestServiceCloseAfterConnectionClosed(t *testing.T) {
+	srv := startServer(t)
+	nc := dial(t, srv)
+	s, err := Serve(nc, "svc.closed-conn", func(ctx context.Context, req *ServiceRequest) (*Reply, error) { return &Reply{}, nil })
+	require.NoError(t, err)
+	nc.Close()
+	done := make(chan error, 1)
+	go func() { done <- s.Close() }()
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+	case <-time.After(5 * time.Second):
+		t.Fatal("Service.Close still running 5 s after its connection was closed")
+	}
+}
