@@ -69,13 +69,9 @@ type Exposure struct {
 	events chan Event
 
 	mu      sync.Mutex
-	drained sync.Cond // signalled when leases and standing drop to zero
+	drained sync.Cond // signalled when leases drops to zero
 	leases  int
-	// standing counts standing leases ([Lease.Stand]): held for as long
-	// as a peer keeps a mapping of the memory; Revoke waits for them too,
-	// Use does not count them.
-	standing int
-	revoked  bool
+	revoked bool
 	// unpins release the shared-memory segments (package shm) the
 	// regions lie in, so they cannot be freed while exposed; Revoke calls
 	// them.
@@ -202,9 +198,9 @@ func (e *Exposure) Peer() uuid.UUID {
 // Use reports how many leases peers hold on the exposure now, and when one
 // last ended or a notification last arrived (the zero Time if never): an
 // exposure with no lease whose last use is old enough is unused. A lease
-// granted counts as a use too. Standing leases ([Lease.Stand]: a peer's
-// mapping of shared memory) are not counted: a peer copying through one
-// is seen by the notifications it sends.
+// granted counts as a use too. A copy through a peer's mapping of shared
+// memory ([Publisher]) holds no lease: it is seen by the notification that
+// follows it.
 func (e *Exposure) Use() (leases int, last time.Time) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -240,7 +236,7 @@ func (e *Exposure) Revoke() {
 	}
 	<-e.unpubDone
 	e.mu.Lock()
-	for e.leases > 0 || e.standing > 0 {
+	for e.leases > 0 {
 		e.drained.Wait()
 	}
 	e.mu.Unlock()
@@ -322,10 +318,9 @@ func NewLink(peer uuid.UUID) Link { return Link{Peer: peer, id: linkIDs.Add(1)} 
 // A Lease is a value with one owner: it is not safe for concurrent use;
 // copies of it share what it staged. The zero Lease holds nothing.
 type Lease struct {
-	e        *Exposure
-	st       *leaseStage // for a DeviceStager's lease on an exposure with VRAM
-	done     bool
-	standing bool // Stand was called
+	e    *Exposure
+	st   *leaseStage // for a DeviceStager's lease on an exposure with VRAM
+	done bool
 }
 
 // Access returns the access kind the lease grants.
@@ -363,43 +358,6 @@ func (l *Lease) Slice(addr, n uint64) ([]byte, error) {
 // that outlives a lease, such as a mapping of device memory, watches it to
 // take that back.
 func (l *Lease) Gone() <-chan struct{} { return l.e.gone }
-
-// Closing reports whether the lease's agent is closing: its exposures are
-// being revoked because it goes away, not one by one. A backend that tells
-// a peer why its access ended says "lost" ([ErrRemoteLost]) then, as
-// [Host.Open] does.
-func (l *Lease) Closing() bool { return l.e.a.isClosed() }
-
-// Regions returns the exposure's regions, sorted by address. The slice is
-// the caller's; the memory it describes may be touched only under the
-// lease.
-func (l *Lease) Regions() []Region {
-	rs := make([]Region, len(l.e.set.regs))
-	for i, r := range l.e.set.regs {
-		rs[i] = r.Region
-	}
-	return rs
-}
-
-// Stand turns the lease into a standing one, for a backend that hands the
-// peer a mapping of the exposed memory (shared host memory) which the peer
-// then copies through without a lease per access, checking a revocation
-// word the backend keeps. A standing lease is not counted by
-// [Exposure.Use]; [Exposure.Revoke] still waits for its release, so the
-// backend releases it only once the peer can no longer touch the memory
-// (it watches [Lease.Gone], flips the word, waits out the peer's copies in
-// progress). Calling it again does nothing.
-func (l *Lease) Stand() {
-	if l.e == nil || l.done || l.standing {
-		return
-	}
-	l.standing = true
-	e := l.e
-	e.mu.Lock()
-	e.leases--
-	e.standing++
-	e.mu.Unlock()
-}
 
 // Region returns the exposed region containing [addr, addr+n).
 func (l *Lease) Region(addr, n uint64) (Region, bool) {
@@ -448,12 +406,7 @@ func (l *Lease) Release() {
 	}
 	e.mu.Lock()
 	e.used = time.Now()
-	if l.standing {
-		e.standing--
-	} else {
-		e.leases--
-	}
-	if e.leases == 0 && e.standing == 0 && e.revoked {
+	if e.leases--; e.leases == 0 && e.revoked {
 		e.drained.Broadcast()
 	}
 	e.mu.Unlock()

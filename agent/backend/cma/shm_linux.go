@@ -523,7 +523,7 @@ func (s *server) shmSend() {
 			switch f.typ {
 			case tSeg:
 				var sent bool
-				if sent, err = s.sendSegLocked(sg(f)); err == nil && !sent {
+				if sent, err = s.sendSegLocked(f.seg); err == nil && !sent {
 					skipped[f.seg.ID] = true
 				}
 			default:
@@ -549,8 +549,6 @@ func (s *server) shmSend() {
 		s.b.pub.mu.Unlock()
 	}
 }
-
-func sg(f shmFrame) shm.Seg { return f.seg }
 
 // segFrame builds the tSeg of sg with a new descriptor of it, or reports
 // (fd < 0) that it was freed meanwhile.
