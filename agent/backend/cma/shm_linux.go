@@ -815,23 +815,6 @@ func (t *shmXfer) release() {
 	}
 }
 
-// findSeg returns the mapped segment holding the peer's [addr, addr+n).
-// The caller holds sp.mu.
-func (sp *shmPeer) findSeg(addr, n uint64) *segMap {
-	i, found := slices.BinarySearchFunc(sp.segs, addr, func(s *segMap, a uint64) int { return cmp.Compare(s.base, a) })
-	if !found {
-		i--
-	}
-	if i < 0 {
-		return nil
-	}
-	s := sp.segs[i]
-	if addr+n < addr || addr+n > s.base+s.size {
-		return nil
-	}
-	return s
-}
-
 // resolve finds x's exposure published in the peer's lease table and
 // where each of its ranges lies in the segments mapped here, into ops. It
 // reports false (nothing held) if the key is not published for x's access,
@@ -917,19 +900,26 @@ func (p *peer) resolveOnce(x *agent.Work, h [16]byte, ops []shmOp) (t *shmXfer, 
 		return nil, false, nil
 	}
 	w := slotAt(tbl, slot)
-	if want&3 != slotLive || v.acc != x.Op.Access() {
+	// An exposure in more than slotSegs segments goes to leases: a range
+	// in a segment the slot does not name could only be found by address,
+	// and a freed segment whose drop is still on its way may lie at the
+	// same address as a new one.
+	if want&3 != slotLive || v.acc != x.Op.Access() || !v.all {
 		return nil, false, nil
 	}
-	for _, id := range v.segs {
+	var named [slotSegs]*segMap
+	for j, id := range v.segs {
 		if sp.unmapped[id] {
 			return nil, false, nil
 		}
-		if !slices.ContainsFunc(sp.segs, func(s *segMap) bool { return s.id == id }) {
+		k := slices.IndexFunc(sp.segs, func(s *segMap) bool { return s.id == id })
+		if k < 0 {
 			if sp.arrived == nil {
 				sp.arrived = make(chan struct{})
 			}
 			return nil, true, sp.arrived
 		}
+		named[j] = sp.segs[k]
 	}
 	t = &shmXfer{w: w, want: want}
 	var used [4]*segMap
@@ -941,10 +931,17 @@ func (p *peer) resolveOnce(x *agent.Work, h [16]byte, ops []shmOp) (t *shmXfer, 
 			t.release()
 			return nil, false, nil
 		}
-		s := sp.findSeg(a, n)
-		if s == nil || v.all && !slices.Contains(v.segs, s.id) {
-			// Outside every segment mapped, or in one the exposure does
-			// not lie in (between two that it does: inside its span).
+		// In one of the segments the exposure lies in, by identity: not
+		// one the exposure does not lie in (between two that it does,
+		// inside its span), nor a freed one at the same address.
+		var s *segMap
+		for _, c := range named[:len(v.segs)] {
+			if a >= c.base && a+n <= c.base+c.size {
+				s = c
+				break
+			}
+		}
+		if s == nil {
 			t.release()
 			return nil, false, nil
 		}
