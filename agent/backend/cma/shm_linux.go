@@ -463,8 +463,8 @@ func (s *server) drainSlot(mem []byte, i int, hash [16]byte, deadline time.Time)
 }
 
 // startShm sets the connection up for shared memory, once the handshake
-// agreed it: it creates and sends the lease table, starts the sender, and
-// publishes the exposures published so far. On failure the connection
+// agreed it: it creates the lease table, starts the sender, publishes the
+// exposures published so far, and then sends the table. On failure the connection
 // goes on without (leases serve everything).
 func (s *server) startShm() error {
 	mem, fd, err := newTable(maxSlots)
@@ -472,25 +472,20 @@ func (s *server) startShm() error {
 		s.b.log.Warn("cma: no lease table for shared memory; leases serve it", "peer", s.peer, "err", err)
 		return nil
 	}
-	var h [hdrSize]byte
-	(&header{typ: tTable, id: uint64(len(mem))}).put(h[:])
-	err = s.write(h[:], unix.UnixRights(fd))
-	unix.Close(fd)
-	if err != nil {
-		_ = unix.Munmap(mem)
-		return err
-	}
 	sv := &s.sh
-	sv.table = &mapped{mem: mem}
+	sv.table = &mapped{mem: mem} // stopShm unmaps it, whatever happens next
 	sv.table.refs.Store(1)
 	sv.slots = make([]uint64, maxSlots)
 	sv.used, sv.segs = map[agent.Key]int{}, map[uint64]int{}
 	sv.wake = make(chan struct{}, 1)
 	sv.sending.Add(1)
 	go s.shmSend()
+	// The exposures published so far are in the table before the copier
+	// sees it: a transfer posted as soon as the connection is made finds
+	// them. Their segments may go out first; the copier takes them in any
+	// order.
 	b := s.b
 	b.pub.mu.Lock()
-	defer b.pub.mu.Unlock()
 	if b.pub.conns == nil {
 		b.pub.conns = map[*server]struct{}{}
 	}
@@ -498,7 +493,12 @@ func (s *server) startShm() error {
 	for key, pe := range b.pub.exps {
 		s.publishLocked(key, pe)
 	}
-	return nil
+	b.pub.mu.Unlock()
+	var h [hdrSize]byte
+	(&header{typ: tTable, id: uint64(len(mem))}).put(h[:])
+	err = s.write(h[:], unix.UnixRights(fd))
+	unix.Close(fd)
+	return err
 }
 
 // shmSend sends the queued segments and drops, in order, until the
