@@ -39,19 +39,23 @@ func slotAt(table []byte, i int) slotWords {
 	}
 }
 
-// enter counts a copy in the slot and reports whether the mapping is still
-// want (its generation, live). On false the copy must not touch the
-// memory; it has left already.
-func (w slotWords) enter(want uint64) bool {
+// try counts a copy in the slot and reports whether the mapping is still
+// want (its generation, live), with the stamp it found. On false the copy
+// must not touch the memory; it has left already. Why a copy was
+// refused must be read from that stamp: once the copy left, the revocation
+// it waited for can finish and free the slot, and a later read finds the
+// slot free (or reused), no longer saying whether the exposure was revoked
+// or its agent closed.
+func (w slotWords) try(want uint64) (uint64, bool) {
 	atomic.AddUint32(w.readers, 1)
-	if atomic.LoadUint64(w.stamp) == want {
-		return true
+	if seen := atomic.LoadUint64(w.stamp); seen != want {
+		w.leave()
+		return seen, false
 	}
-	w.leave()
-	return false
+	return want, true
 }
 
-// leave ends a copy entered with enter, waking a revocation that waits.
+// leave ends a copy entered with try, waking a revocation that waits.
 func (w slotWords) leave() {
 	if atomic.AddUint32(w.readers, ^uint32(0)) == 0 && atomic.LoadUint32(w.waiting) != 0 {
 		futexWake(w.readers)
@@ -1005,9 +1009,10 @@ func (b *Backend) finishShared(p *peer, x *agent.Work, t *shmXfer, err error) {
 	b.xwg.Done()
 }
 
-// revoked says why a copy found its slot's stamp changed.
-func (p *peer) revoked(t *shmXfer, key agent.Key) error {
-	if atomic.LoadUint64(t.w.stamp) == t.want&^3|slotClosed {
+// revoked says why a copy found its slot's stamp seen instead of the one
+// it wanted: the agent closing (the peer is lost) or the exposure revoked.
+func (p *peer) revoked(t *shmXfer, seen uint64, key agent.Key) error {
+	if seen == t.want&^3|slotClosed {
 		return fmt.Errorf("cma: peer %s is closing: %w", p.id, agent.ErrRemoteLost)
 	}
 	return fmt.Errorf("cma: peer %s: %w: exposure %v revoked", p.id, agent.ErrAccessDenied, key)
@@ -1043,8 +1048,8 @@ func (b *Backend) copyShared(p *peer, x *agent.Work, t *shmXfer, ops []shmOp, wo
 	defer p.unholdShared()
 	write := x.Op == agent.OpWrite
 	if workers <= 1 {
-		if !t.w.enter(t.want) {
-			return p.revoked(t, x.Key)
+		if seen, ok := t.w.try(t.want); !ok {
+			return p.revoked(t, seen, x.Key)
 		}
 		for _, op := range ops {
 			if write {
@@ -1098,8 +1103,8 @@ func (b *Backend) copyShared(p *peer, x *agent.Work, t *shmXfer, ops []shmOp, wo
 				break
 			}
 			if !in {
-				if !t.w.enter(t.want) {
-					err := p.revoked(t, x.Key)
+				if seen, ok := t.w.try(t.want); !ok {
+					err := p.revoked(t, seen, x.Key)
 					failed.CompareAndSwap(nil, &err)
 					return
 				}

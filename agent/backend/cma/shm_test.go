@@ -233,6 +233,42 @@ func TestShmStaleMappingRefused(t *testing.T) {
 	require.ErrorIs(t, err, agent.ErrAccessDenied)
 }
 
+// enter is try without the stamp, for tests.
+func (w slotWords) enter(want uint64) bool {
+	_, ok := w.try(want)
+	return ok
+}
+
+// A copy refused because the exposing agent is closing reports the peer
+// lost, even when the slot is freed (its revocation drained: the refused
+// copy left it) before the error is made. It read the stamp again once,
+// found the slot free and said "access denied: revoked" (seen in CI:
+// PassiveClosed/write over shared memory).
+func TestShmClosingRefusalAfterSlotFreed(t *testing.T) {
+	key := agent.NewKey()
+	ft := newFakeTable(t, 16)
+	i := home(keyHash(key), 16)
+	const gen = 5
+	putSlot(ft.mem, i, slotView{hash: keyHash(key), lo: 0x7000_0000, hi: 0x7000_1000, acc: agent.AccessWrite, segs: []uint64{1}}, 1, gen<<2|slotLive)
+	w := slotAt(ft.mem, i)
+	tx := &shmXfer{w: w, want: gen<<2 | slotLive}
+	p := &peer{}
+	for _, tc := range []struct {
+		state uint64
+		want  error
+	}{{slotClosed, agent.ErrRemoteLost}, {slotRevoked, agent.ErrAccessDenied}} {
+		atomic.StoreUint64(w.stamp, gen<<2|tc.state)
+		seen, ok := w.try(tx.want)
+		require.False(t, ok)
+		require.Zero(t, atomic.LoadUint32(w.readers), "a refused copy left the slot")
+		atomic.StoreUint64(w.stamp, gen<<2) // drained and freed, as Unpublish does
+		err := p.revoked(tx, seen, key)
+		require.ErrorIs(t, err, tc.want, "state %d", tc.state)
+		atomic.StoreUint64(w.stamp, (gen+1)<<2|slotLive) // reused by another exposure
+		require.ErrorIs(t, p.revoked(tx, seen, key), tc.want, "state %d, slot reused", tc.state)
+	}
+}
+
 // Memory of a shared buffer cannot be freed while exposed: Free refuses,
 // and succeeds once the exposure is revoked.
 func TestShmFreeWhileExposed(t *testing.T) {
