@@ -153,7 +153,7 @@ func BenchmarkTCP(b *testing.B) {
 }
 
 // dialRawConns dials n connections to the child's raw server at addr.
-func dialRawConns(b *testing.B, addr string, n int) []net.Conn {
+func dialRawConns(b testing.TB, addr string, n int) []net.Conn {
 	cs := make([]net.Conn, n)
 	for i := range cs {
 		c, err := net.Dial("tcp", addr)
