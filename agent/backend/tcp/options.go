@@ -115,7 +115,8 @@ func WithAdvertiseAddr(addr string) Option {
 
 // WithStreams sets how many data connections carry transfers to each peer,
 // besides one control connection for notifications; large transfers are
-// pipelined over all of them. Default: 4.
+// pipelined over all of them. Add streams where one TCP connection cannot
+// fill the path (docs/tcp.md, "At distance"). Default: 4.
 func WithStreams(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 1 || n > 64 {
@@ -153,7 +154,12 @@ func WithChunkSize(n int) Option {
 }
 
 // WithInflight sets how many frames may await their answer on one stream.
-// Default: 4.
+// With [WithChunkSize] it sets a stream's window: a stream moves at most
+// chunk × n bytes per round trip, so between hosts the streams' windows
+// together should cover twice the path's bandwidth-delay product
+// (docs/tcp.md, "At distance"). The window is shared by all transfers to
+// the peer and needs no memory of the backend's own. Default: 4, an 8 MiB
+// window with the default chunk.
 func WithInflight(n int) Option {
 	return optionFunc(func(c *config) error {
 		if n < 1 || n > 256 {
