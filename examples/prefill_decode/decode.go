@@ -65,6 +65,7 @@ type result struct {
 	transfer  time.Duration // READ: BeginRead → Wait returned
 	backend   string        // READ: the backend that moved the bytes
 	path      string        // READ: how it moved them (ReadOperation.Path)
+	server    string        // READ: the prefill worker that served it, by name and agent
 }
 
 func runDecode(ctx context.Context, cfg config, drv devmem.Driver, out io.Writer) (err error) {
@@ -80,7 +81,7 @@ func runDecode(ctx context.Context, cfg config, drv devmem.Driver, out io.Writer
 	// Freed last, once the Connector is closed: no peer can reach it then.
 	defer func() { err = errors.Join(err, pool.Close()) }()
 	d := &decodeWorker{cfg: cfg, out: out, layout: l, runID: hex.EncodeToString(id[:]), pool: pool}
-	ep, err := openEndpoint(ctx, cfg, drv, "decode", out)
+	ep, err := openEndpoint(ctx, cfg, drv, out)
 	if err != nil {
 		return err
 	}
@@ -92,8 +93,21 @@ func runDecode(ctx context.Context, cfg config, drv devmem.Driver, out io.Writer
 	if err := d.awaitPrefill(ctx); err != nil {
 		return err
 	}
-	results, elapsed := d.runAll(ctx)
-	return d.summarize(results, elapsed)
+	start := time.Now()
+	results := d.runAll(ctx)
+	end := time.Now()
+	err = d.summarize(results, end.Sub(start))
+	r := workerReport{Name: cfg.name, Role: "decode", Agent: d.conn.AgentInfo().ID().String(), Start: start, End: end}
+	for _, res := range results {
+		switch {
+		case res.err != nil:
+			r.Failed++
+		default:
+			r.Requests++
+			r.Bytes += l.Bytes()
+		}
+	}
+	return errors.Join(err, r.write(cfg.report))
 }
 
 // awaitPrefill asks on subjectHello until a prefill worker answers, and
@@ -112,8 +126,12 @@ func (d *decodeWorker) awaitPrefill(ctx context.Context) error {
 			if h.Model != d.cfg.model {
 				return fmt.Errorf("the prefill worker (agent %s) serves the model %v; this decode worker expects %v: give both the same model flags", h.Agent, h.Model, d.cfg.model)
 			}
-			fmt.Fprintf(d.out, "prefill worker (agent %s) is ready; sending %d requests, %s mode, %d in flight\n",
-				h.Agent, d.cfg.requests, strings.ToUpper(d.cfg.mode), d.cfg.concurrency)
+			who := "prefill worker"
+			if h.Worker != "" && h.Worker != "prefill" {
+				who += " " + h.Worker
+			}
+			fmt.Fprintf(d.out, "%s (agent %s) is ready; sending %d requests, %s mode, %d in flight\n",
+				who, h.Agent, d.cfg.requests, strings.ToUpper(d.cfg.mode), d.cfg.concurrency)
 			return nil
 		}
 		if !errors.Is(err, nats.ErrNoResponders) && wctx.Err() == nil {
@@ -135,7 +153,7 @@ func (d *decodeWorker) awaitPrefill(ctx context.Context) error {
 // runAll runs the requests, cfg.concurrency at a time, and prints each
 // result as it comes. A hand-off that fails stops the run; a mismatch does
 // not (the next requests may show whether it is systematic).
-func (d *decodeWorker) runAll(ctx context.Context) ([]result, time.Duration) {
+func (d *decodeWorker) runAll(ctx context.Context) []result {
 	ctx, stop := context.WithCancelCause(ctx)
 	defer stop(nil)
 	jobs := make(chan int)
@@ -163,7 +181,6 @@ func (d *decodeWorker) runAll(ctx context.Context) ([]result, time.Duration) {
 		close(results)
 	}()
 
-	start := time.Now()
 	var all []result
 	for r := range results {
 		if r.err != nil && ctx.Err() != nil {
@@ -175,7 +192,7 @@ func (d *decodeWorker) runAll(ctx context.Context) ([]result, time.Duration) {
 		}
 		all = append(all, r)
 	}
-	return all, time.Since(start)
+	return all
 }
 
 // handoff gets request n's KV cache into blocks of the decode worker's pool
@@ -288,6 +305,7 @@ func (d *decodeWorker) read(ctx context.Context, r *result, blocks *Blocks) erro
 		}
 	}
 	r.prefill, r.tokenSize = time.Since(start), md.EncodedLen()
+	r.server = workerLabel(rep.Worker, md.Agent().String())
 
 	start = time.Now()
 	xctx, cancel := context.WithTimeout(ctx, exposeTimeout)
@@ -367,6 +385,7 @@ func (d *decodeWorker) summarize(rs []result, elapsed time.Duration) error {
 	var latencies, transfers []time.Duration
 	type via struct{ backend, path string }
 	backends := map[via]int{}
+	servers := map[string]int{} // READ: requests completed, by the prefill worker that served them
 	for _, r := range rs {
 		if r.attempts > 1 {
 			retried++
@@ -381,6 +400,9 @@ func (d *decodeWorker) summarize(rs []result, elapsed time.Duration) error {
 			ok++
 		}
 		latencies = append(latencies, r.latency)
+		if r.server != "" {
+			servers[r.server]++
+		}
 		if r.backend != "" {
 			transfers = append(transfers, r.transfer)
 			backends[via{r.backend, r.path}]++
@@ -391,8 +413,8 @@ func (d *decodeWorker) summarize(rs []result, elapsed time.Duration) error {
 	fmt.Fprintf(d.out, "summary: %d of %d requests verified, %d mismatched, %d failed, %d not run, %d retried\n",
 		ok, total, mismatched, failed, total-len(rs), retried)
 	if len(latencies) > 0 {
-		fmt.Fprintf(d.out, "  KV cache moved: %s in %d blocks, %s overall (%v for all requests)\n",
-			sizeString(moved), len(latencies)*d.layout.Blocks(), rate(moved, elapsed), ms(elapsed))
+		fmt.Fprintf(d.out, "  KV cache moved: %s in %d blocks, %s and %s overall (%v for all requests)\n",
+			sizeString(moved), len(latencies)*d.layout.Blocks(), rate(moved, elapsed), reqRate(len(latencies), elapsed), ms(elapsed))
 		fmt.Fprintf(d.out, "  latency, request sent → KV cache in place: p50 %v  p99 %v  max %v\n",
 			ms(percentile(latencies, 50)), ms(percentile(latencies, 99)), ms(slices.Max(latencies)))
 	}
@@ -404,6 +426,14 @@ func (d *decodeWorker) summarize(rs []result, elapsed time.Duration) error {
 		slices.Sort(names)
 		fmt.Fprintf(d.out, "  transfer, BeginRead → Wait: p50 %v (%s)  p99 %v  backend %s\n",
 			ms(percentile(transfers, 50)), rate(d.layout.Bytes(), percentile(transfers, 50)), ms(percentile(transfers, 99)), strings.Join(names, ", "))
+	}
+	if len(servers) > 0 {
+		var names []string
+		for s, n := range servers {
+			names = append(names, fmt.Sprintf("%s ×%d", s, n))
+		}
+		slices.Sort(names)
+		fmt.Fprintf(d.out, "  served by: %s\n", strings.Join(names, ", "))
 	}
 	if d.pool.OnDevice() {
 		fmt.Fprintf(d.out, "  KV blocks: %s on both sides; every block copied back to host memory and checked\n", d.cfg.device.describe())
@@ -425,6 +455,17 @@ func percentile(ds []time.Duration, p float64) time.Duration {
 	slices.Sort(s)
 	i := int(math.Ceil(p/100*float64(len(s)))) - 1
 	return s[max(i, 0)]
+}
+
+// workerLabel names a prefill worker in the summary: its name, if it has
+// one other than its role, and the start of its agent ID, which tells apart
+// workers on several hosts with the same name.
+func workerLabel(name, agent string) string {
+	short := agent[:min(len(agent), 8)]
+	if name == "" || name == "prefill" {
+		return "agent " + short
+	}
+	return name + " (" + short + ")"
 }
 
 // digits returns how many decimal digits n has, to align columns.

@@ -9,18 +9,39 @@
 //
 //	go run ./examples/prefill_decode                  # READ mode: decode reads prefill's blocks
 //	go run ./examples/prefill_decode -mode write      # WRITE mode: prefill writes into decode's blocks
+//	go run ./examples/prefill_decode -prefill 3 -decode 2 -requests 48   # scale out: 3 prefill and 2 decode workers
 //	go run ./examples/prefill_decode -nats nats://127.0.0.1:4222   # an existing server (nats-server -js)
 //	go run ./examples/prefill_decode -device cuda     # the KV blocks in GPU 0's memory, on both sides
 //	go run ./examples/prefill_decode -device sim      # the same on simulated GPUs, on a machine without one
 //	go run ./examples/prefill_decode -metrics :9090   # Prometheus metrics: prefill's at :9090/metrics, decode's at :9091
 //
-//	# one worker per host, against a shared NATS server:
-//	go run ./examples/prefill_decode -role prefill -nats nats://10.0.0.1:4222 -listen :0
-//	go run ./examples/prefill_decode -role decode  -nats nats://10.0.0.1:4222 -listen :0
+//	# workers on several hosts, against a shared NATS server: any number
+//	# of each role, each started alone with -role (and a -name of its own)
+//	go run ./examples/prefill_decode -role prefill -name prefill-a -nats nats://10.0.0.1:4222 -listen :0
+//	go run ./examples/prefill_decode -role prefill -name prefill-b -nats nats://10.0.0.1:4222 -listen :0
+//	go run ./examples/prefill_decode -role decode  -name decode-a  -nats nats://10.0.0.1:4222 -listen :0 -requests 24
+//
+// With -prefill M and -decode N the orchestrator starts M prefill workers
+// (prefill-1 to prefill-M) and N decode workers (decode-1 to decode-N),
+// each a process, and starts the decode workers once every prefill worker
+// has said it is ready. The decode workers split -requests between them;
+// the prefill workers serve in one NATS queue group, which hands each
+// request (or WRITE offer) to one of them at random, so the load spreads,
+// and a prefill worker that dies leaves its requests to the others: a
+// hand-off it held times out or fails and is tried again, and the queue
+// group picks another. At the end the orchestrator prints a report: each
+// worker's requests, requests/s, KV cache moved and GB/s, all over the
+// same span (the decode workers' first request sent to their last one
+// done), and the total. A worker started alone with -role prints its own
+// figures instead: a decode worker in its summary (in READ mode with the
+// prefill workers that served it), a prefill worker when it stops.
 //
 // With -metrics each worker serves its Connector's counters and
 // per-operation histograms (metrics/promconnect, docs/metrics.md), the Go
-// runtime's and the process's at /metrics, for as long as it runs.
+// runtime's and the process's at /metrics, for as long as it runs. The
+// orchestrator's worker i takes the port after worker i-1's, the prefill
+// workers first: with -prefill 3 -decode 2 -metrics :9090, prefill-1 to
+// prefill-3 serve on 9090 to 9092, decode-1 and decode-2 on 9093 and 9094.
 //
 // One request, in READ mode (the default):
 //
@@ -62,14 +83,16 @@
 // every worker), so the same run works on a machine without a GPU; there
 // -device cuda stops at once, saying so.
 //
-// Exit status: 0 when every request completed and every byte matched, 1 on
-// any failure or mismatch (and for -device cuda without a GPU), 2 for bad
-// flags, 130 when interrupted (Ctrl-C).
+// Exit status: 0 when every request completed and every byte matched (a
+// prefill worker that ended early does not fail the run while another
+// serves), 1 on any failure or mismatch (and for -device cuda without a
+// GPU), 2 for bad flags, 130 when interrupted (Ctrl-C).
 package main
 
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -78,20 +101,28 @@ import (
 	"os"
 	"os/exec"
 	"os/signal"
+	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/nats-io/nats.go"
 
 	"github.com/goxfer/goxfer/transport/nats/natsserver"
 )
 
 // config is what the flags say.
 type config struct {
-	role           string // "" (run both workers), "prefill" or "decode"
+	role           string // "" (the orchestrator: start the workers), "prefill" or "decode"
+	name           string // the worker's name; "": its role
+	prefills       int    // the orchestrator's prefill workers
+	decodes        int    // the orchestrator's decode workers
 	natsURL        string
 	mode           string // "read" or "write"
-	requests       int
+	requests       int    // in all (orchestrator), or this decode worker's
 	concurrency    int
 	promptTokens   int
 	model          Model
@@ -101,21 +132,31 @@ type config struct {
 	metrics        string // -metrics: where to serve /metrics; "": nowhere
 	wait           time.Duration
 	attemptTimeout time.Duration
+	prefillTime    time.Duration
 	decodeTime     time.Duration
-	corruptBlock   int // test hook: flip a byte of this block of the first request; -1: none
+	corruptBlock   int    // test hook: flip a byte of this block of the first request; -1: none
+	report         string // the orchestrator's: where a worker writes its workerReport; "": nowhere
 }
 
-// hiddenFlags are test hooks, left out of -help.
-var hiddenFlags = map[string]bool{"x-corrupt-block": true}
+// hiddenFlags are test hooks and the orchestrator's plumbing, left out of
+// -help.
+var hiddenFlags = map[string]bool{"x-corrupt-block": true, "x-report": true}
+
+// maxWorkers bounds -prefill and -decode: every worker is a process with a
+// KV pool of its own on this host.
+const maxWorkers = 16
 
 func parseFlags(args []string, stderr io.Writer) (config, *flag.FlagSet, error) {
 	c := config{model: llama3_8B}
 	fs := flag.NewFlagSet("prefill_decode", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.StringVar(&c.role, "role", "", "run one worker only: prefill or decode (default: start an orchestrator that runs both)")
+	fs.StringVar(&c.role, "role", "", "run one worker only: prefill or decode (default: start an orchestrator that runs the workers, -prefill and -decode of them)")
+	fs.IntVar(&c.prefills, "prefill", 1, fmt.Sprintf("prefill workers the orchestrator starts (without -role), 1 to %d; the NATS queue group %q spreads the requests among them", maxWorkers, queuePrefill))
+	fs.IntVar(&c.decodes, "decode", 1, fmt.Sprintf("decode workers the orchestrator starts (without -role), 1 to %d; -requests is split among them", maxWorkers))
+	fs.StringVar(&c.name, "name", "", "this worker's name in its output and the report (default: its role; the orchestrator names its workers prefill-1, prefill-2, ..., decode-1, ... when it runs several of a role)")
 	fs.StringVar(&c.natsURL, "nats", "", "NATS server URL (default: start an embedded server; required with -role)")
 	fs.StringVar(&c.mode, "mode", "read", "read: decode READs prefill's blocks; write: prefill WRITEs into decode's blocks")
-	fs.IntVar(&c.requests, "requests", 8, "requests the decode worker sends")
+	fs.IntVar(&c.requests, "requests", 8, "requests in all, split among the decode workers; with -role decode, the requests this worker sends")
 	fs.IntVar(&c.concurrency, "concurrency", 2, "requests in flight at once; the decode pool holds this many prompts, the prefill pool twice as many")
 	fs.IntVar(&c.promptTokens, "prompt-tokens", 512, "tokens in each prompt")
 	fs.IntVar(&c.model.Layers, "layers", c.model.Layers, "model: transformer layers")
@@ -123,14 +164,16 @@ func parseFlags(args []string, stderr io.Writer) (config, *flag.FlagSet, error) 
 	fs.IntVar(&c.model.HeadDim, "head-dim", c.model.HeadDim, "model: dimensions per head")
 	fs.IntVar(&c.model.BlockTokens, "block-tokens", c.model.BlockTokens, "model: tokens per KV block")
 	fs.StringVar(&c.model.DType, "dtype", c.model.DType, "model: element type: fp32, fp16, bf16 or fp8")
-	fs.Var(&c.device, "device", "where both workers keep their KV blocks: host (the default), cuda (GPU 0), cuda:N, or sim / sim:N (simulated GPUs, GOXFER_DEVICE=sim, for machines without one)")
+	fs.Var(&c.device, "device", "where the workers keep their KV blocks: host (the default), cuda (GPU 0), cuda:N, or sim / sim:N (simulated GPUs, GOXFER_DEVICE=sim, for machines without one)")
 	fs.BoolVar(&c.compact, "compact-tokens", true, "hand out compact tokens, resolved through the presence registry")
 	fs.StringVar(&c.listen, "listen", "127.0.0.1:0", "address the tcp backend listens on; use :0 when the workers are on different hosts")
-	fs.StringVar(&c.metrics, "metrics", "", "serve Prometheus metrics at http://ADDR/metrics, e.g. :9090 (default: none); without -role the prefill worker takes ADDR and the decode worker the next port")
+	fs.StringVar(&c.metrics, "metrics", "", "serve Prometheus metrics at http://ADDR/metrics, e.g. :9090 (default: none); without -role worker i takes ADDR's port + i, the prefill workers first: with -prefill 3 -decode 2, prefill-1 to prefill-3 on :9090 to :9092, decode-1 and decode-2 on :9093 and :9094 (port 0: each worker a free port)")
 	fs.DurationVar(&c.wait, "wait", 15*time.Second, "how long the decode worker waits for a prefill worker to answer")
 	fs.DurationVar(&c.attemptTimeout, "attempt-timeout", 5*time.Second, "how long one attempt of a hand-off may take before it is retried")
+	fs.DurationVar(&c.prefillTime, "prefill-time", 0, "simulated prefill (forward pass) time per request, holding its KV blocks, before they are handed off")
 	fs.DurationVar(&c.decodeTime, "decode-time", 0, "simulated decoding time per request, holding its KV blocks, after they are verified")
 	fs.IntVar(&c.corruptBlock, "x-corrupt-block", -1, "test hook: the prefill worker flips one byte of this block of the first request it fills")
+	fs.StringVar(&c.report, "x-report", "", "the orchestrator's: write this worker's figures as JSON to this file when it ends")
 	fs.Usage = func() {
 		w := fs.Output()
 		fmt.Fprintf(w, "Usage: prefill_decode [flags]\n\nRuns a disaggregated prefill → decode KV-cache hand-off over goxfer and NATS.\n\nFlags:\n")
@@ -152,6 +195,9 @@ func parseFlags(args []string, stderr io.Writer) (config, *flag.FlagSet, error) 
 		fs.Usage()
 		return c, fs, err
 	}
+	if c.name == "" {
+		c.name = c.role
+	}
 	return c, fs, nil
 }
 
@@ -165,15 +211,21 @@ func (c config) validate(fs *flag.FlagSet) error {
 		return fmt.Errorf("-role %s needs -nats: the URL of the NATS server both workers use", c.role)
 	case c.mode != "read" && c.mode != "write":
 		return fmt.Errorf("-mode %q: want read or write", c.mode)
+	case c.role != "" && (c.prefills != 1 || c.decodes != 1):
+		return fmt.Errorf("-prefill and -decode are the orchestrator's (no -role): with -role, start one process per worker")
+	case c.prefills < 1 || c.prefills > maxWorkers || c.decodes < 1 || c.decodes > maxWorkers:
+		return fmt.Errorf("-prefill %d -decode %d: want 1 to %d of each", c.prefills, c.decodes, maxWorkers)
 	case c.requests < 1:
 		return fmt.Errorf("-requests %d: want at least 1", c.requests)
+	case c.requests < c.decodes:
+		return fmt.Errorf("-requests %d -decode %d: want at least one request per decode worker", c.requests, c.decodes)
 	case c.concurrency < 1 || c.concurrency > 64:
 		return fmt.Errorf("-concurrency %d: want 1 to 64", c.concurrency)
-	case c.wait <= 0 || c.attemptTimeout <= 0 || c.decodeTime < 0:
-		return fmt.Errorf("-wait, -attempt-timeout and -decode-time must be positive durations")
+	case c.wait <= 0 || c.attemptTimeout <= 0 || c.prefillTime < 0 || c.decodeTime < 0:
+		return fmt.Errorf("-wait, -attempt-timeout, -prefill-time and -decode-time must be positive durations")
 	}
 	if c.metrics != "" {
-		if _, err := metricsAddr(c.metrics, 1); err != nil {
+		if _, err := metricsAddr(c.metrics, c.prefills+c.decodes-1); err != nil {
 			return fmt.Errorf("-metrics %q: want host:port or :port: %w", c.metrics, err)
 		}
 	}
@@ -187,7 +239,34 @@ func (c config) validate(fs *flag.FlagSet) error {
 	if pool := 2 * int64(c.concurrency) * l.Bytes(); pool > 16<<30 {
 		return fmt.Errorf("the prefill worker's KV pool would take %s (2 × %d prompts of %s): lower -concurrency or -prompt-tokens", sizeString(pool), c.concurrency, sizeString(l.Bytes()))
 	}
+	if c.role == "" {
+		// The orchestrator's workers all run on this host.
+		prompts := int64(c.concurrency) * int64(2*c.prefills+c.decodes)
+		if all := prompts * l.Bytes(); all > 16<<30 {
+			return fmt.Errorf("the workers' KV pools would take %s in all (%d prefill × 2 × %d prompts + %d decode × %d prompts, of %s each): lower -prefill, -decode, -concurrency or -prompt-tokens",
+				sizeString(all), c.prefills, c.concurrency, c.decodes, c.concurrency, sizeString(l.Bytes()))
+		}
+	}
 	return nil
+}
+
+// workerName returns the name of the orchestrator's i-th worker (from 0)
+// of count in role: the role alone when it is the only one.
+func workerName(role string, i, count int) string {
+	if count == 1 {
+		return role
+	}
+	return fmt.Sprintf("%s-%d", role, i+1)
+}
+
+// share returns how many of requests the i-th of n decode workers sends:
+// an even split, the first ones taking one more when it does not divide.
+func share(requests, i, n int) int {
+	s := requests / n
+	if i < requests%n {
+		s++
+	}
+	return s
 }
 
 // envRunMain, set to 1, makes the package's test binary run main: the tests
@@ -216,8 +295,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return 1
 	}
 	out := &lineWriter{w: stdout}
-	name := cfg.role
-	if name == "" {
+	name := cfg.name
+	if cfg.role == "" {
 		name = "orchestrator"
 	}
 
@@ -291,9 +370,18 @@ type signalError struct{ os.Signal }
 
 func (e signalError) Error() string { return "interrupted by " + e.Signal.String() }
 
+// signalOf returns the signal that cancelled ctx; SIGTERM if none did.
+func signalOf(ctx context.Context) os.Signal {
+	var sig signalError
+	if errors.As(context.Cause(ctx), &sig) {
+		return sig.Signal
+	}
+	return syscall.SIGTERM
+}
+
 // orchestrator runs the default job: an embedded NATS server (unless
-// -nats), a prefill worker and a decode worker, each a child process
-// running this binary with -role.
+// -nats), -prefill prefill workers and -decode decode workers, each a
+// child process running this binary with -role.
 type orchestrator struct {
 	cfg         config
 	fs          *flag.FlagSet
@@ -301,6 +389,7 @@ type orchestrator struct {
 
 	mu      sync.Mutex
 	workers []*child
+	exited  chan *child // each worker once it has exited; room for all
 }
 
 // stopGrace is how long a worker asked to stop may take before it is killed.
@@ -311,13 +400,21 @@ func (o *orchestrator) run(ctx context.Context) error {
 	l, _ := cfg.model.LayoutFor(cfg.promptTokens)
 	fmt.Fprintf(o.out, "goxfer prefill → decode: %s mode, %d requests of %d tokens, %d in flight\n",
 		strings.ToUpper(cfg.mode), cfg.requests, cfg.promptTokens, cfg.concurrency)
+	if cfg.prefills > 1 || cfg.decodes > 1 {
+		fmt.Fprintf(o.out, "workers: %d prefill, %d decode; each decode worker sends its share of the requests, %d in flight, and the NATS queue group %q picks the prefill worker of each\n",
+			cfg.prefills, cfg.decodes, cfg.concurrency, queuePrefill)
+	}
 	fmt.Fprintf(o.out, "model: %v\n", cfg.model)
 	fmt.Fprintf(o.out, "KV cache of one prompt: %d layers × (K + V) × %d blocks = %d blocks, %s\n",
 		l.Layers, l.BlocksPerSeq, l.Blocks(), sizeString(l.Bytes()))
+	every := "both workers"
+	if cfg.prefills+cfg.decodes > 2 {
+		every = "every worker"
+	}
 	if cfg.device.gpuMemory() {
-		fmt.Fprintf(o.out, "KV blocks: %s, in both workers; decode copies them back to host memory to verify every byte\n", cfg.device.describe())
+		fmt.Fprintf(o.out, "KV blocks: %s, in %s; decode copies them back to host memory to verify every byte\n", cfg.device.describe(), every)
 	} else {
-		fmt.Fprintf(o.out, "KV blocks: host memory, in both workers\n")
+		fmt.Fprintf(o.out, "KV blocks: host memory, in %s\n", every)
 	}
 
 	url := cfg.natsURL
@@ -332,96 +429,239 @@ func (o *orchestrator) run(ctx context.Context) error {
 	} else {
 		fmt.Fprintf(o.out, "nats: using %s\n", url)
 	}
+	// The orchestrator hears the prefill workers say they are ready, so
+	// that the decode workers start once all of them take requests; then
+	// it needs NATS no more.
+	nc, err := connectNATS(url, "goxfer-example-orchestrator", o.out)
+	if err != nil {
+		return err
+	}
+	defer nc.Close()
+	readyMsgs := make(chan *nats.Msg, cfg.prefills)
+	if _, err := nc.ChanSubscribe(subjectReady, readyMsgs); err != nil {
+		return fmt.Errorf("subscribe to %s: %w", subjectReady, err)
+	}
+	if err := nc.Flush(); err != nil {
+		return fmt.Errorf("subscribe to %s: %w", subjectReady, err)
+	}
 
 	exe, err := os.Executable()
 	if err != nil {
 		return fmt.Errorf("find this program to start the workers: %w", err)
 	}
-	// The workers get the flags given here, except the role and NATS URL,
-	// and each its own -metrics address.
+	reports, err := os.MkdirTemp("", "prefill_decode-")
+	if err != nil {
+		return fmt.Errorf("make a folder for the workers' reports: %w", err)
+	}
+	defer os.RemoveAll(reports)
+	// The workers get the flags given here, except those that say which
+	// workers to run, and each its name, -metrics address and report file;
+	// each decode worker its share of the requests.
 	var args []string
 	o.fs.Visit(func(f *flag.Flag) {
-		if f.Name != "role" && f.Name != "nats" && f.Name != "metrics" {
+		switch f.Name {
+		case "role", "nats", "metrics", "name", "prefill", "decode", "requests", "x-report":
+		default:
 			args = append(args, "-"+f.Name+"="+f.Value.String())
 		}
 	})
+	o.exited = make(chan *child, cfg.prefills+cfg.decodes)
 	start := time.Now()
-	prefill, err := o.start(exe, "prefill", url, withMetrics(args, cfg.metrics, 0))
-	if err != nil {
-		return err
-	}
-	decode, err := o.start(exe, "decode", url, withMetrics(args, cfg.metrics, 1))
-	if err != nil {
-		prefill.stop(syscall.SIGTERM)
-		<-prefill.done
-		return err
-	}
-	fmt.Fprintf(o.out, "started the prefill worker (pid %d) and the decode worker (pid %d)\n", prefill.pid(), decode.pid())
-
-	// The run ends when the decode worker has sent every request. The
-	// prefill worker serves until told to stop; if it ends first, the
-	// decode worker cannot finish.
-	var runErr error
-	select {
-	case <-decode.done:
-		if decode.err != nil {
-			runErr = fmt.Errorf("the decode worker failed: %w", decode.err)
+	var prefills, decodes []*child
+	startWorker := func(role string, i, count, n int, extra ...string) error {
+		name := workerName(role, i, count)
+		wargs := append(slices.Clip(args), "-name="+name, "-x-report="+filepath.Join(reports, name+".json"))
+		if cfg.metrics != "" {
+			addr, _ := metricsAddr(cfg.metrics, n) // validated with the flags
+			wargs = append(wargs, "-metrics="+addr)
 		}
-	case <-prefill.done:
-		runErr = fmt.Errorf("the prefill worker ended before the decode worker finished: %v", exitString(prefill.err))
-	case <-ctx.Done():
-		// Pass the signal on: the workers run in process groups of their
-		// own, so a Ctrl-C in the terminal reaches only this process.
-		var sig signalError
-		errors.As(context.Cause(ctx), &sig)
-		prefill.stop(sig.Signal)
-		decode.stop(sig.Signal)
-		<-prefill.done
-		<-decode.done
+		w, err := o.start(exe, role, name, url, append(wargs, extra...))
+		if err != nil {
+			return err
+		}
+		if role == "prefill" {
+			prefills = append(prefills, w)
+		} else {
+			decodes = append(decodes, w)
+		}
 		return nil
 	}
-	decode.stop(syscall.SIGTERM)
-	prefill.stop(syscall.SIGTERM)
-	<-decode.done
-	<-prefill.done
-	if runErr == nil && prefill.err != nil {
-		runErr = fmt.Errorf("the prefill worker failed while stopping: %w", prefill.err)
+	for i := range cfg.prefills {
+		if err = startWorker("prefill", i, cfg.prefills, i); err != nil {
+			break
+		}
 	}
-	if runErr != nil {
-		return runErr
+	if err == nil {
+		o.awaitReady(ctx, readyMsgs, cfg.prefills)
+		nc.Close()
+		if ctx.Err() != nil {
+			o.stopAll(signalOf(ctx))
+			return nil
+		}
+		for i := range cfg.decodes {
+			n := share(cfg.requests, i, cfg.decodes)
+			if err = startWorker("decode", i, cfg.decodes, cfg.prefills+i, "-requests="+strconv.Itoa(n)); err != nil {
+				break
+			}
+		}
 	}
-	fmt.Fprintf(o.out, "done in %v: every request completed and every byte verified\n", time.Since(start).Round(time.Millisecond))
+	if err != nil {
+		o.stopAll(syscall.SIGTERM)
+		return err
+	}
+	o.mu.Lock()
+	var started []string
+	for _, w := range o.workers {
+		started = append(started, fmt.Sprintf("%s (pid %d)", w.who(), w.pid()))
+	}
+	o.mu.Unlock()
+	fmt.Fprintf(o.out, "started %s\n", andList(started))
+
+	// The run ends when every decode worker has sent its requests. The
+	// prefill workers serve until told to stop; one that ends first leaves
+	// its requests to the others (a request it held is retried, and the
+	// queue group hands it to another), but with none left the decode
+	// workers cannot finish.
+	var errs []error
+	early := map[*child]bool{} // prefill workers that ended before they were told to stop
+	for left := len(decodes); left > 0; {
+		select {
+		case w := <-o.exited:
+			if w.role == "decode" {
+				left--
+				if w.err != nil {
+					errs = append(errs, fmt.Errorf("%s failed: %w", w.who(), w.err))
+				}
+				continue
+			}
+			early[w] = true
+			live := len(prefills) - len(early)
+			switch {
+			case len(prefills) == 1:
+				errs = append(errs, fmt.Errorf("the prefill worker ended before the decode %s finished: %v", plural(len(decodes), "worker"), exitString(w.err)))
+				left = 0
+			case live == 0:
+				errs = append(errs, fmt.Errorf("every prefill worker ended before the decode %s finished; the last, %s: %v", plural(len(decodes), "worker"), w.name, exitString(w.err)))
+				left = 0
+			default:
+				fmt.Fprintf(o.out, "%s ended early (%v); the other %d prefill %s take its requests\n", w.name, exitString(w.err), live, plural(live, "worker"))
+			}
+		case <-ctx.Done():
+			// Pass the signal on: the workers run in process groups of
+			// their own, so a Ctrl-C in the terminal reaches only this
+			// process.
+			o.stopAll(signalOf(ctx))
+			return nil
+		}
+	}
+	elapsed := time.Since(start)
+	// The decode workers have all exited, unless every prefill worker
+	// ended first.
+	for _, w := range decodes {
+		w.stop(syscall.SIGTERM)
+		<-w.done
+	}
+	for _, w := range prefills {
+		w.stop(syscall.SIGTERM)
+	}
+	for _, w := range prefills {
+		<-w.done
+		if !early[w] && w.err != nil {
+			errs = append(errs, fmt.Errorf("%s failed while stopping: %w", w.who(), w.err))
+		}
+	}
+	o.mu.Lock()
+	workers := slices.Clone(o.workers)
+	o.mu.Unlock()
+	printReport(o.out, workers, reports)
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
+	fmt.Fprintf(o.out, "done in %v: every request completed and every byte verified\n", elapsed.Round(time.Millisecond))
 	return nil
 }
 
-// withMetrics returns args with the -metrics flag of the i-th worker
-// (metricsAddr), if base is not empty.
-func withMetrics(args []string, base string, i int) []string {
-	if base == "" {
-		return args
+// awaitReady waits until n prefill workers have said they are ready on
+// msgs, or -wait has passed, or one of them has exited. The decode workers
+// start either way: they wait for a prefill worker themselves, and say so
+// if none comes.
+func (o *orchestrator) awaitReady(ctx context.Context, msgs <-chan *nats.Msg, n int) {
+	timeout := time.NewTimer(o.cfg.wait)
+	defer timeout.Stop()
+	ours := map[string]bool{}
+	for i := range n {
+		ours[workerName("prefill", i, n)] = true
 	}
-	addr, _ := metricsAddr(base, i) // validated with the flags
-	return append(args[:len(args):len(args)], "-metrics="+addr)
+	// A prefill worker of someone else's on the same NATS server may speak
+	// too: only ours count.
+	ready := map[string]bool{}
+	for len(ready) < n {
+		select {
+		case m := <-msgs:
+			var h helloReply
+			if json.Unmarshal(m.Data, &h) == nil && ours[h.Worker] {
+				ready[h.Worker] = true
+			}
+		case w := <-o.exited:
+			o.exited <- w // for run, which looks at every exit; there is room
+			return
+		case <-timeout.C:
+			fmt.Fprintf(o.out, "%d of %d prefill workers said they were ready within %v (-wait); starting the decode workers anyway\n", len(ready), n, o.cfg.wait)
+			return
+		case <-ctx.Done():
+			return
+		}
+	}
 }
 
-// start runs this program as a worker in role, its output prefixed with
-// the role.
-func (o *orchestrator) start(exe, role, url string, args []string) (*child, error) {
+// stopAll asks every worker to stop with sig and waits until they have.
+func (o *orchestrator) stopAll(sig os.Signal) {
+	o.mu.Lock()
+	workers := slices.Clone(o.workers)
+	o.mu.Unlock()
+	for _, w := range workers {
+		w.stop(sig)
+	}
+	for _, w := range workers {
+		<-w.done
+	}
+}
+
+// plural returns word, with an s unless n is 1.
+func plural(n int, word string) string {
+	if n == 1 {
+		return word
+	}
+	return word + "s"
+}
+
+// andList joins items as a sentence does: "a", "a and b", "a, b and c".
+func andList(items []string) string {
+	if len(items) <= 1 {
+		return strings.Join(items, "")
+	}
+	return strings.Join(items[:len(items)-1], ", ") + " and " + items[len(items)-1]
+}
+
+// start runs this program as a worker in role, named name, its output
+// prefixed with the name.
+func (o *orchestrator) start(exe, role, name, url string, args []string) (*child, error) {
 	cmd := exec.Command(exe, append([]string{"-role", role, "-nats", url}, args...)...)
 	cmd.Env = append(os.Environ(), o.cfg.device.env()...)
-	cmd.Stdout = &prefixWriter{prefix: "[" + role + "] ", w: o.out}
-	cmd.Stderr = &prefixWriter{prefix: "[" + role + "] ", w: o.errOut}
+	cmd.Stdout = &prefixWriter{prefix: "[" + name + "] ", w: o.out}
+	cmd.Stderr = &prefixWriter{prefix: "[" + name + "] ", w: o.errOut}
 	cmd.SysProcAttr = workerProcAttr()
 	cmd.WaitDelay = time.Second // for the output pipes, once the worker has exited
 	if err := cmd.Start(); err != nil {
-		return nil, fmt.Errorf("start the %s worker: %w", role, err)
+		return nil, fmt.Errorf("start the %s worker %s: %w", role, name, err)
 	}
-	w := &child{role: role, cmd: cmd, done: make(chan struct{})}
+	w := &child{role: role, name: name, cmd: cmd, done: make(chan struct{})}
 	go func() {
 		w.err = cmd.Wait()
 		cmd.Stdout.(*prefixWriter).Flush()
 		cmd.Stderr.(*prefixWriter).Flush()
 		close(w.done)
+		o.exited <- w
 	}()
 	o.mu.Lock()
 	o.workers = append(o.workers, w)
@@ -441,6 +681,7 @@ func (o *orchestrator) kill() {
 // child is a worker running as a child process.
 type child struct {
 	role string
+	name string
 	cmd  *exec.Cmd
 	done chan struct{} // closed once it has exited and its output is flushed
 	err  error         // how it exited; read after done
@@ -448,6 +689,15 @@ type child struct {
 }
 
 func (w *child) pid() int { return w.cmd.Process.Pid }
+
+// who names the worker in a sentence: "the prefill worker" when it is the
+// only one of its role, else its name.
+func (w *child) who() string {
+	if w.name == w.role {
+		return "the " + w.role + " worker"
+	}
+	return w.name
+}
 
 // stop asks the worker to stop with sig, and kills it if it has not within
 // stopGrace.

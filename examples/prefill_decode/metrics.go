@@ -64,9 +64,11 @@ func (s *metricsServer) close() error {
 	return err
 }
 
-// metricsAddr is the -metrics address of the orchestrator's i-th worker
-// (prefill 0, decode 1): base's port plus i, so that the workers' servers
-// do not collide; port 0 stays 0, each worker taking a free port.
+// metricsAddr is the -metrics address of the orchestrator's i-th worker,
+// from 0, the prefill workers first (with -prefill 3 -decode 2: prefill-1
+// to prefill-3 are 0 to 2, decode-1 and decode-2 are 3 and 4): base's port
+// plus i, so that the workers' servers do not collide; port 0 stays 0,
+// each worker taking a free port.
 func metricsAddr(base string, i int) (string, error) {
 	host, port, err := net.SplitHostPort(base)
 	if err != nil {

@@ -41,6 +41,10 @@ type prefillWorker struct {
 	corrupted atomic.Bool // the x-corrupt-block test hook has fired
 	served    atomic.Int64
 	failed    atomic.Int64
+	moved     atomic.Int64 // bytes of KV cache in the hand-offs served
+
+	spanMu      sync.Mutex
+	first, last time.Time // the first request taken, the last hand-off done
 }
 
 // exposure is a prompt's KV cache, exposed for reading.
@@ -60,7 +64,7 @@ func runPrefill(ctx context.Context, cfg config, drv devmem.Driver, out io.Write
 	// Freed last, once the Connector is closed: no peer can reach it then.
 	defer func() { err = errors.Join(err, pool.Close()) }()
 	p := &prefillWorker{cfg: cfg, out: out, pool: pool, exposures: make(map[string]*exposure)}
-	ep, err := openEndpoint(ctx, cfg, drv, "prefill", out)
+	ep, err := openEndpoint(ctx, cfg, drv, out)
 	if err != nil {
 		return err
 	}
@@ -68,10 +72,8 @@ func runPrefill(ctx context.Context, cfg config, drv devmem.Driver, out io.Write
 	nc, conn := ep.nc, ep.conn
 	p.nc, p.conn = nc, conn
 
-	hello, err := nc.QueueSubscribe(subjectHello, queuePrefill, func(m *nats.Msg) {
-		b, _ := json.Marshal(helloReply{Agent: conn.AgentInfo().ID().String(), Model: cfg.model})
-		_ = m.Respond(b)
-	})
+	me, _ := json.Marshal(helloReply{Agent: conn.AgentInfo().ID().String(), Worker: cfg.name, Model: cfg.model})
+	hello, err := nc.QueueSubscribe(subjectHello, queuePrefill, func(m *nats.Msg) { _ = m.Respond(me) })
 	if err != nil {
 		return fmt.Errorf("subscribe to %s: %w", subjectHello, err)
 	}
@@ -91,6 +93,9 @@ func runPrefill(ctx context.Context, cfg config, drv devmem.Driver, out io.Write
 
 	fmt.Fprintf(out, "agent %s ready: READ requests on %q, WRITE offers on %q, KV pool of %d blocks (%s) in %s\n",
 		conn.AgentInfo().ID(), subjectRead, subjectOffer, p.pool.Cap(), sizeString(int64(p.pool.Cap())*int64(cfg.model.BlockBytes())), cfg.device.describe())
+	// For an orchestrator waiting to start its decode workers; nobody may
+	// listen, and a message lost only makes it wait -wait.
+	_ = nc.Publish(subjectReady, me)
 
 	<-ctx.Done()
 	// Stop taking work, revoke the exposures nobody has read yet, and wait
@@ -98,8 +103,39 @@ func runPrefill(ctx context.Context, cfg config, drv devmem.Driver, out io.Write
 	err = errors.Join(svc.Close(), offers.Close())
 	p.closeExposures()
 	p.wg.Wait()
-	fmt.Fprintf(out, "stopped: %d hand-offs served, %d failed\n", p.served.Load(), p.failed.Load())
-	return err
+	r := p.report()
+	fmt.Fprintf(out, "stopped: %d hand-offs served, %d failed; %s of KV cache, %s, %s from the first request taken to the last hand-off done (%v)\n",
+		r.Requests, r.Failed, sizeString(r.Bytes), reqRate(r.Requests, r.End.Sub(r.Start)), rate(r.Bytes, r.End.Sub(r.Start)), ms(r.End.Sub(r.Start)))
+	return errors.Join(err, r.write(cfg.report))
+}
+
+// report returns the worker's figures.
+func (p *prefillWorker) report() workerReport {
+	p.spanMu.Lock()
+	defer p.spanMu.Unlock()
+	return workerReport{
+		Name: p.cfg.name, Role: "prefill", Agent: p.conn.AgentInfo().ID().String(),
+		Requests: int(p.served.Load()), Failed: int(p.failed.Load()), Bytes: p.moved.Load(),
+		Start: p.first, End: p.last,
+	}
+}
+
+// took notes that a request was taken, at its arrival.
+func (p *prefillWorker) took() {
+	p.spanMu.Lock()
+	defer p.spanMu.Unlock()
+	if p.first.IsZero() {
+		p.first = time.Now()
+	}
+}
+
+// handedOff counts a hand-off of l's KV cache served.
+func (p *prefillWorker) handedOff(l Layout) {
+	p.served.Add(1)
+	p.moved.Add(l.Bytes())
+	p.spanMu.Lock()
+	p.last = time.Now()
+	p.spanMu.Unlock()
 }
 
 // prefill does the prefill worker's actual work for one request: it takes
@@ -122,6 +158,10 @@ func (p *prefillWorker) prefill(ctx context.Context, r kvRequest, l Layout) (*Bl
 	if err := FillKV(l, r.ID, blocks, tamper); err != nil {
 		blocks.Release()
 		return nil, err
+	}
+	if !sleep(ctx, p.cfg.prefillTime) {
+		blocks.Release()
+		return nil, context.Cause(ctx)
 	}
 	return blocks, nil
 }
@@ -164,6 +204,7 @@ func (p *prefillWorker) serveRead(ctx context.Context, req *gxnats.ServiceReques
 		return nil, &gxnats.HandlerError{Code: "bad-request", Message: err.Error()}
 	}
 	arrival := p.arrive()
+	p.took()
 	blocks, err := p.prefill(ctx, r, l)
 	if err != nil {
 		return nil, fmt.Errorf("request %s: %w", r.ID, err)
@@ -188,7 +229,7 @@ func (p *prefillWorker) serveRead(ctx context.Context, req *gxnats.ServiceReques
 	}
 	p.wg.Add(1)
 	go p.awaitRead(r, l, op, blocks, md.EncodedLen(), full)
-	data, _ := json.Marshal(kvReply{ID: r.ID, Blocks: l.Blocks()})
+	data, _ := json.Marshal(kvReply{ID: r.ID, Blocks: l.Blocks(), Worker: p.cfg.name})
 	return &gxnats.Reply{Metadata: md, Data: data}, nil
 }
 
@@ -261,7 +302,7 @@ func (p *prefillWorker) awaitRead(r kvRequest, l Layout, op *connect.ReadableOpe
 		fmt.Fprintf(p.out, "request %s: %d blocks not read, released: %v\n", r.ID, l.Blocks(), err)
 		return
 	}
-	p.served.Add(1)
+	p.handedOff(l)
 	fmt.Fprintf(p.out, "request %s: %d blocks (%s) exposed with a %s token (%s full), read by decode in %v, released\n",
 		r.ID, l.Blocks(), sizeString(l.Bytes()), sizeString(int64(tokenSize)), sizeString(int64(fullSize)), ms(time.Since(start)))
 }
@@ -320,6 +361,7 @@ func (p *prefillWorker) write(ctx context.Context, offer *gxnats.Offer) error {
 	if md.Len() != l.Blocks() {
 		return fmt.Errorf("request %s: want a token for %d blocks, found %d", r.ID, l.Blocks(), md.Len())
 	}
+	p.took()
 	ctx, cancel := context.WithTimeout(ctx, exposeTimeout)
 	defer cancel()
 	blocks, err := p.prefill(ctx, r, l)
@@ -336,7 +378,7 @@ func (p *prefillWorker) write(ctx context.Context, offer *gxnats.Offer) error {
 		return fmt.Errorf("request %s: write: %w", r.ID, err)
 	}
 	d := time.Since(start)
-	p.served.Add(1)
+	p.handedOff(l)
 	fmt.Fprintf(p.out, "request %s: wrote %d blocks (%s) into decode's in %v, %s via %s, path %s\n",
 		r.ID, l.Blocks(), sizeString(l.Bytes()), ms(d), rate(l.Bytes(), d), op.Backend(), op.Path())
 	return nil

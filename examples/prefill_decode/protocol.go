@@ -16,8 +16,8 @@ import (
 	gxnats "github.com/goxfer/goxfer/transport/nats"
 )
 
-// The NATS subjects the two workers talk on. Each is served by a queue
-// group, so several prefill workers may share the load.
+// The NATS subjects the workers talk on. The prefill workers serve them in
+// a queue group, so that several share the load.
 const (
 	// subjectHello is a plain NATS request/reply: "which model do you
 	// serve?". The decode worker asks it until a prefill worker answers,
@@ -32,14 +32,21 @@ const (
 	// blocks with a kvRequest, and a prefill worker writes the KV cache
 	// into them.
 	subjectOffer = "goxfer.example.kv.offer"
-	// queuePrefill is the queue group of the prefill workers.
+	// subjectReady is where each prefill worker says, once, that it takes
+	// requests (a helloReply; no queue group): the orchestrator starts
+	// the decode workers once all of its prefill workers have.
+	subjectReady = "goxfer.example.prefill.ready"
+	// queuePrefill is the queue group of the prefill workers: NATS hands
+	// each request and offer to one of them, picked at random.
 	queuePrefill = "prefill"
 )
 
-// helloReply is a prefill worker's answer on subjectHello.
+// helloReply is a prefill worker's answer on subjectHello, and what it says
+// on subjectReady.
 type helloReply struct {
-	Agent string `json:"agent"` // its Connector's agent ID
-	Model Model  `json:"model"`
+	Agent  string `json:"agent"` // its Connector's agent ID
+	Worker string `json:"worker,omitempty"`
+	Model  Model  `json:"model"`
 }
 
 // kvRequest asks for the KV cache of one prompt. ID names the request:
@@ -51,11 +58,12 @@ type kvRequest struct {
 	PromptTokens int    `json:"prompt_tokens"`
 }
 
-// kvReply goes with a READ token: the request it answers and how many
-// blocks the token names.
+// kvReply goes with a READ token: the request it answers, how many blocks
+// the token names, and the prefill worker that serves them (its -name).
 type kvReply struct {
 	ID     string `json:"id"`
 	Blocks int    `json:"blocks"`
+	Worker string `json:"worker,omitempty"`
 }
 
 // connectNATS connects to the NATS server at url as name. The connection
@@ -103,8 +111,8 @@ type endpoint struct {
 // registry, so that peers can resolve its compact tokens and notice when it
 // goes away. drv, if not nil, is the driver of the worker's GPU memory,
 // which the Connector then uses to check and stage it.
-func openEndpoint(ctx context.Context, cfg config, drv devmem.Driver, role string, out io.Writer) (*endpoint, error) {
-	nc, err := connectNATS(cfg.natsURL, "goxfer-example-"+role, out)
+func openEndpoint(ctx context.Context, cfg config, drv devmem.Driver, out io.Writer) (*endpoint, error) {
+	nc, err := connectNATS(cfg.natsURL, "goxfer-example-"+cfg.name, out)
 	if err != nil {
 		return nil, err
 	}
