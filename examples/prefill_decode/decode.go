@@ -385,7 +385,7 @@ func (d *decodeWorker) summarize(rs []result, elapsed time.Duration) error {
 	var latencies, transfers []time.Duration
 	type via struct{ backend, path string }
 	backends := map[via]int{}
-	servers := map[string]int{} // READ: requests completed, by the prefill worker that served them
+	servers := map[string]int{} // READ: requests completed, by the prefill worker that served them; shown if several did
 	for _, r := range rs {
 		if r.attempts > 1 {
 			retried++
@@ -427,7 +427,7 @@ func (d *decodeWorker) summarize(rs []result, elapsed time.Duration) error {
 		fmt.Fprintf(d.out, "  transfer, BeginRead → Wait: p50 %v (%s)  p99 %v  backend %s\n",
 			ms(percentile(transfers, 50)), rate(d.layout.Bytes(), percentile(transfers, 50)), ms(percentile(transfers, 99)), strings.Join(names, ", "))
 	}
-	if len(servers) > 0 {
+	if len(servers) > 1 {
 		var names []string
 		for s, n := range servers {
 			names = append(names, fmt.Sprintf("%s ×%d", s, n))
