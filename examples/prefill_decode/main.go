@@ -562,7 +562,12 @@ func (o *orchestrator) run(ctx context.Context) error {
 		<-w.done
 	}
 	for _, w := range prefills {
-		w.stop(syscall.SIGTERM)
+		select {
+		case <-w.done: // it ended before its exit reached the loop above
+			early[w] = true
+		default:
+			w.stop(syscall.SIGTERM)
+		}
 	}
 	for _, w := range prefills {
 		<-w.done
