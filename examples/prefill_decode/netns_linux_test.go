@@ -175,7 +175,9 @@ func worker(t *testing.T, h *netns.Host, name string, args ...string) *hostProc 
 
 // The example across hosts: NATS on one (network namespaces joined by a
 // bridge, internal/netns), a prefill worker on a second, listening on its
-// address, a decode worker on a third; READ then WRITE, every byte
+// address, a decode worker on a third, listening on :0 as the package
+// documentation has it (tcp advertises the host's address, which prefill's
+// WRITEs reach); READ then WRITE, every byte
 // verified, over tcp (the hosts share no network namespace, so cma cannot
 // reach across), with compact tokens resolved through the registry.
 func TestExampleAcrossHosts(t *testing.T) {
@@ -197,7 +199,7 @@ func TestExampleAcrossHosts(t *testing.T) {
 			const requests = 8
 			readPath := regexp.MustCompile(`backend=(\S+) path=(\S+)`)
 			for _, mode := range []string{"read", "write"} {
-				decode := worker(t, decodeHost, "decode "+mode, "-role", "decode", "-nats", url, "-listen", decodeHost.AddrPort(0).String(),
+				decode := worker(t, decodeHost, "decode "+mode, "-role", "decode", "-nats", url, "-listen", ":0",
 					"-mode", mode, "-requests", fmt.Sprint(requests))
 				require.Equal(t, 0, decode.exit(2*time.Minute), "decode, %s mode; output:\n%s", mode, decode.output())
 				out := decode.output()
