@@ -174,10 +174,10 @@ func worker(t *testing.T, h *netns.Host, name string, args ...string) *hostProc 
 }
 
 // The example across hosts: NATS on one (network namespaces joined by a
-// bridge, internal/netns), a prefill worker on a second, listening on its
-// address, a decode worker on a third, listening on :0 as the package
-// documentation has it (tcp advertises the host's address, which prefill's
-// WRITEs reach); READ then WRITE, every byte
+// bridge, internal/netns), a prefill worker on each of two more (one
+// listening on its address, the other on :0), a decode worker on a fourth,
+// listening on :0 as the package documentation has it (tcp advertises the
+// host's address, which the WRITEs reach); READ then WRITE, every byte
 // verified, over tcp (the hosts share no network namespace, so cma cannot
 // reach across), with compact tokens resolved through the registry.
 func TestExampleAcrossHosts(t *testing.T) {
@@ -189,12 +189,20 @@ func TestExampleAcrossHosts(t *testing.T) {
 	}
 	for _, server := range servers {
 		t.Run(server, func(t *testing.T) {
-			n := netns.New(t, 3)
-			natsHost, prefillHost, decodeHost := n.Hosts[0], n.Hosts[1], n.Hosts[2]
+			n := netns.New(t, 4)
+			natsHost, decodeHost := n.Hosts[0], n.Hosts[3]
 			url := startNATS(t, natsHost, server == "embedded")
 
-			prefill := worker(t, prefillHost, "prefill", "-role", "prefill", "-nats", url, "-listen", prefillHost.AddrPort(0).String())
-			prefill.await("ready", 30*time.Second)
+			// Two prefill hosts, one queue group: one listens on its
+			// address, the other on :0.
+			var prefills []*hostProc
+			for i, listen := range []string{n.Hosts[1].AddrPort(0).String(), ":0"} {
+				name := fmt.Sprintf("prefill %d", i+1)
+				prefills = append(prefills, worker(t, n.Hosts[1+i], name, "-role", "prefill", "-name", name, "-nats", url, "-listen", listen))
+			}
+			for _, p := range prefills {
+				p.await("ready", 30*time.Second)
+			}
 
 			const requests = 8
 			readPath := regexp.MustCompile(`backend=(\S+) path=(\S+)`)
@@ -213,25 +221,28 @@ func TestExampleAcrossHosts(t *testing.T) {
 					}
 				}
 			}
-			// Every WRITE went from prefill's host to decode's over tcp.
-			writes := regexp.MustCompile(`wrote .* via (\S+), path (\S+)`).FindAllStringSubmatch(prefill.output(), -1)
-			assert.Len(t, writes, requests, "prefill's WRITEs")
+
+			var writes, tokens [][]string
+			for _, p := range prefills {
+				require.NoError(t, p.cmd.Process.Signal(syscall.SIGTERM))
+				assert.Equal(t, 0, p.exit(30*time.Second), "%s, asked to stop", p.name)
+				t.Logf("%s's output:\n%s", p.name, p.output())
+				writes = append(writes, regexp.MustCompile(`wrote .* via (\S+), path (\S+)`).FindAllStringSubmatch(p.output(), -1)...)
+				tokens = append(tokens, regexp.MustCompile(`exposed with a (\d+) B token \((\d+) B full\)`).FindAllStringSubmatch(p.output(), -1)...)
+			}
+			// Every WRITE went from a prefill host to decode's over tcp.
+			assert.Len(t, writes, requests, "the prefill workers' WRITEs")
 			for _, m := range writes {
 				assert.Equal(t, []string{"tcp", "tcp"}, m[1:], "backend and path of a WRITE across hosts")
 			}
-			// READ tokens were compact: the decode worker resolved prefill's
-			// agent through the registry, across hosts.
-			tokens := regexp.MustCompile(`exposed with a (\d+) B token \((\d+) B full\)`).FindAllStringSubmatch(prefill.output(), -1)
-			assert.Len(t, tokens, requests, "prefill's READ exposures")
+			// READ tokens were compact: the decode worker resolved the
+			// prefill workers' agents through the registry, across hosts.
+			assert.Len(t, tokens, requests, "the prefill workers' READ exposures")
 			for _, m := range tokens {
 				compact, _ := strconv.Atoi(m[1])
 				full, _ := strconv.Atoi(m[2])
 				assert.Less(t, compact, full, "a compact token is shorter than the full one")
 			}
-
-			require.NoError(t, prefill.cmd.Process.Signal(syscall.SIGTERM))
-			assert.Equal(t, 0, prefill.exit(30*time.Second), "prefill, asked to stop")
-			t.Logf("prefill's output:\n%s", prefill.output())
 		})
 	}
 }
