@@ -245,9 +245,11 @@ type DeviceDirect interface {
 // peers a way to reach exposed memory without asking the agent for each
 // access: cma publishes the exposures that lie in shared host memory
 // (package shm) to its same-host peers, which map the segments and check a
-// revocation word before each copy. The agent calls Publish for every new
-// exposure of host memory in shared segments, before [Agent.Expose]
-// returns (so before any peer can hold its key), and Unpublish once when
+// revocation word before each copy, and those of other host memory, which
+// they copy with cross-memory attach after checking the same word. The
+// agent calls Publish for every new exposure (the backend ignores those it
+// cannot serve), before [Agent.Expose] returns (so before any peer can
+// hold its key), and Unpublish once when
 // it is revoked, after no new lease can be granted and before
 // [Exposure.Revoke] waits for the leases: Unpublish returns only once no
 // peer can touch the memory through what Publish handed out, bounded by

@@ -155,12 +155,12 @@ func (a *Agent) expose(acc Access, regions []Local, queue int, shared bool) (*Ex
 	}
 	a.exps[e.key] = e
 	a.expMu.Unlock()
-	if len(e.unpins) > 0 { // some memory lies in shared segments
-		for _, b := range a.backends {
-			if p, ok := b.(Publisher); ok {
-				p.Publish(Published{e})
-				e.published = append(e.published, p)
-			}
+	// Every exposure: a Publisher picks what it can serve (cma: memory in
+	// shared segments, and host memory by cross-memory attach).
+	for _, b := range a.backends {
+		if p, ok := b.(Publisher); ok {
+			p.Publish(Published{e})
+			e.published = append(e.published, p)
 		}
 	}
 	close(e.pubDone)
@@ -198,9 +198,10 @@ func (e *Exposure) Peer() uuid.UUID {
 // Use reports how many leases peers hold on the exposure now, and when one
 // last ended or a notification last arrived (the zero Time if never): an
 // exposure with no lease whose last use is old enough is unused. A lease
-// granted counts as a use too. A copy through a peer's mapping of shared
-// memory ([Publisher]) holds no lease: it is seen by the notification that
-// follows it.
+// granted counts as a use too. A copy made through what a [Publisher]
+// handed out (cma: a peer's mapping of shared memory, or its lease-free
+// cross-memory attach) holds no lease: it is seen by the notification
+// that follows it.
 func (e *Exposure) Use() (leases int, last time.Time) {
 	e.mu.Lock()
 	defer e.mu.Unlock()

@@ -111,7 +111,7 @@ func TestIPCPathChoice(t *testing.T) {
 		{"vram-vram", on, on2, true, true, Name + "+ipc"},
 		{"dram-vram", on, on2, false, true, Name + "+ipc"},
 		{"vram-dram", on, on2, true, false, Name + "+staging"},
-		{"dram-dram", on, on2, false, false, Name},
+		{"dram-dram", on, on2, false, false, Name + "+table"}, // host memory of one region: the lease table, no lease
 		{"off-active", off, on, true, true, Name + "+staging"},
 		{"off-passive", on, off, true, true, Name + "+staging"},
 		{"off-passive-dram", on, off, false, true, Name + "+staging"},

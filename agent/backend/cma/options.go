@@ -42,9 +42,12 @@ type config struct {
 	maxConnsPerProc int
 	maxHandshakes   int
 
-	ipc      bool
-	shm      bool // WithSharedMemory
-	ipcLease int  // the device path's window (WithDeviceWindow)
+	ipc bool
+	shm bool // WithSharedMemory
+	// leaseFree: exposures of ordinary host memory go in the lease
+	// table too (WithLeaseFree).
+	leaseFree bool
+	ipcLease  int // the device path's window (WithDeviceWindow)
 }
 
 // ipcLease is the device path's default window (ipc_linux.go): copies run
@@ -60,6 +63,7 @@ func defaults() config {
 		timeout:    4 * time.Second,
 		ptracer:    true,
 		shm:        true,
+		leaseFree:  true,
 		maxNotify:  64 << 10,
 		maxRanges:  4096,
 		leaseDepth: 2,
@@ -171,9 +175,30 @@ func WithDeviceWindow(n int) Option {
 // off where the processes on the host must not trust each other that far.
 // Off on either side turns it off for the pair; transfers then use leases
 // and cross-memory attach, as for memory on the Go heap.
+//
+// Off, it also turns off WithLeaseFree, whose lease table is the one
+// shared memory uses.
 func WithSharedMemory(on bool) Option {
 	return optionFunc(func(c *config) error {
 		c.shm = on
+		return nil
+	})
+}
+
+// WithLeaseFree turns the lease-free path for ordinary host memory on or
+// off. On (the default, with WithSharedMemory), an exposure of memory
+// outside shared segments (the Go heap, any host allocation) of a single
+// region is also published in each connection's lease table,
+// and a peer's transfer of it of at most 1 MiB enters the table's slot and
+// copies with process_vm_readv/writev at once, on the goroutine that posts
+// it, without a lease round trip (path "cma+table"); revocation waits for
+// such copies as for copies through shared memory (docs/shm.md). Larger
+// transfers, exposures of several regions, and those the table had no
+// room for, use leases. Off on either side turns it off for the pair: the exposing side
+// publishes no such exposure, the copier uses none.
+func WithLeaseFree(on bool) Option {
+	return optionFunc(func(c *config) error {
+		c.leaseFree = on
 		return nil
 	})
 }

@@ -151,6 +151,9 @@ type slotView struct {
 	// all: segs names every segment the exposure lies in (it lies in
 	// at most slotSegs), so a range in any other is not the exposure's.
 	all bool
+	// whole: the exposure lies in no segment and its regions cover
+	// [lo, hi) with no gap (slotWhole): any range inside is its memory.
+	whole bool
 }
 
 // readSlot reads slot i's publication (a hint until the slot is entered).
@@ -158,6 +161,7 @@ func readSlot(table []byte, i int) slotView {
 	b := slotBytes(table, i)
 	v := slotView{hash: load16(b[16:]), lo: load64(b[32:]), hi: load64(b[40:]), acc: agent.Access(load32(b[48:]))}
 	total := load32(b[52:])
+	v.whole = total == 0 && load32(b[56:])&slotWhole != 0
 	v.all = total <= slotSegs
 	n := min(int(total), slotSegs)
 	for j := range n {
@@ -182,6 +186,11 @@ func putSlot(table []byte, i int, v slotView, nsegs int, stamp uint64) {
 	store64(b[40:], v.hi)
 	store32(b[48:], uint32(v.acc))
 	store32(b[52:], uint32(nsegs))
+	var flags uint32
+	if v.whole {
+		flags = slotWhole
+	}
+	store32(b[56:], flags)
 	store16(b[64:], [16]byte{})
 	for j := range slotSegs {
 		var id uint64
@@ -251,8 +260,10 @@ type shmFrame struct {
 
 // Publish implements [agent.Publisher]: an exposure whose memory lies in
 // shared segments is written into the lease table of every connection that
-// agreed shared memory, and its segments sent to those that lack them.
-// Exposures of other memory are ignored. Safe for concurrent use.
+// agreed shared memory, and its segments sent to those that lack them. So
+// is one of a single region of other host memory (WithLeaseFree), for
+// copies by cross-memory attach. Other exposures are ignored. Safe for
+// concurrent use.
 func (b *Backend) Publish(x agent.Published) {
 	regions := x.Regions()
 	if !b.cfg.shm || len(regions) == 0 {
@@ -273,7 +284,10 @@ func (b *Backend) Publish(x agent.Published) {
 		}
 	}
 	if len(pe.segs) == 0 {
-		return
+		if !b.cfg.leaseFree || !whole(regions) {
+			return
+		}
+		pe.view.whole = true
 	}
 	b.pub.mu.Lock()
 	defer b.pub.mu.Unlock()
@@ -284,6 +298,16 @@ func (b *Backend) Publish(x agent.Published) {
 	for s := range b.pub.conns {
 		s.publishLocked(key, pe)
 	}
+}
+
+// whole reports whether an exposure of regions may be published for
+// cross-memory attach (slotWhole): one region of host memory, so that a
+// copier checking a range against the slot's span checks it exactly as a
+// lease would (agent.Lease.Slice: inside one region). Several regions,
+// even touching, go to leases: a range across two of them is refused
+// there.
+func whole(regions []agent.Region) bool {
+	return len(regions) == 1 && regions[0].Kind == agent.KindDRAM && regions[0].Len > 0
 }
 
 // publishLocked writes pe into the connection's table, if a slot is free
@@ -811,6 +835,9 @@ type shmXfer struct {
 	w    slotWords
 	want uint64
 	held []*mapped
+	// vm: the exposure is not in shared memory (slotWhole): copied with
+	// cross-memory attach, inside the slot (copyVM).
+	vm bool
 }
 
 func (t *shmXfer) release() {
@@ -911,6 +938,9 @@ func (p *peer) resolveOnce(x *agent.Work, h [16]byte, ops []shmOp) (t *shmXfer, 
 	if want&3 != slotLive || v.acc != x.Op.Access() || !v.all {
 		return nil, false, nil
 	}
+	if v.whole {
+		return p.resolveWhole(x, tbl, slot, w, v, want), false, nil
+	}
 	var named [slotSegs]*segMap
 	for j, id := range v.segs {
 		if sp.unmapped[id] {
@@ -970,6 +1000,29 @@ func (p *peer) resolveOnce(x *agent.Work, h [16]byte, ops []shmOp) (t *shmXfer, 
 	return t, false, nil
 }
 
+// resolveWhole is resolveOnce for an exposure of ordinary host memory
+// (slotWhole): x is copied with cross-memory attach inside the slot if
+// every range is nonempty and lies in the exposure's span (its one
+// region), it is small enough to be
+// copied on the posting goroutine (shmInline) and WithLeaseFree is on
+// here; else nil, and leases serve it. The caller holds p.sh.mu.
+func (p *peer) resolveWhole(x *agent.Work, tbl []byte, slot int, w slotWords, v slotView, want uint64) *shmXfer {
+	if !p.b.cfg.leaseFree || x.Bytes() > shmInline {
+		return nil
+	}
+	for i := range x.Segments {
+		sg := &x.Segments[i]
+		a, n := sg.Remote.Addr, sg.Remote.Len
+		if n == 0 || a < v.lo || a+n > v.hi || a+n < a || uint64(len(sg.Local.Mem)) != n {
+			return nil
+		}
+	}
+	if b := slotBytes(tbl, slot)[64:]; load16(b) != x.Key {
+		store16(b, x.Key) // the proof, as resolveOnce writes it
+	}
+	return &shmXfer{w: w, want: want, held: []*mapped{p.sh.table.ref()}, vm: true}
+}
+
 // postShared moves x through the peer's shared memory if its exposure is
 // published there and every range lies in it, and reports whether it
 // did; otherwise leases serve x. Transfers of up to shmInline bytes are
@@ -984,6 +1037,11 @@ func (b *Backend) postShared(p *peer, x *agent.Work) bool {
 	t, ok := p.resolve(x, ops)
 	if !ok {
 		return false
+	}
+	if t.vm {
+		x.Via("table")
+		b.finishShared(p, x, t, b.copyVM(p, x, t))
+		return true
 	}
 	x.Via("shm")
 	if len(ops) > 1 {
@@ -1133,6 +1191,58 @@ func (b *Backend) copyShared(p *peer, x *agent.Work, t *shmXfer, ops []shmOp, wo
 		return *err
 	}
 	return nil
+}
+
+// copyVM copies x, an exposure of ordinary host memory found in the
+// peer's lease table (resolveWhole), with cross-memory attach on the
+// peer's process, inside t's slot, on the calling goroutine. As through a
+// mapping, the connection stays open while it copies (holdShared): its
+// end tells the exposing side that no copy runs.
+func (b *Backend) copyVM(p *peer, x *agent.Work, t *shmXfer) error {
+	if err := p.holdShared(); err != nil {
+		return err
+	}
+	defer p.unholdShared()
+	if seen, ok := t.w.try(t.want); !ok {
+		return p.revoked(t, seen, x.Key)
+	}
+	v := driverIovecs.Get().(*iovecs)
+	err := vmSegments(int(p.ci.pid), x.Op == agent.OpWrite, x.Segments, v)
+	t.w.leave()
+	driverIovecs.Put(v)
+	if err != nil {
+		return (&xstate{p: p, x: x}).copyError(err)
+	}
+	return nil
+}
+
+// vmSegments copies segs with process_vm_readv/writev on process pid, at
+// most iovMax segments a call, through v.
+func vmSegments(pid int, write bool, segs []agent.Segment, v *iovecs) error {
+	n, total := 0, uint64(0)
+	flush := func() error {
+		err := vmCopy(pid, write, v.local[:n], v.remote[:n], total)
+		clear(v.local[:n]) // hold no reference to local memory
+		n, total = 0, 0
+		return err
+	}
+	for i := range segs {
+		sg := &segs[i]
+		if n == iovMax {
+			if err := flush(); err != nil {
+				return err
+			}
+		}
+		v.local[n] = unix.Iovec{Base: &sg.Local.Mem[0]}
+		v.local[n].SetLen(len(sg.Local.Mem))
+		v.remote[n] = unix.RemoteIovec{Base: uintptr(sg.Remote.Addr), Len: int(sg.Remote.Len)}
+		n++
+		total += sg.Remote.Len
+	}
+	if n == 0 {
+		return nil
+	}
+	return flush()
 }
 
 // holdShared keeps the connection open while a copy through a mapping

@@ -19,13 +19,39 @@ import (
 )
 
 // shmPair is two agents in this process, each with one cma backend (b is
-// the copier's), and a shared buffer of size bytes exposed by a for acc.
+// the copier's), and a shared buffer of size bytes exposed by a for acc,
+// or (newHeapPair) a buffer on the Go heap.
 type shmPair struct {
 	a, c   *agent.Agent // exposing, copying
 	ba, bc *Backend
-	buf    *shm.Buffer
+	buf    *shm.Buffer // nil: heap
+	heap   []byte
 	exp    *agent.Exposure
 }
+
+// bytes returns the exposed buffer.
+func (p *shmPair) bytes() []byte {
+	if p.buf != nil {
+		return p.buf.Bytes()
+	}
+	return p.heap
+}
+
+// path is the path of a transfer of the pair's that skips leases.
+func (p *shmPair) path() string {
+	if p.buf != nil {
+		return Name + "+shm"
+	}
+	return Name + "+table"
+}
+
+// pairKinds are the memories the lease table serves without leases:
+// shared segments (copied through a mapping) and the Go heap (copied with
+// cross-memory attach).
+var pairKinds = []struct {
+	name string
+	new  func(t *testing.T, size int, acc agent.Access, opts ...Option) *shmPair
+}{{"shm", newShmPair}, {"heap", newHeapPair}}
 
 func newShmPair(t *testing.T, size int, acc agent.Access, opts ...Option) *shmPair {
 	t.Helper()
@@ -99,14 +125,24 @@ func TestShmReadWrite(t *testing.T) {
 // after Revoke the buffer must never change again, and later transfers
 // are refused.
 func TestShmRevokeStopsWrites(t *testing.T) {
+	for _, kind := range pairKinds {
+		t.Run(kind.name, func(t *testing.T) { testRevokeStopsWrites(t, kind.new) })
+	}
+}
+
+func testRevokeStopsWrites(t *testing.T, newPair func(*testing.T, int, agent.Access, ...Option) *shmPair) {
 	for round := range 20 {
-		p := newShmPair(t, 3<<20, agent.AccessWrite)
-		base := agent.DRAM(p.buf.Bytes()).Addr
+		p := newPair(t, 3<<20, agent.AccessWrite)
+		base := agent.DRAM(p.bytes()).Addr
+		size := func(g int) int { return 1<<20 + g*4096 } // inline and worker copies both
+		if p.buf == nil {
+			size = func(g int) int { return 1<<20 - g*4096 } // every one lease-free
+		}
 		stop := make(chan struct{})
 		done := make(chan error, 4)
 		for g := range 4 {
 			go func() {
-				src := bytes.Repeat([]byte{byte(g + 1)}, 1<<20+g*4096) // inline and worker copies both
+				src := bytes.Repeat([]byte{byte(g + 1)}, size(g))
 				for {
 					select {
 					case <-stop:
@@ -126,13 +162,13 @@ func TestShmRevokeStopsWrites(t *testing.T) {
 		}
 		time.Sleep(time.Duration(round%5) * time.Millisecond)
 		p.exp.Revoke()
-		snap := bytes.Clone(p.buf.Bytes())
+		snap := bytes.Clone(p.bytes())
 		time.Sleep(20 * time.Millisecond)
 		close(stop)
 		for range 4 {
 			require.NoError(t, <-done)
 		}
-		require.True(t, bytes.Equal(snap, p.buf.Bytes()), "round %d: the buffer changed after Revoke returned", round)
+		require.True(t, bytes.Equal(snap, p.bytes()), "round %d: the buffer changed after Revoke returned", round)
 		err := waitX(t, p.post(t, agent.OpWrite, []byte{1}, base, nil))
 		require.ErrorIs(t, err, agent.ErrAccessDenied)
 	}
@@ -144,7 +180,7 @@ func TestShmRevokeStopsWrites(t *testing.T) {
 // in the slot).
 func copierSlot(t *testing.T, p *shmPair) (*peer, slotWords, uint64) {
 	t.Helper()
-	base := agent.DRAM(p.buf.Bytes()).Addr
+	base := agent.DRAM(p.bytes()).Addr
 	for deadline := time.Now().Add(5 * time.Second); ; {
 		op := agent.OpRead
 		if p.exp.Access() == agent.AccessWrite {
@@ -152,10 +188,10 @@ func copierSlot(t *testing.T, p *shmPair) (*peer, slotWords, uint64) {
 		}
 		x := p.post(t, op, make([]byte, 16), base, nil)
 		require.NoError(t, waitX(t, x))
-		if x.Path() == Name+"+shm" {
+		if x.Path() == p.path() {
 			break
 		}
-		require.True(t, time.Now().Before(deadline), "no transfer went through the shared memory")
+		require.True(t, time.Now().Before(deadline), "no transfer went through the lease table")
 		time.Sleep(5 * time.Millisecond)
 	}
 	p.bc.mu.Lock()
@@ -183,18 +219,22 @@ func copierSlot(t *testing.T, p *shmPair) (*peer, slotWords, uint64) {
 // slot and never leaves) holds Revoke up for WithTimeout at most: then
 // its connection is dropped and Revoke returns.
 func TestShmRevokeBoundedStuckReader(t *testing.T) {
-	const timeout = 300 * time.Millisecond
-	p := newShmPair(t, 4096, agent.AccessRead, WithTimeout(timeout))
-	base := agent.DRAM(p.buf.Bytes()).Addr
-	require.NoError(t, waitX(t, p.post(t, agent.OpRead, make([]byte, 16), base, nil)))
-	_, w, want := copierSlot(t, p)
-	require.True(t, w.enter(want)) // and never leaves
-	start := time.Now()
-	p.exp.Revoke()
-	took := time.Since(start)
-	require.GreaterOrEqual(t, took, timeout-10*time.Millisecond)
-	require.Less(t, took, 3*timeout)
-	t.Logf("Revoke returned %v after the stuck copier's timeout of %v", took, timeout)
+	for _, kind := range pairKinds {
+		t.Run(kind.name, func(t *testing.T) {
+			const timeout = 300 * time.Millisecond
+			p := kind.new(t, 4096, agent.AccessRead, WithTimeout(timeout))
+			base := agent.DRAM(p.bytes()).Addr
+			require.NoError(t, waitX(t, p.post(t, agent.OpRead, make([]byte, 16), base, nil)))
+			_, w, want := copierSlot(t, p)
+			require.True(t, w.enter(want)) // and never leaves
+			start := time.Now()
+			p.exp.Revoke()
+			took := time.Since(start)
+			require.GreaterOrEqual(t, took, timeout-10*time.Millisecond)
+			require.Less(t, took, 3*timeout)
+			t.Logf("Revoke returned %v after the stuck copier's timeout of %v", took, timeout)
+		})
+	}
 }
 
 // A copier whose connection closes while inside a mapping (its process
@@ -202,35 +242,43 @@ func TestShmRevokeBoundedStuckReader(t *testing.T) {
 // its memory is gone) does not hold Revoke up: the exposing side sees the
 // end of the connection and stops waiting at once.
 func TestShmRevokeCopierGone(t *testing.T) {
-	const timeout = 5 * time.Second
-	p := newShmPair(t, 4096, agent.AccessRead, WithTimeout(timeout))
-	base := agent.DRAM(p.buf.Bytes()).Addr
-	require.NoError(t, waitX(t, p.post(t, agent.OpRead, make([]byte, 16), base, nil)))
-	pc, w, want := copierSlot(t, p)
-	require.True(t, w.enter(want))
-	start := time.Now()
-	go func() {
-		time.Sleep(50 * time.Millisecond)
-		_ = pc.c.Close() // as the kernel would at exit
-	}()
-	p.exp.Revoke()
-	took := time.Since(start)
-	require.Less(t, took, time.Second, "Revoke waited for a copier whose connection ended")
-	t.Logf("Revoke returned %v after it began, the copier's end closing at 50ms", took)
+	for _, kind := range pairKinds {
+		t.Run(kind.name, func(t *testing.T) {
+			const timeout = 5 * time.Second
+			p := kind.new(t, 4096, agent.AccessRead, WithTimeout(timeout))
+			base := agent.DRAM(p.bytes()).Addr
+			require.NoError(t, waitX(t, p.post(t, agent.OpRead, make([]byte, 16), base, nil)))
+			pc, w, want := copierSlot(t, p)
+			require.True(t, w.enter(want))
+			start := time.Now()
+			go func() {
+				time.Sleep(50 * time.Millisecond)
+				_ = pc.c.Close() // as the kernel would at exit
+			}()
+			p.exp.Revoke()
+			took := time.Since(start)
+			require.Less(t, took, time.Second, "Revoke waited for a copier whose connection ended")
+			t.Logf("Revoke returned %v after it began, the copier's end closing at 50ms", took)
+		})
+	}
 }
 
 // The copier rechecks the slot's stamp on every copy: after Revoke a stamp
 // found before is refused (the copy is not made), and the transfer is
 // denied.
 func TestShmStaleMappingRefused(t *testing.T) {
-	p := newShmPair(t, 4096, agent.AccessRead)
-	base := agent.DRAM(p.buf.Bytes()).Addr
-	require.NoError(t, waitX(t, p.post(t, agent.OpRead, make([]byte, 16), base, nil)))
-	_, w, want := copierSlot(t, p)
-	p.exp.Revoke()
-	require.False(t, w.enter(want), "a revoked slot let a copy in")
-	err := waitX(t, p.post(t, agent.OpRead, make([]byte, 16), base, nil))
-	require.ErrorIs(t, err, agent.ErrAccessDenied)
+	for _, kind := range pairKinds {
+		t.Run(kind.name, func(t *testing.T) {
+			p := kind.new(t, 4096, agent.AccessRead)
+			base := agent.DRAM(p.bytes()).Addr
+			require.NoError(t, waitX(t, p.post(t, agent.OpRead, make([]byte, 16), base, nil)))
+			_, w, want := copierSlot(t, p)
+			p.exp.Revoke()
+			require.False(t, w.enter(want), "a revoked slot let a copy in")
+			err := waitX(t, p.post(t, agent.OpRead, make([]byte, 16), base, nil))
+			require.ErrorIs(t, err, agent.ErrAccessDenied)
+		})
+	}
 }
 
 // enter is try without the stamp, for tests.
@@ -308,8 +356,8 @@ func TestShmOff(t *testing.T) {
 }
 
 // Transfers over memory partly in a segment and partly on the Go heap use
-// leases for the whole transfer; heap-only exposures are not published and
-// go straight to leases.
+// leases for the whole transfer; heap-only exposures are published for
+// cross-memory attach ("cma+table") if they are one region.
 func TestShmMixedAndHeap(t *testing.T) {
 	a, _ := newAgent(t)
 	c, _ := newAgent(t)
@@ -346,8 +394,26 @@ func TestShmMixedAndHeap(t *testing.T) {
 			Segments: []agent.Segment{seg(d2, heap)}})
 		require.NoError(t, err)
 		require.NoError(t, waitX(t, x))
-		require.Equal(t, Name, x.Path())
+		require.Equal(t, Name+"+table", x.Path())
+		require.Equal(t, heap, d2)
 	}
+
+	// Two heap regions with a gap between them: leases serve the
+	// exposure, and refuse a READ of the gap.
+	gapped := bytes.Repeat([]byte{9}, 3*4096)
+	g, err := a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(gapped[:4096]), agent.DRAM(gapped[2*4096:])})
+	require.NoError(t, err)
+	t.Cleanup(g.Revoke)
+	x, err = c.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: a.Info(), Key: g.Key(), Backend: Name,
+		Segments: []agent.Segment{seg(d2, gapped[2*4096:])}})
+	require.NoError(t, err)
+	require.NoError(t, waitX(t, x))
+	require.Equal(t, Name, x.Path())
+	require.Equal(t, gapped[2*4096:], d2)
+	x, err = c.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: a.Info(), Key: g.Key(), Backend: Name,
+		Segments: []agent.Segment{seg(d2, gapped[4096:2*4096])}})
+	require.NoError(t, err)
+	require.ErrorIs(t, waitX(t, x), agent.ErrAccessDenied, "a READ of the gap")
 }
 
 // BenchmarkShmPost measures one transfer through a peer's shared memory,

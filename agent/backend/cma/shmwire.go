@@ -18,7 +18,13 @@ import (
 // where it lies in the exposing process. A copier that holds a key finds
 // the slot, checks every range against the slot's span and the segments it
 // mapped, and copies through its mapping with no round trip; anything it
-// does not find goes to leases, as memory on the Go heap does. A copier
+// does not find goes to leases. An exposure of ordinary host memory (the
+// Go heap, anything outside shared segments) is published too, when it
+// has a single region (flags = slotWhole, no segments, span = the region):
+// a copier whose every range lies inside that span enters the slot and
+// copies with process_vm_readv/writev on the exposing process, with no
+// round trip either (WithLeaseFree; transfers of up to shmInline bytes,
+// larger ones go to leases). A copier
 // that uses a slot writes the key itself into it (proof): the exposing
 // side binds the exposure to the connection only for a proof that hashes
 // to the slot's hash, so that the exposure hears of the loss of a copier
@@ -56,7 +62,12 @@ import (
 //	 40  hi       u64  the end of its highest
 //	 48  access   u32
 //	 52  segs     u32  segments the exposure lies in
-//	 56  -        zeros
+//	 56  flags    u32  slotWhole: no segments; [lo, hi) is the
+//	                   exposure's one region, host memory (cross-memory
+//	                   attach); zero otherwise (older peers wrote zeros
+//	                   here, and read a slot with no segments as one no
+//	                   range lies in)
+//	 60  -        zeros
 //	 64  proof    [16]byte  written by the copier: the key
 //	 80  seg IDs  4 × u64   the first four of them (0: none)
 //	112  -        zeros
@@ -97,6 +108,11 @@ const (
 	slotLive    = 1
 	slotRevoked = 2
 	slotClosed  = 3
+
+	// slotWhole, in a slot's flags: the exposure lies in no segment and
+	// is one region, [lo, hi); a copier copies any range inside it with
+	// cross-memory attach.
+	slotWhole = 1
 )
 
 var tableMagic = [4]byte{'G', 'X', 'L', 'T'}
