@@ -467,10 +467,28 @@ func (m *routeMesh) touching(i int) []*faultproxy.Proxy {
 // cut partitions server i from the others, as a firewall that rejects
 // would: its routes are reset and every new one refused. Its clients stay
 // connected to it.
+//
+// A route connection that a proxy accepted before it refused, and was
+// still dialing its upstream while the proxy reset the others, would
+// survive one round of resets (a server forms its pool of routes to each
+// other one over time): then the cut-off server kept one route, and with
+// it a quorum, in some runs. So resets are repeated until three rounds in
+// a row find nothing to close.
 func (m *routeMesh) cut(i int) {
-	for _, p := range m.touching(i) {
+	ps := m.touching(i)
+	for _, p := range ps {
 		p.Refuse(true)
-		p.Reset()
+	}
+	for quiet := 0; quiet < 3; time.Sleep(20 * time.Millisecond) {
+		n := 0
+		for _, p := range ps {
+			n += p.Reset()
+		}
+		if n == 0 {
+			quiet++
+		} else {
+			quiet = 0
+		}
 	}
 }
 

@@ -2,7 +2,10 @@ package nats
 
 import (
 	"context"
+	"errors"
 	"os"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -163,33 +166,26 @@ func TestClusterRollingRestart(t *testing.T) {
 // JetStream meta group (follower), or it leads the bucket's stream
 // (bucket-leader). In the second case the other two must first elect a
 // leader (nats-server's raft election timeout is 4 to 9 s) before anyone's
-// heartbeat is stored, and the departure waits for that; in the first, a
-// registry whose watch (an ephemeral consumer, placed on any of the
-// stream's servers) lived on the cut-off server hears nothing until the
-// consumer is re-created, about 5 s later, and its report waits for that.
+// heartbeat is stored: the registries count that silence as everybody's
+// (their own heartbeats went unstored) and time the cut-off agent's from
+// the election, so the departure waits for it; in the first, it is
+// reported within two heartbeats, from the echo of a registry's own
+// heartbeat or from a store check (a read of the stream's leader after
+// an own put was acknowledged) when its watch lived on the cut-off server.
 //
-// Nobody else should be declared departed, on either side; today the
-// registry does declare live agents departed in about half the follower
-// runs and in every bucket-leader run (a registry issue, reported with
-// issue 18; docs/cluster-notes-draft.md). The test logs those departures
-// rather than failing on them, unless GOXFER_CLUSTER_STRICT is set (then
-// it also wants the follower's departure within two heartbeats):
-//   - the cut-off registry confirms its silent peers departed by reading
-//     the store of a stream leader that has lost its quorum and does not
-//     know it yet (it steps down after about 10 s): the reads are stale;
-//     or, its run loop blocked in a JetStream call for the whole
-//     partition, it declares a peer departed the moment it runs again,
-//     after the heal, in the same instant as it finds its watch missed
-//     puts the store holds;
-//   - a registry on the connected side declares departed an agent whose
-//     last put was stored before the election, or before its own watch
-//     stalled, at its first verdict after the new leader or the new
-//     consumer, before that agent's next heartbeat reaches it: a silence
-//     for everyone, longer than two heartbeats, counted against the agent;
-//   - in one bucket-leader run of about six, a registry on the connected
-//     side could not re-create its watch ("JetStream system temporarily
-//     unavailable") for the rest of the partition, and so never reported
-//     the cut-off agent departed.
+// Nobody else is declared departed, on either side: the cut-off side's
+// own heartbeats go unstored, so its registry judges nobody until they are
+// stored again, and its store checks count only reads known to be fresh.
+// Once (issue 18), they were: a stale read confirmed departures, and an
+// election's silence was counted against the agent whose next heartbeat
+// had not yet been stored.
+//
+// One case is still only logged, unless GOXFER_CLUSTER_STRICT is set: in
+// about one bucket-leader run in six (before the fix), a registry on the
+// connected side could not re-create its watch ("JetStream system
+// temporarily unavailable", for the rest of the partition: JetStream, not
+// the registry), so it never reported the cut-off agent departed. The test
+// fails on a report missing for any other reason.
 func TestClusterPartitionHealed(t *testing.T) {
 	strict := os.Getenv("GOXFER_CLUSTER_STRICT") != ""
 	for _, leads := range []bool{false, true} {
@@ -238,30 +234,21 @@ func TestClusterPartitionHealed(t *testing.T) {
 					return ok
 				})
 				if !reported[a] {
-					// Also seen with a follower cut off, once, on a loaded
-					// 2-core CI machine: the registry's watch stalled.
-					if strict {
-						t.Fatalf("%s: %s not reported departed within %v: %v", a.name, off.name, hangGuard, a.reg.Err())
+					err := a.reg.Err()
+					t.Logf("%s (on %s) still counts %s (on %s) among the present: %v", a.name, a.nc.ConnectedServerName(), off.name, off.nc.ConnectedServerName(), slices.Contains(a.reg.Agents(), off.id()))
+					if strict || !leads || !errors.Is(err, ErrRegistry) || !strings.Contains(err.Error(), "cannot watch it") {
+						t.Fatalf("%s: %s not reported departed within %v: %v", a.name, off.name, hangGuard, err)
 					}
-					t.Logf("registry issue (see the test's comment): %s's registry did not report %s departed within %v: %v", a.name, off.name, hangGuard, a.reg.Err())
+					t.Logf("JetStream issue (see the test's comment): %s's registry could not watch its bucket, and did not report %s departed within %v: %v", a.name, off.name, hangGuard, err)
 					continue
 				}
 				took := at.Sub(start)
 				t.Logf("%s cut off (bucket leader %s, meta leader goxfer-%d): %s reports %s departed after %v (heartbeat %v)", c.Server(cut).Name(), leader, meta, a.name, off.name, took.Round(time.Millisecond), testHeartbeat)
-				// An election, or a stalled watch re-created, comes first.
-				limit := 2*testHeartbeat + 9*time.Second + slack
-				if strict && !leads {
-					limit = 2*testHeartbeat + slack
+				limit := 2*testHeartbeat + slack
+				if leads {
+					limit += 9 * time.Second // an election first
 				}
-				if took >= limit {
-					// Seen on CI's loaded 2-core machine with the bucket's
-					// and the meta group's leader cut off: 25 s.
-					if strict {
-						t.Errorf("%s reported %s departed after %v, want under %v", a.name, off.name, took, limit)
-					} else {
-						t.Logf("registry issue (see the test's comment): %s reported %s departed after %v, over %v", a.name, off.name, took, limit)
-					}
-				}
+				assert.Less(t, took, limit, "%s reported %s departed late", a.name, off.name)
 			}
 			time.Sleep(time.Second)
 			t.Logf("the cut-off registry says: %v", off.reg.Err())
@@ -285,15 +272,7 @@ func TestClusterPartitionHealed(t *testing.T) {
 			time.Sleep(500 * time.Millisecond)
 			sent := l.requireNoneLost(t)
 			t.Logf("%d requests through the partition, none lost", sent)
-			if strict {
-				requireNoDepartures(t, agentNames(others...), agents...)
-				return
-			}
-			for _, a := range agents {
-				if d := a.log.departures(agentNames(others...)); len(d) > 0 {
-					t.Logf("registry issue (see the test's comment): %s's registry declared live agents departed: %v", a.name, d)
-				}
-			}
+			requireNoDepartures(t, agentNames(others...), agents...)
 		})
 	}
 }

@@ -2,6 +2,7 @@ package nats
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"sync"
@@ -10,6 +11,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/goxfer/goxfer/connect"
 )
@@ -124,8 +126,13 @@ func (m *Member) ID() uuid.UUID { return m.id }
 func (m *Member) put(ctx context.Context) error {
 	sp := m.r.sending(m)
 	rev, err := m.r.kv.Put(ctx, m.id.String(), appendEntry(nil, m.hb, sp.seq, m.info))
-	if err == nil {
-		m.r.acked(sp, rev)
+	switch {
+	case err == nil:
+		m.r.acked(m, sp, rev)
+	case refused(m.r.nc, err):
+		m.r.refusedPut(sp)
+	default:
+		m.r.lostPut(sp)
 	}
 	return err
 }
@@ -186,6 +193,23 @@ func (m *Member) heartbeat() {
 			"bucket", m.r.bucket, "agent", m.id, "err", err)
 	}
 }
+
+// refused says whether a put's err is the store's refusal of this
+// Member's entry (its size, a full account: JetStream answered with an
+// error; or a permission violation, which it answers with no
+// acknowledgement), rather than no answer: a put the store refuses says
+// nothing of anybody else's.
+func refused(nc *nats.Conn, err error) bool {
+	var apiErr *jetstream.APIError
+	if errors.As(err, &apiErr) {
+		return apiErr.ErrorCode != jsClusterNotAvailable
+	}
+	return errors.Is(nc.LastError(), nats.ErrPermissionViolation)
+}
+
+// jsClusterNotAvailable is JetStream's "JetStream system temporarily
+// unavailable": no leader for the stream, or for JetStream, now.
+const jsClusterNotAvailable = 10008
 
 // Leave stops the heartbeats and deletes the entry, so that every Registry
 // sees the departure at once. It honours ctx: if ctx ends first, the entry

@@ -35,12 +35,16 @@ const maxDeparted = 4096
 // when it has not been heard for two of its heartbeats, timed on this
 // machine's clock (no clock sync needed), and then either one of this
 // process's own heartbeats sent after that comes back through the watch,
-// or the store, asked after that, still holds the agent's last put heard
-// (or none): about a round trip more. While the Registry's connection is
+// or the store, read from the stream's leader once it is known to hold
+// every put stored since then, still holds the agent's last put heard (or
+// none): about a round trip more. While the Registry's connection is
 // down it cannot hear anyone, so it declares no departures; once it is
 // back it re-creates its watch and counts silence from then, plus its own
 // reconnect wait ([nats.ReconnectWait] + jitter) to let peers reconnect
-// too. A Registry never declares its own joined Members departed. It needs
+// too. Likewise, when one of its Members' heartbeats went unstored (the
+// stream's leader lost, an election, no quorum), it counts everybody's
+// silence from when the store takes them again. A Registry never declares
+// its own joined Members departed. It needs
 // nothing beyond nats-server 2.9, and permission to read the bucket's keys
 // (as [Registry.Resolve] does). docs/nats.md gives the rules in full.
 //
@@ -84,6 +88,10 @@ type Registry struct {
 	// through the watch was sent: everybody's puts stored before it have
 	// been heard.
 	echoAt time.Time
+	// ackedSent is when the latest of this process's heartbeats that the
+	// store acknowledged was sent: a read of the stream's leader after the
+	// acknowledgement holds every put stored before then.
+	ackedSent time.Time
 
 	closeOnce sync.Once
 	closeErr  error

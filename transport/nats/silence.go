@@ -66,12 +66,18 @@ func (r *Registry) ownLocked(id uuid.UUID) bool {
 func (r *Registry) restartSilence(at time.Time) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	r.restartSilenceLocked(at)
+}
+
+// restartSilenceLocked is restartSilence; r.mu is held.
+func (r *Registry) restartSilenceLocked(at time.Time) {
 	// Judge nobody before a heartbeat sent now comes back.
 	r.echoAt = time.Time{}
 	for _, p := range r.live {
 		if at.After(p.heard) {
 			p.heard = at
 		}
+		p.suspect = false
 	}
 }
 

@@ -52,6 +52,18 @@ func (r *Registry) run(w jetstream.KeyWatcher, created time.Time, status chan na
 	failing := 0     // consecutive failed re-watches
 	shouted := false // that presence is down, at Error level
 	watched := time.Now()
+	// A watch is opened off the loop (it may wait long for JetStream: a
+	// consumer needs a stream leader), one at a time; one asked for
+	// meanwhile (again) starts when it ends, its result discarded.
+	opened := make(chan openedWatch, 1)
+	opening, again := false, false
+	defer func() {
+		if opening {
+			if o := <-opened; o.w != nil {
+				_ = o.w.Stop()
+			}
+		}
+	}()
 	resume := func(why error) {
 		if w != nil {
 			_ = w.Stop()
@@ -59,7 +71,11 @@ func (r *Registry) run(w jetstream.KeyWatcher, created time.Time, status chan na
 		}
 		r.setDeaf(why)
 		deaf = true
-		rewatch.Reset(0)
+		if opening {
+			again = true
+		} else {
+			rewatch.Reset(0)
+		}
 	}
 
 	// Store checks: one in flight at a time.
@@ -129,9 +145,11 @@ func (r *Registry) run(w jetstream.KeyWatcher, created time.Time, status chan na
 					w = nil
 				}
 				deaf = true
+				again = again || opening
 				r.setDeaf(nats.ErrConnectionClosed)
 			default:
 				deaf = true
+				again = again || opening // a watch opened now may be on a lost server
 				r.setDeaf(fmt.Errorf("the connection is %v", st))
 			}
 		case <-r.recheck:
@@ -165,25 +183,44 @@ func (r *Registry) run(w jetstream.KeyWatcher, created time.Time, status chan na
 				}
 			}
 		case <-rewatch.C:
-			if r.nc.Status() != nats.CONNECTED {
-				continue // CONNECTED will come
+			if opening || r.nc.Status() != nats.CONNECTED {
+				continue // it ends, or CONNECTED comes
 			}
-			nw, ncreated, gone, err := r.openWatch()
-			if err != nil {
+			opening = true
+			r.wg.Add(1)
+			go func() {
+				defer r.wg.Done()
+				var o openedWatch
+				o.w, o.created, o.gone, o.err = r.openWatch()
+				opened <- o
+			}()
+		case o := <-opened:
+			opening = false
+			if again {
+				// Asked for before a later reconnection, or a watch that
+				// ended meanwhile: open another.
+				if o.w != nil {
+					_ = o.w.Stop()
+				}
+				again = false
+				rewatch.Reset(0)
+				continue
+			}
+			if o.err != nil {
 				if r.ctx.Err() != nil {
 					return
 				}
 				failing++
-				r.setDeaf(fmt.Errorf("re-watch attempt %d failed: %w", failing, err))
+				r.setDeaf(fmt.Errorf("re-watch attempt %d failed: %w", failing, o.err))
 				// Reconnecting, a watch may fail once or twice; more, or a
 				// bucket that is gone for good, and presence is not
 				// working: say so, once.
 				level := slog.LevelDebug
-				if !shouted && (failing >= 3 || gone) {
+				if !shouted && (failing >= 3 || o.gone) {
 					level, shouted = slog.LevelError, true
 				}
 				r.log.Log(r.ctx, level, "goxfer/nats: registry cannot watch its bucket; it hears no arrivals or departures until it can; retrying",
-					"bucket", r.bucket, "err", err, "attempts", failing, "retry_in", backoff)
+					"bucket", r.bucket, "err", o.err, "attempts", failing, "retry_in", backoff)
 				rewatch.Reset(backoff)
 				backoff = min(2*backoff, 2*time.Second)
 				continue
@@ -191,7 +228,7 @@ func (r *Registry) run(w jetstream.KeyWatcher, created time.Time, status chan na
 			if shouted {
 				r.log.Warn("goxfer/nats: registry watches its bucket again", "bucket", r.bucket, "attempts", failing)
 			}
-			w, created, deaf, backoff, failing, shouted = nw, ncreated, false, 50*time.Millisecond, 0, false
+			w, created, deaf, backoff, failing, shouted = o.w, o.created, false, 50*time.Millisecond, 0, false
 			watched = time.Now()
 			r.setDeaf(nil)
 			r.restartSilence(watched.Add(r.grace))
@@ -235,6 +272,14 @@ func (r *Registry) run(w jetstream.KeyWatcher, created time.Time, status chan na
 			check.Stop()
 		}
 	}
+}
+
+// openedWatch is what an openWatch off the watcher's loop found.
+type openedWatch struct {
+	w       jetstream.KeyWatcher
+	created time.Time
+	gone    bool
+	err     error
 }
 
 // drain applies the updates w has already delivered, without waiting.
