@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 
@@ -299,7 +300,7 @@ func (a *Agent) choose(ctx context.Context, peer Info, key Key, acc Access, forc
 			if ctx.Err() != nil { // cut short: a cancellation, not a verdict
 				return nil, fmt.Errorf("%w: choosing a backend for peer %s: %s: %w", ErrCancelled, peer.ID, b.Name(), ctxErr(ctx))
 			}
-			why = append(why, fmt.Errorf("%s: %w", b.Name(), err))
+			why = append(why, named(b.Name(), err))
 			if _, published := peer.Conn(b.Name()); published && !errors.Is(err, ErrOutOfReach) {
 				notable = true
 			}
@@ -640,4 +641,13 @@ func (a *Agent) Close() error {
 	}
 	a.closeErr = oneline.Join(errs...)
 	return a.closeErr
+}
+
+// named prefixes err with a backend's name, unless the backend's message
+// begins with it already (backends name themselves: "tcp: ...").
+func named(name string, err error) error {
+	if strings.HasPrefix(err.Error(), name+": ") {
+		return err
+	}
+	return fmt.Errorf("%s: %w", name, err)
 }
