@@ -15,6 +15,14 @@
 // and no peer touches its memory afterwards. A peer that dies holding a
 // lease closes its socket, which releases the lease.
 //
+// Small transfers skip the lease round trip where both agents agreed a
+// lease table for the connection (same user; WithSharedMemory and
+// WithLeaseFree): the exposing agent publishes its exposures of one host
+// region there, and a transfer of at most 1 MiB inside one is copied at
+// once, inside the table's slot for the exposure, which revocation marks
+// and then waits for (path "cma+table"; exposures in shared segments are
+// copied through the segments mapped, "cma+shm").
+//
 // GPU memory (VRAM) is staged through pinned host buffers by the agent that
 // holds it ([agent.DeviceStager]): this side's before cma sees it, the
 // exposing side's per lease, whose grant then names the buffers to copy at.

@@ -29,6 +29,16 @@ func TestConformance(t *testing.T) {
 	backendtest.Run(t, backendtest.Config{New: small, CrossProcess: true, DirectDevice: "ipc"})
 }
 
+// The suite again with the lease-free path for host memory off on this
+// side, which turns it off for every pair it is in: small transfers of the
+// Go heap take leases, as they did before cma+table, and stay covered.
+func TestConformanceLeases(t *testing.T) {
+	leases := func() ([]agent.Backend, error) {
+		return []agent.Backend{cma.New(cma.WithDeviceWindow(1<<20), cma.WithLeaseFree(false))}, nil
+	}
+	backendtest.Run(t, backendtest.Config{New: leases, CrossProcess: true, DirectDevice: "ipc"})
+}
+
 // The suite again with every host buffer in shared memory, on both sides
 // and in the child processes: transfers go through the peer's segments
 // mapped ("cma+shm") wherever the remote memory lies in one.

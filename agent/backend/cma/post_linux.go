@@ -151,7 +151,10 @@ func remoteVRAM(segs []agent.Segment) bool {
 // Where the peer published the exposure in shared host memory
 // (WithSharedMemory), the transfer is copied through the peer's segments
 // mapped here instead: no lease round trip, at most 1 MiB copied before
-// Post returns, larger ones by the workers (shm_linux.go).
+// Post returns, larger ones by the workers (shm_linux.go). Where it
+// published an exposure of one region of other host memory
+// (WithLeaseFree), a transfer of at most 1 MiB is copied with one
+// process_vm_readv/writev call before Post returns, with no lease either.
 func (b *Backend) Post(x *agent.Work) error {
 	p, err := b.usable(x.Peer)
 	if err != nil {

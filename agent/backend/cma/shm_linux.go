@@ -151,8 +151,8 @@ type slotView struct {
 	// all: segs names every segment the exposure lies in (it lies in
 	// at most slotSegs), so a range in any other is not the exposure's.
 	all bool
-	// whole: the exposure lies in no segment and its regions cover
-	// [lo, hi) with no gap (slotWhole): any range inside is its memory.
+	// whole: the exposure lies in no segment and is one region of host
+	// memory, [lo, hi) (slotWhole): any range inside is its memory.
 	whole bool
 }
 
@@ -1003,9 +1003,9 @@ func (p *peer) resolveOnce(x *agent.Work, h [16]byte, ops []shmOp) (t *shmXfer, 
 // resolveWhole is resolveOnce for an exposure of ordinary host memory
 // (slotWhole): x is copied with cross-memory attach inside the slot if
 // every range is nonempty and lies in the exposure's span (its one
-// region), it is small enough to be
-// copied on the posting goroutine (shmInline) and WithLeaseFree is on
-// here; else nil, and leases serve it. The caller holds p.sh.mu.
+// region), x is small enough to be copied on the posting goroutine
+// (shmInline), and WithLeaseFree is on here; else nil, and leases serve
+// it. The caller holds p.sh.mu.
 func (p *peer) resolveWhole(x *agent.Work, tbl []byte, slot int, w slotWords, v slotView, want uint64) *shmXfer {
 	if !p.b.cfg.leaseFree || x.Bytes() > shmInline {
 		return nil
@@ -1023,11 +1023,13 @@ func (p *peer) resolveWhole(x *agent.Work, tbl []byte, slot int, w slotWords, v 
 	return &shmXfer{w: w, want: want, held: []*mapped{p.sh.table.ref()}, vm: true}
 }
 
-// postShared moves x through the peer's shared memory if its exposure is
+// postShared moves x through the peer's lease table if its exposure is
 // published there and every range lies in it, and reports whether it
-// did; otherwise leases serve x. Transfers of up to shmInline bytes are
-// copied before it returns, on the caller's goroutine; larger ones by the
-// workers, after a tUse tells the exposing side.
+// did; otherwise leases serve x. Through shared memory, transfers of up
+// to shmInline bytes are copied before it returns, on the caller's
+// goroutine; larger ones by the workers, after a tUse tells the exposing
+// side. An exposure of other host memory is copied with cross-memory
+// attach before it returns (copyVM), at most shmInline bytes.
 func (b *Backend) postShared(p *peer, x *agent.Work) bool {
 	var one [1]shmOp
 	ops := one[:]
