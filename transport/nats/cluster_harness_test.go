@@ -402,8 +402,12 @@ func requireNoDepartures(t *testing.T, live map[uuid.UUID]string, agents ...*clu
 // routeMesh routes a cluster's route connections through fault proxies,
 // so that a test can cut one server off from the others while it and its
 // clients run on: pair[i][j] carries the routes server i dials to server
-// j, and adv[i] is the route address server i advertises, which the others
-// may learn by gossip and dial too. Give option() to StartCluster.
+// j. adv[i] is the route address server i advertises, which the others
+// learn by gossip and may dial too (an implicit route): it refuses every
+// connection, for one that server i made to adv[j] would carry a route
+// from i to j that no proxy of i's carries, and cut(i) would leave it up
+// (the cut-off server then kept a route, and with it a quorum, in some
+// runs). Give option() to StartCluster.
 type routeMesh struct {
 	pair [][]*faultproxy.Proxy
 	adv  []*faultproxy.Proxy
@@ -441,8 +445,7 @@ func (m *routeMesh) option() natsserver.Option {
 			panic(fmt.Sprintf("routeMesh: server %q is not in the mesh", o.ServerName))
 		}
 		addr := net.JoinHostPort(o.Cluster.Host, strconv.Itoa(o.Cluster.Port))
-		m.adv[i].SetUpstream(addr)
-		o.Cluster.Advertise = m.adv[i].Addr()
+		o.Cluster.Advertise = m.adv[i].Addr() // no upstream: refused
 		o.Routes = nil
 		for j, p := range m.pair[i] {
 			if j != i {
@@ -455,7 +458,7 @@ func (m *routeMesh) option() natsserver.Option {
 
 // touching returns the proxies that carry server i's routes.
 func (m *routeMesh) touching(i int) []*faultproxy.Proxy {
-	ps := []*faultproxy.Proxy{m.adv[i]}
+	var ps []*faultproxy.Proxy
 	for j := range m.adv {
 		if j != i {
 			ps = append(ps, m.pair[i][j], m.pair[j][i])
@@ -470,10 +473,8 @@ func (m *routeMesh) touching(i int) []*faultproxy.Proxy {
 //
 // A route connection that a proxy accepted before it refused, and was
 // still dialing its upstream while the proxy reset the others, would
-// survive one round of resets (a server forms its pool of routes to each
-// other one over time): then the cut-off server kept one route, and with
-// it a quorum, in some runs. So resets are repeated until three rounds in
-// a row find nothing to close.
+// survive one round of resets: they are repeated until three rounds in a
+// row find nothing to close.
 func (m *routeMesh) cut(i int) {
 	ps := m.touching(i)
 	for _, p := range ps {

@@ -38,7 +38,7 @@ func (r *Registry) acked(m *Member, sp *sentPut, rev uint64) {
 	r.mu.Lock()
 	sp.rev = rev
 	if sp.at.After(r.ackedSent) {
-		r.ackedSent = sp.at
+		r.ackedSent, r.ackedRev = sp.at, rev
 	}
 	r.storedLocked(m, slices.Index(m.sends, sp), "acknowledged")
 	r.mu.Unlock()

@@ -89,9 +89,11 @@ type Registry struct {
 	// been heard.
 	echoAt time.Time
 	// ackedSent is when the latest of this process's heartbeats that the
-	// store acknowledged was sent: a read of the stream's leader after the
-	// acknowledgement holds every put stored before then.
+	// store acknowledged was sent, and ackedRev its revision: a read of
+	// the stream's leader after the acknowledgement, from a leader that
+	// holds that revision, holds every put stored before then.
 	ackedSent time.Time
+	ackedRev  uint64
 
 	closeOnce sync.Once
 	closeErr  error

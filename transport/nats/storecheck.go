@@ -30,7 +30,9 @@ import (
 // and the answer counts only for a suspect whose deadline passed before
 // the store was known to hold every put stored so far (fresh): before a
 // Member's put, which the store acknowledged (a quorum holds it, and every
-// put stored before it) before the check was sent; or, while no Member's
+// put stored before it) before the check was sent, and which the server
+// answering the check holds (a stale leader, answering after a partition
+// heals until it hears the new one, does not); or, while no Member's
 // put waits for its answer or went unanswered (the store may be taking
 // nobody's heartbeats, an election under way, unknown to a leader's view
 // of its quorum), before the last time the leader, as it answers the
@@ -69,7 +71,7 @@ func (r *Registry) checkStore(ids []uuid.UUID, within time.Duration) {
 	defer r.wg.Done()
 	res := storeCheck{at: time.Now(), keys: make(map[uuid.UUID]keyCheck, len(ids))}
 	r.mu.Lock()
-	acked, unsure := r.ackedSent, r.unsureLocked()
+	acked, ackedRev, unsure := r.ackedSent, r.ackedRev, r.unsureLocked()
 	r.mu.Unlock()
 	ctx, cancel := context.WithTimeout(r.ctx, within)
 	defer cancel()
@@ -80,7 +82,7 @@ func (r *Registry) checkStore(ids []uuid.UUID, within time.Duration) {
 		if !unsure {
 			res.fresh = quorumHeard(st, res.at)
 		}
-		if acked.After(res.fresh) {
+		if acked.After(res.fresh) && holds(st, ackedRev) {
 			res.fresh = acked
 		}
 		for _, id := range ids {
@@ -126,6 +128,17 @@ func quorumHeard(st jetstream.KeyValueStatus, asked time.Time) time.Time {
 	}
 	slices.Sort(heard)
 	return asked.Add(-heard[quorum-1])
+}
+
+// holds says whether the stream whose status st is, as the server that
+// answered sees it, holds revision rev. A stream leader cut off from the
+// others, which has not stepped down yet, answers too once the partition
+// heals, until it hears the new leader, and it lacks the puts acknowledged
+// meanwhile: its answers to the check's reads, local and so first, would
+// be stale.
+func holds(st jetstream.KeyValueStatus, rev uint64) bool {
+	s, ok := st.(interface{ StreamInfo() *jetstream.StreamInfo })
+	return ok && s.StreamInfo() != nil && s.StreamInfo().State.LastSeq >= rev
 }
 
 // lastPut returns the revision of the put key id holds, read from the

@@ -66,7 +66,7 @@ func (r *Registry) run(w jetstream.KeyWatcher, created time.Time, status chan na
 	}()
 	resume := func(why error) {
 		if w != nil {
-			_ = w.Stop()
+			r.stopWatch(w)
 			w = nil
 		}
 		r.setDeaf(why)
@@ -141,7 +141,7 @@ func (r *Registry) run(w jetstream.KeyWatcher, created time.Time, status chan na
 				resume(errors.New("reconnected; re-creating the watch"))
 			case nats.CLOSED:
 				if w != nil {
-					_ = w.Stop()
+					r.stopWatch(w)
 					w = nil
 				}
 				deaf = true
@@ -200,7 +200,7 @@ func (r *Registry) run(w jetstream.KeyWatcher, created time.Time, status chan na
 				// Asked for before a later reconnection, or a watch that
 				// ended meanwhile: open another.
 				if o.w != nil {
-					_ = o.w.Stop()
+					r.stopWatch(o.w)
 				}
 				again = false
 				rewatch.Reset(0)
@@ -270,8 +270,16 @@ func (r *Registry) run(w jetstream.KeyWatcher, created time.Time, status chan na
 			check.Reset(due.Sub(now))
 		} else {
 			check.Stop()
+			due = time.Time{} // not listening for silence: no time to credit
 		}
 	}
+}
+
+// stopWatch stops w off the watcher's loop: stopping deletes its consumer,
+// a JetStream call that waits up to its timeout (5 s) when the consumer's
+// server is cut off or gone, and the loop must not wait with it.
+func (r *Registry) stopWatch(w jetstream.KeyWatcher) {
+	r.wg.Go(func() { _ = w.Stop() })
 }
 
 // openedWatch is what an openWatch off the watcher's loop found.
