@@ -247,7 +247,8 @@ type DeviceDirect interface {
 // (package shm) to its same-host peers, which map the segments and check a
 // revocation word before each copy, and those of other host memory, which
 // they copy with cross-memory attach after checking the same word. The
-// agent calls Publish for every new exposure (the backend ignores those it
+// agent calls Publish for every new exposure of memory in shared segments
+// and every new exposure of a single region (the backend ignores those it
 // cannot serve), before [Agent.Expose] returns (so before any peer can
 // hold its key), and Unpublish once when
 // it is revoked, after no new lease can be granted and before

@@ -155,12 +155,15 @@ func (a *Agent) expose(acc Access, regions []Local, queue int, shared bool) (*Ex
 	}
 	a.exps[e.key] = e
 	a.expMu.Unlock()
-	// Every exposure: a Publisher picks what it can serve (cma: memory in
-	// shared segments, and host memory by cross-memory attach).
-	for _, b := range a.backends {
-		if p, ok := b.(Publisher); ok {
-			p.Publish(Published{e})
-			e.published = append(e.published, p)
+	// Memory in shared segments, and exposures of one region (cma copies
+	// host memory by cross-memory attach): a Publisher picks what it can
+	// serve. Other exposures (a pool of many blocks) cost nothing more.
+	if len(e.unpins) > 0 || len(regions) == 1 {
+		for _, b := range a.backends {
+			if p, ok := b.(Publisher); ok {
+				p.Publish(Published{e})
+				e.published = append(e.published, p)
+			}
 		}
 	}
 	close(e.pubDone)
@@ -322,6 +325,7 @@ type Lease struct {
 	e    *Exposure
 	st   *leaseStage // for a DeviceStager's lease on an exposure with VRAM
 	done bool
+	next int // the region Slice found last: where it looks first
 }
 
 // Access returns the access kind the lease grants.
@@ -339,7 +343,7 @@ func (l *Lease) Access() Access { return l.e.access }
 // and [Lease.Flush] copies it into the device. Staging failures wrap
 // [ErrStaging]. Other backends get a nil slice and no error.
 func (l *Lease) Slice(addr, n uint64) ([]byte, error) {
-	r, ok := l.e.set.find(addr, n)
+	r, ok := l.e.set.findFrom(addr, n, &l.next)
 	if !ok {
 		l.e.a.refused.Add(1)
 		return nil, fmt.Errorf("%w: [0x%x, +%d) lies outside the exposed regions", ErrAccessDenied, addr, n)

@@ -80,14 +80,23 @@ func TestShmAttackSparsePoolCommitted(t *testing.T) {
 // held the key of wait for it (docs/shm.md: "A peer cannot make another
 // peer's revocation wait"). An honest copier writes the key's proof into
 // the slot before it enters: a count without a proof is no honest copy.
+//
+// Exposures of the Go heap are published in the same tables (cma+table):
+// the same holds for them.
 func TestShmAttackStrangerStallsRevoke(t *testing.T) {
+	for _, kind := range pairKinds {
+		t.Run(kind.name, func(t *testing.T) { testStrangerStallsRevoke(t, kind.new) })
+	}
+}
+
+func testStrangerStallsRevoke(t *testing.T, newPair func(*testing.T, int, agent.Access, ...Option) *shmPair) {
 	const timeout = time.Second
 	// p: the exposing agent, an honest copier and the exposure it uses.
-	p := newShmPair(t, 64<<10, agent.AccessRead, WithTimeout(timeout))
-	base := agent.DRAM(p.buf.Bytes()).Addr
+	p := newPair(t, 64<<10, agent.AccessRead, WithTimeout(timeout))
+	base := agent.DRAM(p.bytes()).Addr
 	require.Eventually(t, func() bool {
 		x := p.post(t, agent.OpRead, make([]byte, 16), base, nil)
-		return waitX(t, x) == nil && x.Path() == "cma+shm"
+		return waitX(t, x) == nil && x.Path() == p.path()
 	}, 5*time.Second, 5*time.Millisecond)
 
 	// The stranger: its own agent, holding the key of another exposure.

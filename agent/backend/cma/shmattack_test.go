@@ -31,6 +31,8 @@ import (
 
 // slotReuse sets up a pair whose copier mapped the exposing side's table,
 // and an exposure A of buf[0:4096] the copier found: its slot and stamp.
+// The buffer is shared memory or, for the lease-free path of the Go heap
+// (cma+table), which uses the same slots, a heap buffer (pairKinds).
 type slotReuse struct {
 	p    *shmPair
 	pc   *peer
@@ -41,18 +43,18 @@ type slotReuse struct {
 	keyA agent.Key
 }
 
-func newSlotReuse(t *testing.T, timeout time.Duration) *slotReuse {
+func newSlotReuse(t *testing.T, timeout time.Duration, newPair func(*testing.T, int, agent.Access, ...Option) *shmPair) *slotReuse {
 	t.Helper()
 	// p.exp (the whole buffer) stays exposed: the segment stays mapped,
 	// so the exposures below cost no segment frames.
-	p := newShmPair(t, 64<<10, agent.AccessRead, WithTimeout(timeout))
-	r := &slotReuse{p: p, base: agent.DRAM(p.buf.Bytes()).Addr}
+	p := newPair(t, 64<<10, agent.AccessRead, WithTimeout(timeout))
+	r := &slotReuse{p: p, base: agent.DRAM(p.bytes()).Addr}
 	require.NoError(t, waitX(t, p.post(t, agent.OpRead, make([]byte, 16), r.base, nil)))
 	require.Eventually(t, func() bool {
 		x := p.post(t, agent.OpRead, make([]byte, 16), r.base, nil)
-		return waitX(t, x) == nil && x.Path() == "cma+shm"
+		return waitX(t, x) == nil && x.Path() == p.path()
 	}, 5*time.Second, 5*time.Millisecond)
-	a, err := p.a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(p.buf.Bytes()[:4096])})
+	a, err := p.a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(p.bytes()[:4096])})
 	require.NoError(t, err)
 	r.keyA = a.Key()
 	p.exp = a // copierSlot looks for p.exp
@@ -92,7 +94,7 @@ func (r *slotReuse) exposeInto(t *testing.T, during func(stop <-chan struct{}, r
 	defer close(stop)
 	<-started
 	for range 1 << 16 {
-		e, err := r.p.a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(r.p.buf.Bytes()[8192:12288])})
+		e, err := r.p.a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(r.p.bytes()[8192:12288])})
 		require.NoError(t, err)
 		if home(keyHash(e.Key()), maxSlots) == r.slot {
 			t.Cleanup(e.Revoke) // before the buffer is freed
@@ -112,9 +114,15 @@ func (r *slotReuse) exposeInto(t *testing.T, during func(stop <-chan struct{}, r
 // copier that does not exist, the whole timeout, and then drop the
 // connection, failing every transfer on it.
 func TestShmAttackStaleEnterAcrossReuse(t *testing.T) {
+	for _, kind := range pairKinds {
+		t.Run(kind.name, func(t *testing.T) { testStaleEnterAcrossReuse(t, kind.new) })
+	}
+}
+
+func testStaleEnterAcrossReuse(t *testing.T, newPair func(*testing.T, int, agent.Access, ...Option) *shmPair) {
 	const timeout = time.Second
 	for trial := range 10 {
-		r := newSlotReuse(t, timeout)
+		r := newSlotReuse(t, timeout, newPair)
 		var entered atomic.Int64
 		e := r.exposeInto(t, func(stop <-chan struct{}, ready func()) {
 			for {
@@ -144,8 +152,14 @@ func TestShmAttackStaleEnterAcrossReuse(t *testing.T) {
 // live, and copy through the old exposure's span (the view it read
 // before the reuse) after the old exposure's Revoke returned.
 func TestShmAttackStaleKeyAcrossReuse(t *testing.T) {
+	for _, kind := range pairKinds {
+		t.Run(kind.name, func(t *testing.T) { testStaleKeyAcrossReuse(t, kind.new) })
+	}
+}
+
+func testStaleKeyAcrossReuse(t *testing.T, newPair func(*testing.T, int, agent.Access, ...Option) *shmPair) {
 	for trial := range 10 {
-		r := newSlotReuse(t, time.Second)
+		r := newSlotReuse(t, time.Second, newPair)
 		var hits, tries atomic.Int64
 		var got atomic.Uint64
 		e := r.exposeInto(t, func(stop <-chan struct{}, ready func()) {
