@@ -94,8 +94,13 @@ type Agent struct {
 	log      *slog.Logger
 
 	regMu    sync.Mutex
-	regs     map[regKey]regEntry
-	regsPeak int // most entries regs held since it was last rebuilt
+	regs     map[regKey]regEntry // per region, when some backend is a Registrar
+	regsPeak int                 // most entries regs held since it was last rebuilt
+	// held are the live registrations when no backend is a Registrar:
+	// there is then nothing to register, only references to count, and
+	// one entry per Register call replaces a map entry per region.
+	held       map[*Registration]struct{}
+	registrars bool // some backend implements Registrar
 
 	expMu sync.RWMutex
 	exps  map[Key]*Exposure
@@ -150,6 +155,7 @@ func New(opts ...Option) (*Agent, error) {
 		backends: o.backends,
 		log:      o.logger.With("agent", o.id.String()[:8]),
 		regs:     make(map[regKey]regEntry),
+		held:     make(map[*Registration]struct{}),
 		exps:     make(map[Key]*Exposure),
 		xfers:    make(map[*transfer]struct{}),
 
@@ -159,6 +165,9 @@ func New(opts ...Option) (*Agent, error) {
 	}
 	seen := map[string]bool{}
 	for _, b := range a.backends {
+		if _, ok := b.(Registrar); ok {
+			a.registrars = true
+		}
 		if seen[b.Name()] {
 			a.stopBackends()
 			return nil, fmt.Errorf("%w: backend %q given twice", ErrInvalid, b.Name())
@@ -252,9 +261,7 @@ func (a *Agent) Backends() []string {
 // Close.
 func (a *Agent) Stats() Stats {
 	st := Stats{Refused: a.refused.Load(), DroppedNotifications: a.dropped.Load()}
-	a.regMu.Lock()
-	st.Registered = len(a.regs)
-	a.regMu.Unlock()
+	st.Registered, _ = a.Registered()
 	a.expMu.RLock()
 	st.Exposed = len(a.exps)
 	a.expMu.RUnlock()

@@ -648,7 +648,8 @@ func TestPeerDepartedAbortsItsTransfers(t *testing.T) {
 // Bursts of up to 16384 regions (a KV hand-off of 4096 blocks per
 // operation) keep their map: rebuilt after each, it would regrow each time.
 func TestRegistrationMapShrinks(t *testing.T) {
-	a := newTestAgent(t)
+	// The per-region map is kept only when a backend registers memory.
+	a := newTestAgent(t, &registrarBackend{stubBackend{name: "reg"}})
 	mem := make([]byte, 40000) // past the floor (16384) below which the map is kept
 	ls := make([]Local, len(mem))
 	for i := range mem {

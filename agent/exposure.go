@@ -325,6 +325,7 @@ type Lease struct {
 	e    *Exposure
 	st   *leaseStage // for a DeviceStager's lease on an exposure with VRAM
 	done bool
+	next int // the region Slice found last: where it looks first
 }
 
 // Access returns the access kind the lease grants.
@@ -342,7 +343,7 @@ func (l *Lease) Access() Access { return l.e.access }
 // and [Lease.Flush] copies it into the device. Staging failures wrap
 // [ErrStaging]. Other backends get a nil slice and no error.
 func (l *Lease) Slice(addr, n uint64) ([]byte, error) {
-	r, ok := l.e.set.find(addr, n)
+	r, ok := l.e.set.findFrom(addr, n, &l.next)
 	if !ok {
 		l.e.a.refused.Add(1)
 		return nil, fmt.Errorf("%w: [0x%x, +%d) lies outside the exposed regions", ErrAccessDenied, addr, n)

@@ -7,7 +7,6 @@ import (
 	"encoding/hex"
 	"fmt"
 	"slices"
-	"sort"
 	"sync"
 	"unsafe"
 
@@ -160,6 +159,20 @@ func (a *Agent) Register(ls ...Local) (*Registration, error) {
 		}
 	}
 	r := &Registration{a: a, keys: make([]regKey, 0, len(ls))}
+	if !a.registrars {
+		// Nothing to register with: the registration is its references,
+		// counted by Registered, and costs no map entry per region.
+		for _, l := range ls {
+			r.keys = append(r.keys, keyOf(l))
+		}
+		a.regMu.Lock()
+		defer a.regMu.Unlock()
+		if a.isClosed() {
+			return nil, ErrClosed
+		}
+		a.held[r] = struct{}{}
+		return r, nil
+	}
 	a.regMu.Lock()
 	defer a.regMu.Unlock()
 	if a.isClosed() {
@@ -207,6 +220,10 @@ func (r *Registration) Release() error {
 	r.once.Do(func() {
 		r.a.regMu.Lock()
 		defer r.a.regMu.Unlock()
+		if !r.a.registrars {
+			delete(r.a.held, r)
+			return
+		}
 		err = r.a.unref(r.keys)
 	})
 	return err
@@ -251,10 +268,22 @@ func (a *Agent) shrinkRegs() {
 }
 
 // Registered reports how many distinct regions are registered and how many
-// references they have in all.
+// references they have in all. When no backend needs registration it
+// counts them from the live registrations, in time proportional to their
+// references: a gauge to read now and then, not per operation.
 func (a *Agent) Registered() (regions, refs int) {
 	a.regMu.Lock()
 	defer a.regMu.Unlock()
+	if !a.registrars {
+		distinct := make(map[regKey]struct{})
+		for r := range a.held {
+			refs += len(r.keys)
+			for _, k := range r.keys {
+				distinct[k] = struct{}{}
+			}
+		}
+		return len(distinct), refs
+	}
 	for _, e := range a.regs {
 		refs += e.refs
 	}
@@ -301,14 +330,43 @@ func newRegionSet(ls []Local) regionSet {
 }
 
 // find returns the region containing [addr, addr+n), or false.
-func (s *regionSet) find(addr, n uint64) (Local, bool) {
+func (s *regionSet) find(addr, n uint64) (Local, bool) { return s.findFrom(addr, n, nil) }
+
+// findFrom is find for a caller that walks the regions in order, as a
+// lease over a KV hand-off's blocks does: *hint, the index of the region
+// found last, is tried before the binary search, then the next one, and is
+// set to the index found. The answer is find's, whatever the hint.
+func (s *regionSet) findFrom(addr, n uint64, hint *int) (Local, bool) {
 	end := addr + n
 	if n == 0 || end < addr {
 		return Local{}, false
 	}
-	i := sort.Search(len(s.regs), func(i int) bool { return s.regs[i].Addr > addr }) - 1
+	i := -1 // the last region that starts at or before addr
+	if hint != nil {
+		for _, h := range [2]int{*hint, *hint + 1} {
+			if h >= 0 && h < len(s.regs) && s.regs[h].Addr <= addr && (h+1 == len(s.regs) || s.regs[h+1].Addr > addr) {
+				i = h
+				break
+			}
+		}
+	}
+	if i < 0 {
+		lo, hi := 0, len(s.regs) // the first region that starts past addr is in [lo, hi]
+		for lo < hi {
+			m := int(uint(lo+hi) >> 1)
+			if s.regs[m].Addr > addr {
+				hi = m
+			} else {
+				lo = m + 1
+			}
+		}
+		i = lo - 1
+	}
 	for ; i >= 0 && s.maxEnd[i] >= end; i-- {
 		if r := s.regs[i]; r.Addr <= addr && end <= r.End() {
+			if hint != nil {
+				*hint = i
+			}
 			return r, true
 		}
 	}

@@ -142,14 +142,18 @@ func (b *Backend) copy(w *agent.Work, remote *Backend) error {
 		return fmt.Errorf("mem: peer %s: %w", w.Peer.ID, agent.ErrRemoteLost)
 	}
 	b.met(remote)
+	var rems [][]byte // a READ's remote pieces of one span, reused span after span
 	for c := (agent.Cursor{}); c.Seg < len(w.Segments); {
 		select {
 		case <-w.Cancelled():
 			return w.CancelErr()
 		default:
 		}
-		end, n, _ := agent.Span(w.Segments, c, chunk, math.MaxInt)
-		if err := b.copySpan(remote, w, c, n); err != nil {
+		end, n, pieces := agent.Span(w.Segments, c, chunk, math.MaxInt)
+		if w.Op == agent.OpRead && cap(rems) < pieces {
+			rems = make([][]byte, 0, pieces)
+		}
+		if err := b.copySpan(remote, w, c, n, rems[:0]); err != nil {
 			return err
 		}
 		c = end
@@ -158,8 +162,8 @@ func (b *Backend) copy(w *agent.Work, remote *Backend) error {
 }
 
 // copySpan copies the n bytes of w that start at c under one lease of the
-// peer's exposure.
-func (b *Backend) copySpan(remote *Backend, w *agent.Work, c agent.Cursor, n uint64) error {
+// peer's exposure; a READ collects the remote pieces in rems.
+func (b *Backend) copySpan(remote *Backend, w *agent.Work, c agent.Cursor, n uint64, rems [][]byte) error {
 	lease, err := remote.host.Open(b.link, w.Key, w.Op.Access())
 	if err != nil {
 		return fmt.Errorf("mem: segment %d: %w", c.Seg, err)
@@ -170,7 +174,6 @@ func (b *Backend) copySpan(remote *Backend, w *agent.Work, c agent.Cursor, n uin
 	if err := lease.Prepare(n); err != nil {
 		return fmt.Errorf("mem: segment %d: %w", c.Seg, err)
 	}
-	var rems [][]byte
 	seg := c.Seg // the index of p.Seg
 	for p := range w.Pieces(c, n) {
 		rem, err := lease.Slice(p.RemoteAddr(), p.Len)
