@@ -853,7 +853,13 @@ func (t *shmXfer) release() {
 // leases then serve x. The lease table on a new connection, and a segment
 // the slot names, that have not arrived yet (sent right after the
 // handshake, or as the exposure was made: still in the socket) are waited
-// for, a little (segWait).
+// for, until x is cancelled, the peer is lost, or for WithTimeout (at
+// least segWait): as long as a lease request may go unanswered. An honest
+// peer always sends them, only late when its sender was descheduled on a
+// loaded machine (100 ms and more was seen: a fixed short wait sent such
+// transfers to leases, which wait on the same socket anyway); a peer that
+// names segments it never sends costs each transfer of its exposures that
+// bound, as one that never answers a lease request does.
 func (p *peer) resolve(x *agent.Work, ops []shmOp) (*shmXfer, bool) {
 	h := keyHash(x.Key)
 	deadline := time.Time{}
@@ -863,7 +869,7 @@ func (p *peer) resolve(x *agent.Work, ops []shmOp) (*shmXfer, bool) {
 			return t, t != nil
 		}
 		if deadline.IsZero() {
-			deadline = time.Now().Add(segWait)
+			deadline = time.Now().Add(max(segWait, p.b.cfg.timeout))
 		}
 		wait := time.Until(deadline)
 		if wait <= 0 {
@@ -879,13 +885,17 @@ func (p *peer) resolve(x *agent.Work, ops []shmOp) (*shmXfer, bool) {
 		case <-arrived:
 		case <-p.dead:
 		case <-timer.C:
+		case <-x.Cancelled():
+			timer.Stop()
+			return nil, false // leases see the cancellation at once
 		}
 		timer.Stop()
 	}
 }
 
-// segWait bounds how long a transfer waits for a segment its exposure's
-// slot names and the peer sent, before leases serve it instead.
+// segWait is the least time a transfer waits for the lease table or a
+// segment its exposure's slot names, before leases serve it instead
+// (resolve waits for WithTimeout, when it is longer).
 const segWait = 100 * time.Millisecond
 
 // resolveOnce is one try of resolve. missing says a segment the slot names
