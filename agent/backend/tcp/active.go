@@ -36,13 +36,14 @@ type peer struct {
 	id   uuid.UUID
 	addr string
 
-	ready   chan struct{} // closed when dialling ended
-	dead    chan struct{} // closed when the peer failed
-	streams []*stream     // data streams; set (under mu) before ready is closed
-	ctrl    *stream       // notifications only; likewise
-	rr      atomic.Uint32
-	chunk   uint64 // most bytes in a frame: ours, or less if the peer takes less; set before ready is closed
-	pieces  int    // most pieces in a frame, likewise
+	ready    chan struct{} // closed when dialling ended
+	dead     chan struct{} // closed when the peer failed
+	streams  []*stream     // data streams; set (under mu) before ready is closed
+	ctrl     *stream       // notifications only; likewise
+	rr       atomic.Uint32
+	chunk    uint64 // most bytes in a frame: ours, or less if the peer takes less; set before ready is closed
+	pieces   int    // most pieces in a frame, likewise
+	trailers bool   // the peer takes a WRITE's notification in its frame (stTrailer), likewise
 
 	// session names this peer's connections to the listener, which groups
 	// them into one agent.Link: random, so a stranger claiming this agent's
@@ -98,8 +99,9 @@ type frame struct {
 	id    uint64
 	start cursor
 	n     uint64
-	size  uint64 // bytes on the wire: header, table and a WRITE's payload
+	size  uint64 // bytes on the wire: header, table, a WRITE's payload and trailer
 	typ   uint8
+	note  []byte // a WRITE's notification, sent in its trailer (stTrailer)
 }
 
 // xstate tracks one transfer: a part per frame in flight plus one for the
@@ -115,7 +117,31 @@ type xstate struct {
 	abandoned bool // cancelled: answers still to come land nowhere
 	queued    int  // frames sent whose answers have not begun to land
 
+	// The notification went in the trailer of the transfer's one frame,
+	// whose acknowledgement says the peer delivered it: Parts sends none.
+	// Set before the frame is sent.
+	inFrame bool
+
 	unwatch func() bool // set by watch before any frame is sent
+}
+
+// trailer puts the transfer's notification in the trailer of f, its one
+// frame, if it is a WRITE and the peer takes trailers: the peer delivers
+// it once the payload landed and before it acknowledges.
+func (st *xstate) trailer(f *frame) {
+	x := st.x
+	if f.typ == tWrite && x.Notify != nil && len(x.Notify) <= maxNotify && st.p.trailers {
+		f.note, st.inFrame = x.Notify, true
+	}
+}
+
+// notify sends the transfer's notification for Parts, unless it went in
+// the frame's trailer.
+func (st *xstate) notify(key agent.Key, msg []byte) error {
+	if st.inFrame {
+		return nil
+	}
+	return st.p.notifyDone(key, msg)
 }
 
 // finished runs after the transfer's Finish.
@@ -189,7 +215,7 @@ func (b *Backend) Post(x *agent.Work) error {
 		return err
 	}
 	st := &xstate{b: b, x: x, p: p}
-	st.Init(x, p.notifyDone, st.finished)
+	st.Init(x, st.notify, st.finished)
 	st.watch()
 	typ := uint8(tRead)
 	if x.Op == agent.OpWrite {
@@ -198,13 +224,15 @@ func (b *Backend) Post(x *agent.Work) error {
 	if p.usable() && x.Bytes() <= inlineMax {
 		end, n, pieces := agent.Span(x.Segments, cursor{}, p.chunk, p.pieces)
 		if end.Seg == len(x.Segments) {
-			if s := p.tryStream(); s != nil {
+			if s := p.idleStream(); s != nil {
 				// Inline only if the stream is free this instant: a small
 				// transfer never waits behind another one's frame here,
 				// nor for the peer to take it (sendLocked).
 				if s.w.wl.tryLock() {
+					f := frame{st: st, n: n, typ: typ}
+					st.trailer(&f)
 					st.Add()
-					s.sendLocked(frame{st: st, n: n, typ: typ}, pieces, true)
+					s.sendLocked(f, pieces, true)
 					st.Done(nil)
 					return nil
 				}
@@ -247,8 +275,12 @@ func (b *Backend) drive(st *xstate, typ uint8) {
 			st.Fail(err)
 			return
 		}
+		f := frame{st: st, start: c, n: n, typ: typ}
+		if c == (cursor{}) && end.Seg == len(x.Segments) {
+			st.trailer(&f)
+		}
 		st.Add()
-		s.send(frame{st: st, start: c, n: n, typ: typ}, pieces)
+		s.send(f, pieces)
 		c = end
 	}
 }
@@ -446,6 +478,25 @@ func (p *peer) failure() error {
 	return p.err
 }
 
+// idleStream takes a slot on the first stream with no frame in flight, or
+// returns nil. A small transfer takes it: one at a time, transfers then
+// keep to one connection, whose reader (and the peer's server) is awake
+// or, in latency mode, polling; in flight together, they spread over the
+// streams.
+func (p *peer) idleStream() *stream {
+	for _, s := range p.streams {
+		if len(s.pending) > 0 {
+			continue
+		}
+		select {
+		case s.slots <- struct{}{}:
+			return s
+		default:
+		}
+	}
+	return p.tryStream()
+}
+
 // tryStream takes a slot on a stream with one free, or returns nil.
 func (p *peer) tryStream() *stream {
 	n := len(p.streams)
@@ -497,6 +548,7 @@ func (p *peer) connect(ctx context.Context) error {
 	n := b.cfg.streams
 	all := make([]*stream, 0, n+1)
 	chunk, pieces := b.cfg.chunk, b.cfg.maxPieces
+	trailers := true
 	ap, err := netip.ParseAddrPort(p.addr)
 	literal := err == nil
 	for i := 0; i <= n; i++ {
@@ -525,9 +577,10 @@ func (p *peer) connect(ctx context.Context) error {
 			return err
 		}
 		chunk, pieces = peerLimits(chunk, pieces, in)
+		trailers = trailers && in.trailers
 		all = append(all, s)
 	}
-	p.chunk, p.pieces = uint64(chunk), pieces
+	p.chunk, p.pieces, p.trailers = uint64(chunk), pieces, trailers
 	for _, s := range all {
 		if !b.track(s.w) {
 			closeStreams(all)
@@ -576,7 +629,7 @@ func (p *peer) handshake(ctx context.Context, c net.Conn, idx uint8) (*stream, h
 	}
 	w := newWconn(c)
 	w.tx.Store(hsSize)
-	pc := &patientConn{c: c, rx: &w.rx, timeout: b.cfg.timeout}
+	pc := &patientConn{c: c, rx: &w.rx, timeout: b.cfg.timeout, spin: b.cfg.spin}
 	br := bufio.NewReaderSize(pc, readBuf)
 	if _, err := io.ReadFull(br, hs[:]); err != nil {
 		return nil, handshake{}, p.lost("handshake with", err)
@@ -829,6 +882,9 @@ func (s *stream) sendLocked(f frame, pieces int, inline bool) {
 	if write {
 		f.size += f.n
 	}
+	if f.note != nil {
+		f.size += uint64(len(f.note)) + 1
+	}
 	s.pending <- f // never blocks: the slot guarantees room
 
 	table := s.head[hdrSize : hdrSize+pieces*pieceSize]
@@ -845,6 +901,13 @@ func (s *stream) sendLocked(f frame, pieces int, inline bool) {
 	h := header{typ: f.typ, count: uint32(pieces), id: f.id, key: st.x.Key}
 	if write {
 		h.length = f.n
+	}
+	if f.note != nil {
+		// The whole byte comes last: a frame cut short is padded with
+		// zeros from where it stopped, and a zero says so.
+		h.status = stTrailer
+		h.length += uint64(len(f.note)) + 1
+		s.bufs = append(s.bufs, f.note, whole[:])
 	}
 	h.put(s.head)
 	s.out = s.bufs
@@ -913,6 +976,9 @@ func (s *stream) finishLocked(err error) {
 		w.cut(err) // the reader fails every pending frame, this one included
 	}
 }
+
+// whole ends the trailer of a WRITE frame sent whole.
+var whole = [1]byte{1}
 
 // zeros stands in for the payload of a cancelled WRITE.
 var zeros [64 << 10]byte
@@ -1070,6 +1136,7 @@ func (s *stream) loop() error {
 			}
 			return err
 		}
+		s.pc.busy()
 		if !released {
 			st.Done(err)
 		}

@@ -83,7 +83,8 @@ func (p *rawPeer) next() (header, []byte, error) {
 
 func TestInvalidOptions(t *testing.T) {
 	for _, o := range []Option{WithStreams(0), WithStreams(65), WithKeepalive(time.Second, time.Second),
-		WithChunkSize(1), WithInflight(0), WithListenAddr("nope"), WithAdvertiseAddr("")} {
+		WithChunkSize(1), WithInflight(0), WithListenAddr("nope"), WithAdvertiseAddr(""),
+		WithLatencyMode(-time.Microsecond), WithLatencyMode(time.Second)} {
 		_, err := agent.New(agent.WithBackends(New(o)))
 		require.ErrorIs(t, err, agent.ErrInvalidOption)
 	}

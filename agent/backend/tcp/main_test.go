@@ -23,3 +23,12 @@ func TestMain(m *testing.M) {
 func TestConformance(t *testing.T) {
 	backendtest.Run(t, backendtest.Config{New: factory, CrossProcess: true})
 }
+
+// Latency mode changes how connections wait for bytes, not what they
+// carry: the suite again, with this process's readers polling.
+func TestConformanceLatencyMode(t *testing.T) {
+	backendtest.Run(t, backendtest.Config{New: func() ([]agent.Backend, error) {
+		return []agent.Backend{tcp.New(tcp.WithLatencyMode(0))}, nil
+	}, CrossProcess: true}) // the child's agent does not poll
+
+}

@@ -42,6 +42,8 @@ type config struct {
 	maxOut int           // connections we dial to one address
 	idle   time.Duration // a peer with nothing in flight this long is closed
 
+	spin time.Duration // latency mode: how long a busy connection's reader polls; 0: off
+
 	// Tests replace the network: an in-memory one runs inside a
 	// testing/synctest bubble. Nil means TCP.
 	testListen func(addr string) (net.Listener, error)
@@ -268,6 +270,32 @@ func WithIdleTimeout(d time.Duration) Option {
 			return fmt.Errorf("%w: tcp: idle timeout must be positive, got %v", agent.ErrInvalidOption, d)
 		}
 		c.idle = d
+		return nil
+	})
+}
+
+// DefaultLatencySpin is how long a connection's reader polls in latency
+// mode when [WithLatencyMode] is given 0.
+const DefaultLatencySpin = 50 * time.Microsecond
+
+// WithLatencyMode trades CPU for latency: a connection that carried bytes
+// within the last spin keeps polling its socket (non-blocking reads,
+// yielding the processor between them) for up to spin after its last byte
+// before it blocks, as NIXL's progress thread and UCX do; back to back,
+// small transfers then skip the wake-ups of the goroutines and threads that
+// would otherwise sleep between them. While transfers keep coming, each
+// connection in use costs up to a core on both sides (docs/tcp.md,
+// "Latency mode", gives the figures). Give 0 for [DefaultLatencySpin].
+// Default: off, every reader blocks at once.
+func WithLatencyMode(spin time.Duration) Option {
+	return optionFunc(func(c *config) error {
+		if spin < 0 || spin > 10*time.Millisecond {
+			return fmt.Errorf("%w: tcp: latency-mode spin must be in [0, 10ms], got %v", agent.ErrInvalidOption, spin)
+		}
+		if spin == 0 {
+			spin = DefaultLatencySpin
+		}
+		c.spin = spin
 		return nil
 	})
 }

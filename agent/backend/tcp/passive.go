@@ -106,7 +106,7 @@ type server struct {
 func (b *Backend) serve(w *wconn) {
 	defer b.untrack(w)
 	defer w.c.Close()
-	pc := &patientConn{c: w.c, rx: &w.rx, timeout: b.cfg.timeout}
+	pc := &patientConn{c: w.c, rx: &w.rx, timeout: b.cfg.timeout, spin: b.cfg.spin}
 	s := &server{b: b, w: w, pc: pc, br: bufio.NewReaderSize(pc, readBuf)}
 	s.renewFn = s.renew
 	if err := s.handshake(); err != nil {
@@ -230,7 +230,7 @@ func (s *server) handshake() error {
 	default:
 		s.peer = peer
 	}
-	out := handshake{status: status, self: b.id, timeout: b.cfg.timeout, maxPieces: b.cfg.maxPieces, maxFrame: b.cfg.maxFrame}
+	out := handshake{status: status, self: b.id, timeout: b.cfg.timeout, maxPieces: b.cfg.maxPieces, maxFrame: b.cfg.maxFrame, trailers: true}
 	out.put(hs[:])
 	s.w.wl.lock() // no ping before the answer: nobody else writes yet
 	_, werr := s.w.c.Write(hs[:])
@@ -273,6 +273,7 @@ func (s *server) loop() error {
 		switch h.typ {
 		case tRead, tWrite:
 			err = s.access(&h)
+			s.pc.busy()
 		case tNotify:
 			err = s.notify(&h)
 		case tPing:
@@ -336,8 +337,19 @@ func (s *server) access(h *header) error {
 		total += l
 	}
 	write := h.typ == tWrite
-	if write && h.length != total {
+	// rest is what follows the table: a WRITE's payload and trailer. A
+	// request's status means nothing else.
+	var rest, trailer uint64
+	switch {
+	case write && h.status == stTrailer:
+		if h.length <= total || h.length-total-1 > maxNotify {
+			return fmt.Errorf("%w: WRITE of %d bytes with a trailer of %d, want a notification of at most %d and its whole byte", errProtocol, total, h.length-min(h.length, total), maxNotify)
+		}
+		rest, trailer = h.length, h.length-total
+	case write && h.length != total:
 		return fmt.Errorf("%w: WRITE payload %d bytes, pieces add up to %d", errProtocol, h.length, total)
+	case write:
+		rest = total
 	}
 	acc := agent.AccessRead
 	if write {
@@ -378,7 +390,7 @@ func (s *server) access(h *header) error {
 	}
 	if write {
 		if denied != nil {
-			if _, err := io.CopyN(io.Discard, s.br, int64(total)); err != nil {
+			if _, err := io.CopyN(io.Discard, s.br, int64(rest)); err != nil {
 				return err
 			}
 			return s.answer(tWriteAck, h.id, denied, nil)
@@ -396,7 +408,7 @@ func (s *server) access(h *header) error {
 				s.dropLease()
 				s.b.stats.Deny()
 				s.pc.arm()
-				if _, err := io.CopyN(io.Discard, s.br, int64(total-got)); err != nil {
+				if _, err := io.CopyN(io.Discard, s.br, int64(rest-got)); err != nil {
 					return err
 				}
 				return s.answer(tWriteAck, h.id, fmt.Errorf("%w: exposure revoked while the WRITE arrived", agent.ErrAccessDenied), nil)
@@ -407,12 +419,27 @@ func (s *server) access(h *header) error {
 			}
 		}
 		s.pc.renew = nil
+		var note []byte
+		if trailer > 0 {
+			note = make([]byte, trailer)
+			if _, err := io.ReadFull(s.br, note); err != nil {
+				return err
+			}
+		}
 		// Staged device memory reaches the device before the ack: a
 		// failure is the peer's to hear, and the ack never overtakes it.
 		flushErr := s.lease.Flush()
 		s.dropLease()
 		if flushErr != nil {
 			return s.answer(tWriteAck, h.id, flushErr, nil)
+		}
+		// The notification after the data, and before the ack: the peer's
+		// transfer succeeds only once it was delivered. A frame its sender
+		// cut short (its whole byte zero) landed zeros: no notification.
+		if len(note) > 0 && note[len(note)-1] == whole[0] {
+			if !s.b.host.Deliver(s.link, h.key, note[:len(note)-1]) {
+				return agent.ErrClosed
+			}
 		}
 		return s.answer(tWriteAck, h.id, nil, nil)
 	}

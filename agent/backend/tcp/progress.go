@@ -4,6 +4,7 @@ import (
 	"errors"
 	"net"
 	"os"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -83,6 +84,12 @@ type patientConn struct {
 	// renew, if set, is asked at each extension whether the frame may go
 	// on; false fails the read with errRevoked.
 	renew func() bool
+	// Latency mode: a read within spin of the end of the last READ or
+	// WRITE frame the connection carried (busy) polls the socket until
+	// then before it blocks. Notifications and keepalives do not count:
+	// a connection carrying only those never polls.
+	spin time.Duration
+	last time.Time
 }
 
 // arm gives the next frame a fresh timeout.
@@ -92,6 +99,14 @@ func (p *patientConn) arm() {
 }
 
 func (p *patientConn) Read(b []byte) (int, error) {
+	if p.spin > 0 {
+		n, err := p.poll(b)
+		if n > 0 || err != nil {
+			p.moved += n
+			p.rx.Add(uint64(n))
+			return n, err
+		}
+	}
 	for {
 		n, err := p.c.Read(b)
 		p.moved += n
@@ -114,6 +129,57 @@ func (p *patientConn) Read(b []byte) (int, error) {
 		}
 	}
 }
+
+// busy records that a READ or WRITE frame just ended: in latency mode the
+// next reads poll.
+func (p *patientConn) busy() {
+	if p.spin > 0 {
+		p.last = time.Now()
+	}
+}
+
+// poll reads what the socket holds, polling it until spin after the end of
+// the last frame (busy): (0, nil) if nothing came by then, or if polling is
+// not possible (a deadline passed, a fence is up, an error: the blocking
+// read reports them).
+func (p *patientConn) poll(b []byte) (int, error) {
+	if p.last.IsZero() {
+		return 0, nil
+	}
+	// At most GOMAXPROCS-1 readers poll at once, so that one processor is
+	// left to the rest: pollers hold theirs, and a goroutine waiting on the
+	// network is woken only by a processor with nothing else to do.
+	if spinners.Add(1) > int32(runtime.GOMAXPROCS(0)-1) {
+		spinners.Add(-1)
+		return 0, nil
+	}
+	defer spinners.Add(-1)
+	// Goroutines this one readied (a transfer's waiter) run first; then it
+	// keeps its processor while it polls: yielding it on every poll would
+	// keep the others busy taking it up, and none would be left to wait on
+	// the network for the goroutines that do not poll. Between polls it
+	// yields the core to the threads waiting for it (yieldThread): on a
+	// machine with few cores the peer's, which must run to answer.
+	runtime.Gosched()
+	until := p.last.Add(p.spin)
+	for {
+		n, err, ok := tryRead(p.c, b)
+		if !ok {
+			return 0, nil
+		}
+		if n > 0 || err != nil {
+			return n, err
+		}
+		if !time.Now().Before(until) {
+			p.last = time.Time{}
+			return 0, nil
+		}
+		yieldThread()
+	}
+}
+
+// spinners counts the readers polling (patientConn.poll) in this process.
+var spinners atomic.Int32
 
 // errLater ends a write the socket did not take at once (writeSoon).
 var errLater = errors.New("tcp: socket full")

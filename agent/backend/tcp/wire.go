@@ -22,12 +22,21 @@ import (
 //
 //	header (40 bytes)
 //	  0  type    u8
-//	  1  status  u8   (answers: 0 ok, else a status code; message follows)
+//	  1  status  u8   (answers: 0 ok, else a status code; message follows;
+//	                   a WRITE: stTrailer if a notification trails it)
 //	  2  -       u16
 //	  4  count   u32  pieces in the table
 //	  8  id      u64  request sequence number, echoed in the answer
 //	 16  length  u64  payload bytes after the table
 //	 24  key     [16]byte
+//
+// A WRITE whose status is stTrailer, sent only to an agent whose handshake
+// announced that it takes them, carries its transfer's notification after
+// the payload: length is the payload, then the message, then one byte, 1
+// if the frame is whole (0 if its sender, cancelled, padded the rest with
+// zeros). The exposing agent delivers the message after the payload
+// landed, before it acknowledges: one message fewer, and no second
+// connection to wake.
 //
 // A data connection's answers come in request order; the id is a check.
 // A ping's id is the bytes its sender has received on the connection so
@@ -51,6 +60,10 @@ const (
 	stLimit  = 2 // handshake: too many connections from this peer
 	stBusy   = 3 // ping: bytes of a request arrived since the last ping
 	stIdle   = 4 // goodbye: an idle connection closed, the sender is not leaving
+
+	stTrailer = 1 // WRITE: its notification trails the payload
+
+	hsTrailers = 1 // handshake flag: this agent takes WRITEs with stTrailer
 
 	maxNotify = 64 << 10 // largest notification accepted
 	maxErrMsg = 1 << 10  // largest error message accepted in an answer
@@ -92,16 +105,18 @@ func (h *header) get(b []byte) {
 	*h = header{typ: f.Type, status: f.Status, count: f.Count, id: f.ID, length: f.Length, key: f.Key}
 }
 
-// handshake: magic[4] version u8 stream u8 - u8 status u8 self[16]
+// handshake: magic[4] version u8 stream u8 flags u8 status u8 self[16]
 // expect[16] timeout u32 (the sender's keepalive timeout in milliseconds)
 // pieces u16 frame u16 (the most pieces and payload bytes, in units of
 // frameUnit, the sender accepts in one request; zero from agents that
 // predate them: unknown) session[16] (the dialler's session: random, shared
 // by all the connections of one dialling peer, so that the listener groups
 // them into one agent.Link by something only that peer knows). The answer
-// has the same shape, with expect and session zero.
+// has the same shape, with expect and session zero. Flags: hsTrailers;
+// zero from agents that predate them.
 type handshake struct {
 	stream, status uint8
+	trailers       bool // takes WRITEs with their notification (stTrailer)
 	self, expect   uuid.UUID
 	session        [16]byte
 	timeout        time.Duration
@@ -116,7 +131,11 @@ const frameUnit = 4 << 10
 func (h *handshake) put(b []byte) {
 	_ = b[hsSize-1]
 	copy(b[0:4], magic[:])
-	b[4], b[5], b[6], b[7] = protoVersion, h.stream, 0, h.status
+	var flags uint8
+	if h.trailers {
+		flags |= hsTrailers
+	}
+	b[4], b[5], b[6], b[7] = protoVersion, h.stream, flags, h.status
 	copy(b[8:24], h.self[:])
 	copy(b[24:40], h.expect[:])
 	binary.LittleEndian.PutUint32(b[40:], uint32(min(h.timeout.Milliseconds(), math.MaxUint32)))
@@ -134,6 +153,7 @@ func getHandshake(b []byte) (handshake, error) {
 		return h, fmt.Errorf("%w: protocol version %d, want %d", errProtocol, b[4], protoVersion)
 	}
 	h.stream, h.status = b[5], b[7]
+	h.trailers = b[6]&hsTrailers != 0
 	copy(h.self[:], b[8:24])
 	copy(h.expect[:], b[24:40])
 	h.timeout = time.Duration(binary.LittleEndian.Uint32(b[40:])) * time.Millisecond
