@@ -278,15 +278,18 @@ func WithIdleTimeout(d time.Duration) Option {
 // mode when [WithLatencyMode] is given 0.
 const DefaultLatencySpin = 50 * time.Microsecond
 
-// WithLatencyMode trades CPU for latency: a connection that carried bytes
-// within the last spin keeps polling its socket (non-blocking reads,
-// yielding the processor between them) for up to spin after its last byte
-// before it blocks, as NIXL's progress thread and UCX do; back to back,
-// small transfers then skip the wake-ups of the goroutines and threads that
-// would otherwise sleep between them. While transfers keep coming, each
-// connection in use costs up to a core on both sides (docs/tcp.md,
-// "Latency mode", gives the figures). Give 0 for [DefaultLatencySpin].
-// Default: off, every reader blocks at once.
+// WithLatencyMode trades CPU for latency: a connection that carried a READ
+// or WRITE frame within the last spin keeps polling its socket
+// (non-blocking reads, yielding the core between them) until spin after
+// that frame before it blocks, as NIXL's progress thread and UCX do; back
+// to back, small transfers then skip the wake-ups of the threads that
+// would otherwise sleep between them. At most GOMAXPROCS-1 readers of a
+// process poll at once. While transfers keep coming, it costs up to a core
+// per process; on a machine with few cores to spare it makes transfers
+// slower, not faster (docs/tcp.md, "Latency mode", gives the figures).
+// Linux only: elsewhere it changes nothing. Give 0 for
+// [DefaultLatencySpin]; at most 10 ms. Default: off, every reader blocks
+// at once.
 func WithLatencyMode(spin time.Duration) Option {
 	return optionFunc(func(c *config) error {
 		if spin < 0 || spin > 10*time.Millisecond {
