@@ -93,8 +93,25 @@ func TestWriteTrailerByHand(t *testing.T) {
 	default:
 		t.Fatal("no event before the ack")
 	}
-	wBefore := bytes.Clone(g.w)
-	copy(wBefore, bytes.Repeat([]byte{2}, 64))
+	// Refused (a key that opens nothing): the payload and the trailer are
+	// read past, nothing is delivered, the connection serves on.
+	wk = agent.NewKey()
+	_, err = p.c.Write(write(3, bytes.Repeat([]byte{3}, 64), []byte("no"), 1))
+	require.NoError(t, err)
+	h, _, err := p.next()
+	require.NoError(t, err)
+	require.Equal(t, uint8(stDenied), h.status)
+	noEvent()
+	wk = ex.w.Key()
+	_, err = p.c.Write(write(4, bytes.Repeat([]byte{4}, 64), []byte("again"), 1))
+	require.NoError(t, err)
+	ack(4)
+	select {
+	case ev := <-ex.w.Events():
+		assert.Equal(t, []byte("again"), ev.Msg)
+	default:
+		t.Fatal("no event before the ack")
+	}
 	tg.stillServes(t, nil)
 
 	for _, tc := range []struct {
