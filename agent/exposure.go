@@ -325,7 +325,8 @@ type Lease struct {
 	e    *Exposure
 	st   *leaseStage // for a DeviceStager's lease on an exposure with VRAM
 	done bool
-	next int // the region Slice found last: where it looks first
+	next int    // the region Slice found last: where it looks first
+	run  []byte // what Slice returned last, its capacity not cut: SliceAfter extends it
 }
 
 // Access returns the access kind the lease grants.
@@ -343,6 +344,7 @@ func (l *Lease) Access() Access { return l.e.access }
 // and [Lease.Flush] copies it into the device. Staging failures wrap
 // [ErrStaging]. Other backends get a nil slice and no error.
 func (l *Lease) Slice(addr, n uint64) ([]byte, error) {
+	l.run = nil
 	r, ok := l.e.set.findFrom(addr, n, &l.next)
 	if !ok {
 		l.e.a.refused.Add(1)
@@ -355,7 +357,43 @@ func (l *Lease) Slice(addr, n uint64) ([]byte, error) {
 		return l.stage(addr, n, int(r.Device))
 	}
 	off := addr - r.Addr
+	l.run = r.Mem[off : off+n]
 	return r.Mem[off : off+n : off+n], nil
+}
+
+// SliceAfter is [Lease.Slice] for a backend that copies neighbouring
+// pieces at once. prev is the slice this lease returned last; when the
+// exposed bytes at [addr, addr+n) follow prev's last byte in the same
+// allocation of Go memory, it returns prev and them as one slice and
+// joined true; otherwise what Slice returns. [addr, addr+n) is checked,
+// and refused, as by Slice: a joined slice is only ever the union of
+// ranges that were each checked, never a range across regions that a peer
+// asked for.
+func (l *Lease) SliceAfter(prev []byte, addr, n uint64) (b []byte, joined bool, err error) {
+	run := l.run
+	if b, err = l.Slice(addr, n); err != nil || l.run == nil {
+		return b, false, err
+	}
+	k := len(prev)
+	if k == 0 || len(run) != k || &run[0] != &prev[0] {
+		return b, false, nil
+	}
+	if j, ok := Extend(run, l.run); ok {
+		l.run = j
+		return j[:len(j):len(j)], true, nil
+	}
+	return b, false, nil
+}
+
+// Extend returns run and next as one slice when next's bytes directly
+// follow run's within run's capacity (so within one allocation): the same
+// memory, reached through one slice header, for one copy instead of two.
+func Extend(run, next []byte) ([]byte, bool) {
+	k := len(run)
+	if k == 0 || len(next) == 0 || cap(run)-k < len(next) || &run[:k+1][k] != &next[0] {
+		return nil, false
+	}
+	return run[:k+len(next)], true
 }
 
 // Gone is closed once the exposure is revoked (its [Exposure.Revoke]

@@ -84,3 +84,72 @@ func TestRegionSetFindFromMatchesFind(t *testing.T) {
 	_, ok = set.findFrom(pool[10].End()-1, 2, &hint)
 	require.False(t, ok, "across two blocks")
 }
+
+// SliceAfter joins neighbouring pieces only within one allocation, after
+// checking each; a range outside the exposure is refused and counted as by
+// Slice, whatever prev is.
+func TestLeaseSliceAfter(t *testing.T) {
+	a := newTestAgent(t)
+	pool := make([]byte, 4*64)
+	for i := range pool {
+		pool[i] = byte(i)
+	}
+	apart := make([]byte, 64) // an allocation of its own
+	regions := []Local{DRAM(pool[0:64]), DRAM(pool[64:128]), DRAM(pool[128:192:192]), DRAM(pool[192:256]), DRAM(apart)}
+	e, err := a.Expose(AccessRead, regions)
+	require.NoError(t, err)
+	defer e.Revoke()
+	l, err := a.open(NewLink(a.id), e.Key(), AccessRead, false)
+	require.NoError(t, err)
+	defer l.Release()
+	at := func(b []byte) uint64 { return DRAM(b).Addr }
+	base := at(pool)
+
+	b, joined, err := l.SliceAfter(nil, base+10, 54)
+	require.NoError(t, err)
+	require.False(t, joined)
+	require.Equal(t, pool[10:64], b)
+	b, joined, err = l.SliceAfter(b, base+64, 64)
+	require.NoError(t, err)
+	require.True(t, joined, "the next block of the pool")
+	require.Equal(t, pool[10:128], b)
+	require.Equal(t, len(b), cap(b), "a joined slice reaches no further than what was checked")
+	b, joined, err = l.SliceAfter(b, base+128, 32)
+	require.NoError(t, err)
+	require.True(t, joined, "a region whose own capacity is cut still follows the run")
+	require.Equal(t, pool[10:160], b)
+	b, joined, err = l.SliceAfter(b, base+160, 32)
+	require.NoError(t, err)
+	require.True(t, joined)
+	b, joined, err = l.SliceAfter(b, base+192, 64)
+	require.NoError(t, err)
+	require.True(t, joined, "the run's capacity is its first region's")
+	require.Equal(t, pool[10:256], b)
+
+	b, joined, err = l.SliceAfter(nil, base+128, 64)
+	require.NoError(t, err)
+	require.False(t, joined)
+	b, joined, err = l.SliceAfter(b, base+192, 64)
+	require.NoError(t, err)
+	require.False(t, joined, "a run from the region whose capacity ends at 192")
+	require.Equal(t, pool[192:256], b)
+
+	_, joined, err = l.SliceAfter(b, at(apart), 64)
+	require.NoError(t, err)
+	require.False(t, joined, "another allocation")
+
+	refused := a.Stats().Refused
+	_, _, err = l.SliceAfter(pool[0:64], base+250, 10)
+	require.ErrorIs(t, err, ErrAccessDenied, "past the pool")
+	_, err = l.Slice(base+60, 8)
+	require.ErrorIs(t, err, ErrAccessDenied, "across two exposed regions")
+	require.Equal(t, refused+2, a.Stats().Refused)
+
+	_, ok := Extend(pool[0:64:64], pool[64:128])
+	require.False(t, ok, "no capacity to reach the next bytes")
+	j, ok := Extend(pool[0:64], pool[64:128])
+	require.True(t, ok)
+	require.Equal(t, pool[0:128], j)
+	_, ok = Extend(pool[0:64], pool[65:128])
+	require.False(t, ok, "not adjacent")
+}

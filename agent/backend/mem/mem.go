@@ -142,18 +142,16 @@ func (b *Backend) copy(w *agent.Work, remote *Backend) error {
 		return fmt.Errorf("mem: peer %s: %w", w.Peer.ID, agent.ErrRemoteLost)
 	}
 	b.met(remote)
-	var rems [][]byte // a READ's remote pieces of one span, reused span after span
+	var runs []run // one span's copies, reused span after span
 	for c := (agent.Cursor{}); c.Seg < len(w.Segments); {
 		select {
 		case <-w.Cancelled():
 			return w.CancelErr()
 		default:
 		}
-		end, n, pieces := agent.Span(w.Segments, c, chunk, math.MaxInt)
-		if w.Op == agent.OpRead && cap(rems) < pieces {
-			rems = make([][]byte, 0, pieces)
-		}
-		if err := b.copySpan(remote, w, c, n, rems[:0]); err != nil {
+		end, n, _ := agent.Span(w.Segments, c, chunk, math.MaxInt)
+		var err error
+		if runs, err = b.copySpan(remote, w, c, n, runs[:0]); err != nil {
 			return err
 		}
 		c = end
@@ -161,49 +159,71 @@ func (b *Backend) copy(w *agent.Work, remote *Backend) error {
 	return nil
 }
 
+// run is one copy: neighbouring pieces contiguous on both sides, such as
+// the blocks of a KV pool cut from one allocation, are copied as one.
+type run struct{ local, remote []byte }
+
 // copySpan copies the n bytes of w that start at c under one lease of the
-// peer's exposure; a READ collects the remote pieces in rems.
-func (b *Backend) copySpan(remote *Backend, w *agent.Work, c agent.Cursor, n uint64, rems [][]byte) error {
+// peer's exposure, collecting its copies in runs, which it returns for the
+// next span to reuse.
+func (b *Backend) copySpan(remote *Backend, w *agent.Work, c agent.Cursor, n uint64, runs []run) ([]run, error) {
 	lease, err := remote.host.Open(b.link, w.Key, w.Op.Access())
 	if err != nil {
-		return fmt.Errorf("mem: segment %d: %w", c.Seg, err)
+		return runs, fmt.Errorf("mem: segment %d: %w", c.Seg, err)
 	}
 	defer lease.Release()
 	// The peer's device memory is staged whole for the span: one buffer,
 	// and for a READ one wait for the copies out of the device.
 	if err := lease.Prepare(n); err != nil {
-		return fmt.Errorf("mem: segment %d: %w", c.Seg, err)
+		return runs, fmt.Errorf("mem: segment %d: %w", c.Seg, err)
 	}
+	var cur run
 	seg := c.Seg // the index of p.Seg
 	for p := range w.Pieces(c, n) {
-		rem, err := lease.Slice(p.RemoteAddr(), p.Len)
+		// Every piece is checked against the exposure on its own;
+		// SliceAfter joins it to the run only after.
+		rem, joined, err := lease.SliceAfter(cur.remote, p.RemoteAddr(), p.Len)
 		if err == nil && rem == nil {
 			err = fmt.Errorf("%w: device memory cannot be copied by the mem backend", agent.ErrAccessDenied)
 		}
 		if err != nil {
-			return fmt.Errorf("mem: segment %d: %w", seg, err)
+			return runs, fmt.Errorf("mem: segment %d: %w", seg, err)
 		}
-		if w.Op == agent.OpRead {
-			rems = append(rems, rem) // copied once Ready
+		loc := p.Local()
+		if m := p.Seg.Local.Mem; m != nil {
+			loc = m[p.Off : p.Off+p.Len] // capacity kept: the next piece may extend it
+		}
+		if l, ok := agent.Extend(cur.local, loc); ok && joined {
+			cur = run{local: l, remote: rem}
 		} else {
-			copy(rem, p.Local())
+			if joined {
+				rem = rem[len(cur.remote):] // the piece alone
+			}
+			if cur.remote != nil {
+				runs = append(runs, cur)
+			}
+			cur = run{local: loc, remote: rem}
 		}
 		if p.Off+p.Len == p.Seg.Local.Len {
 			seg++
 		}
 	}
+	if cur.remote != nil {
+		runs = append(runs, cur)
+	}
 	if w.Op == agent.OpWrite {
-		return lease.Flush() // staged device memory reaches the device before the transfer is done
+		for _, r := range runs {
+			copy(r.remote, r.local)
+		}
+		return runs, lease.Flush() // staged device memory reaches the device before the transfer is done
 	}
 	if err := lease.Ready(); err != nil {
-		return fmt.Errorf("mem: segment %d: %w", c.Seg, err)
+		return runs, fmt.Errorf("mem: segment %d: %w", c.Seg, err)
 	}
-	i := 0
-	for p := range w.Pieces(c, n) {
-		copy(p.Local(), rems[i])
-		i++
+	for _, r := range runs {
+		copy(r.local, r.remote)
 	}
-	return nil
+	return runs, nil
 }
 
 // met records that this agent has exchanged with remote, which hears of it

@@ -141,3 +141,54 @@ func TestDeviceMemory(t *testing.T) {
 		require.Equal(t, make([]byte, n), device(), "device memory after a refused WRITE")
 	})
 }
+
+// Neighbouring blocks of one pool are copied as one where they follow each
+// other on both sides; every byte lands where its segment says, whatever
+// the order, in both directions, across the spans of 4 MiB the copy is
+// cut into.
+func TestPoolBlocks(t *testing.T) {
+	const blocks, size = 128, 70001 // spans of 4 MiB end inside blocks
+	orders := map[string]func(i int) int{
+		"in order":          func(i int) int { return i },
+		"remote reversed":   func(i int) int { return blocks - 1 - i },
+		"pairs swapped":     func(i int) int { return i ^ 1 },
+		"every other block": func(i int) int { return (2 * i) % blocks },
+	}
+	for name, remoteOf := range orders {
+		for _, op := range []agent.Op{agent.OpRead, agent.OpWrite} {
+			t.Run(name+"/"+op.String(), func(t *testing.T) {
+				a, p := newAgent(t), newAgent(t)
+				lpool, rpool := make([]byte, blocks*size), make([]byte, blocks*size)
+				src := rpool
+				if op == agent.OpWrite {
+					src = lpool
+				}
+				for i := range src {
+					src[i] = byte(i*7 + i/size)
+				}
+				rls := make([]agent.Local, blocks)
+				for i := range rls {
+					rls[i] = agent.DRAM(rpool[i*size : (i+1)*size])
+				}
+				e, err := p.Expose(op.Access(), rls)
+				require.NoError(t, err)
+				defer e.Revoke()
+				segs := make([]agent.Segment, 0, blocks)
+				for i := range blocks {
+					if name == "every other block" && i >= blocks/2 {
+						break
+					}
+					segs = append(segs, agent.Segment{Local: agent.DRAM(lpool[i*size : (i+1)*size]), Remote: rls[remoteOf(i)].Region})
+				}
+				x, err := a.Post(context.Background(), agent.Request{Op: op, Peer: p.Info(), Key: e.Key(), Segments: segs})
+				require.NoError(t, err)
+				<-x.Done()
+				require.NoError(t, x.Err())
+				for i := range segs {
+					r := remoteOf(i)
+					require.Equal(t, rpool[r*size:(r+1)*size], lpool[i*size:(i+1)*size], "segment %d", i)
+				}
+			})
+		}
+	}
+}
