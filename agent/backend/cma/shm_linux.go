@@ -381,8 +381,8 @@ type retiring struct {
 // returns once no copy is inside any of them: at most WithTimeout in all,
 // past which the connections still inside are dropped. A connection whose
 // copier proved it used the slot is bound to the exposure. The slots are
-// then free for reuse and segments no published exposure lies in any more
-// are dropped.
+// then free for reuse (unless the agent is closing: they stay closed) and
+// segments no published exposure lies in any more are dropped.
 func (b *Backend) Unpublish(x agent.Published, closing bool) {
 	key := x.Key()
 	b.pub.mu.Lock()
@@ -420,8 +420,14 @@ func (b *Backend) Unpublish(x agent.Published, closing bool) {
 		if sv.over {
 			continue // its slots die with it
 		}
-		// Free for the next exposure, with a stamp no copier holds.
-		atomic.StoreUint64(slotAt(sv.table.mem, r.slot).stamp, sv.slots[r.slot]<<2)
+		// Free for the next exposure, with a stamp no copier holds; but
+		// not when the agent is closing: the slot keeps saying so, for a
+		// copier that left it between two pieces before it was marked
+		// and tries it again only now (freed, it would read as revoked,
+		// access denied, instead of the peer lost).
+		if !closing {
+			atomic.StoreUint64(slotAt(sv.table.mem, r.slot).stamp, sv.slots[r.slot]<<2)
+		}
 		for _, sg := range pe.segs {
 			if sv.segs[sg.ID]--; sv.segs[sg.ID] <= 0 {
 				delete(sv.segs, sg.ID)
@@ -1039,21 +1045,59 @@ func (p *peer) resolveWhole(x *agent.Work, tbl []byte, slot int, w slotWords, v 
 // to shmInline bytes are copied before it returns, on the caller's
 // goroutine; larger ones by the workers, after a tUse tells the exposing
 // side. An exposure of other host memory is copied with cross-memory
-// attach before it returns (copyVM), at most shmInline bytes.
+// attach before it returns (copyVM), at most shmInline bytes. A transfer
+// that must wait for the lease table or a segment (sent, not read yet)
+// waits on a goroutine of its own (postLater): Post returns at once.
 func (b *Backend) postShared(p *peer, x *agent.Work) bool {
 	var one [1]shmOp
 	ops := one[:]
 	if len(x.Segments) > 1 {
 		ops = make([]shmOp, len(x.Segments))
 	}
-	t, ok := p.resolve(x, ops)
-	if !ok {
+	t, missing, _ := p.resolveOnce(x, keyHash(x.Key), ops)
+	switch {
+	case missing:
+		if len(x.Segments) == 1 {
+			ops = make([]shmOp, 1) // one[:] must not escape to the goroutine's wait
+		}
+		go b.postLater(p, x, ops)
+		return true
+	case t == nil:
 		return false
 	}
+	b.runShared(p, x, t, ops)
+	return true
+}
+
+// postLater is postShared for a transfer that waits for the lease table
+// or a segment (resolve: until it comes, x is cancelled, the peer is lost,
+// or WithTimeout), then moves through the table or under leases.
+func (b *Backend) postLater(p *peer, x *agent.Work, ops []shmOp) {
+	t, ok := p.resolve(x, ops)
+	if ok {
+		b.runShared(p, x, t, ops)
+		return
+	}
+	select {
+	case <-x.Cancelled():
+		// Cancelled while it waited: it ends here, asking the peer for
+		// nothing.
+		x.Finish(x.CancelErr())
+		b.xwg.Done()
+		return
+	default:
+	}
+	if err := b.postLeases(p, x); err != nil {
+		x.Finish(err) // not started; postLeases gave its count back
+	}
+}
+
+// runShared copies x through t: postShared's work once x is resolved.
+func (b *Backend) runShared(p *peer, x *agent.Work, t *shmXfer, ops []shmOp) {
 	if t.vm {
 		x.Via("table")
 		b.finishShared(p, x, t, b.copyVM(p, x, t))
-		return true
+		return
 	}
 	x.Via("shm")
 	if len(ops) > 1 {
@@ -1061,11 +1105,10 @@ func (b *Backend) postShared(p *peer, x *agent.Work) bool {
 	}
 	if x.Bytes() <= shmInline {
 		b.finishShared(p, x, t, b.copyShared(p, x, t, ops, 1))
-		return true
+		return
 	}
 	p.send(&header{typ: tUse, status: uint8(x.Op.Access()), key: x.Key}, nil, nil)
 	go func() { b.finishShared(p, x, t, b.copyShared(p, x, t, ops, b.cfg.workers)) }()
-	return true
 }
 
 // finishShared ends a transfer moved through shared memory: its
