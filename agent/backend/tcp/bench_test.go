@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/binary"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -165,38 +166,47 @@ func dialRawConns(b testing.TB, addr string, n int) []net.Conn {
 }
 
 // rawTransfer moves buf's bytes split evenly over plain connections to the
-// child: READ asks the child to send them, WRITE sends them and waits for a
-// one-byte answer.
+// child, in a loop (rawRound).
 func rawTransfer(b *testing.B, cs []net.Conn, op agent.Op, buf []byte) {
+	b.SetBytes(int64(len(buf)))
+	for b.Loop() {
+		if err := rawRound(cs, op, buf); err != nil {
+			b.Error(err)
+		}
+	}
+}
+
+// rawRound moves buf's bytes split evenly over plain connections to a
+// raw server (the child's, or one behind a proxy): READ asks it to send
+// them, WRITE sends them and waits for a one-byte answer. It returns the
+// errors of the connections that failed.
+func rawRound(cs []net.Conn, op agent.Op, buf []byte) error {
 	dir := byte('r')
 	if op == agent.OpWrite {
 		dir = 'w'
 	}
-	b.SetBytes(int64(len(buf)))
 	per := len(buf) / len(cs)
-	for b.Loop() {
-		var wg sync.WaitGroup
-		for i, c := range cs {
-			wg.Go(func() {
-				part := buf[i*per : (i+1)*per]
-				var req [9]byte
-				req[0] = dir
-				binary.LittleEndian.PutUint64(req[1:], uint64(per))
-				_, err := c.Write(req[:])
-				if err == nil && dir == 'r' {
-					_, err = io.ReadFull(c, part)
-				} else if err == nil {
-					if _, err = c.Write(part); err == nil {
-						_, err = io.ReadFull(c, req[:1])
-					}
+	errs := make([]error, len(cs))
+	var wg sync.WaitGroup
+	for i, c := range cs {
+		wg.Go(func() {
+			part := buf[i*per : (i+1)*per]
+			var req [9]byte
+			req[0] = dir
+			binary.LittleEndian.PutUint64(req[1:], uint64(per))
+			_, err := c.Write(req[:])
+			if err == nil && dir == 'r' {
+				_, err = io.ReadFull(c, part)
+			} else if err == nil {
+				if _, err = c.Write(part); err == nil {
+					_, err = io.ReadFull(c, req[:1])
 				}
-				if err != nil {
-					b.Error(err)
-				}
-			})
-		}
-		wg.Wait()
+			}
+			errs[i] = err
+		})
 	}
+	wg.Wait()
+	return errors.Join(errs...)
 }
 
 // BenchmarkLatency4KiB measures a 4 KiB READ including the passive side's

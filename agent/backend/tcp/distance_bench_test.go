@@ -3,11 +3,8 @@ package tcp_test
 import (
 	"bytes"
 	"context"
-	"encoding/binary"
 	"fmt"
-	"io"
 	"net"
-	"sync"
 	"testing"
 	"time"
 
@@ -107,42 +104,9 @@ func (r *distanceRig) goxfer(op agent.Op) (time.Duration, error) {
 // rawTCP moves size bytes split evenly over the raw connections and returns
 // how long it took.
 func (r *distanceRig) rawTCP(op agent.Op) (time.Duration, error) {
-	dir := byte('r')
-	if op == agent.OpWrite {
-		dir = 'w'
-	}
-	per := r.size / len(r.conns)
-	errs := make([]error, len(r.conns))
 	t0 := time.Now()
-	var wg sync.WaitGroup
-	for i, c := range r.conns {
-		wg.Go(func() {
-			part := r.local[i*per : (i+1)*per]
-			var req [9]byte
-			req[0] = dir
-			binary.LittleEndian.PutUint64(req[1:], uint64(per))
-			_, err := c.Write(req[:])
-			if err == nil && dir == 'r' {
-				_, err = io.ReadFull(c, part)
-			} else if err == nil {
-				if _, err = c.Write(part); err == nil {
-					_, err = io.ReadFull(c, req[:1])
-				}
-			}
-			errs[i] = err
-		})
-	}
-	wg.Wait()
-	return time.Since(t0), joinFirst(errs)
-}
-
-func joinFirst(errs []error) error {
-	for _, err := range errs {
-		if err != nil {
-			return err
-		}
-	}
-	return nil
+	err := rawRound(r.conns, op, r.local[:r.size])
+	return time.Since(t0), err
 }
 
 // distanceConfigs are the backend configurations BenchmarkDistance runs:
