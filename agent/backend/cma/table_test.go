@@ -152,34 +152,7 @@ func BenchmarkTablePost(b *testing.B) {
 				local := make([]byte, size)
 				req := agent.Request{Op: op, Peer: a.Info(), Key: e.Key(), Backend: Name, Notify: []byte("done"),
 					Segments: []agent.Segment{{Local: agent.DRAM(local), Remote: agent.DRAM(remote).Region}}}
-				post := func() *agent.Xfer {
-					x, err := c.Post(context.Background(), req)
-					require.NoError(b, err)
-					<-x.Done()
-					require.NoError(b, x.Err())
-					return x
-				}
-				post()
-				time.Sleep(20 * time.Millisecond)
-				require.Equal(b, Name+"+table", post().Path())
-				stop := make(chan struct{})
-				drained := make(chan struct{})
-				go func() { // the exposure's events
-					defer close(drained)
-					for {
-						select {
-						case <-e.Events():
-						case <-stop:
-							return
-						}
-					}
-				}()
-				defer func() { close(stop); <-drained }()
-				b.SetBytes(int64(size))
-				b.ResetTimer()
-				for b.Loop() {
-					post()
-				}
+				benchPosts(b, c, e, req, Name+"+table", size)
 			})
 			b.Run(fmt.Sprintf("%v/%dKiB/raw", op, size>>10), func(b *testing.B) {
 				remote, local := make([]byte, size), make([]byte, size)
