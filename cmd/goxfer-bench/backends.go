@@ -81,7 +81,13 @@ var knownBackends = []string{"mem", "tcp", "cma", "ucx"}
 func builtBackends() []backendDef {
 	bs := []backendDef{
 		{name: "mem", inProcess: true, baseline: baseMemcpy, newFn: func(*config) agent.Backend { return mem.New() }},
-		{name: "tcp", baseline: baseTCP, newFn: func(c *config) agent.Backend { return tcp.New(tcp.WithListenAddr(c.listen)) }},
+		{name: "tcp", baseline: baseTCP, newFn: func(c *config) agent.Backend {
+			opts := []tcp.Option{tcp.WithListenAddr(c.listen)}
+			if c.tcpSpin > 0 {
+				opts = append(opts, tcp.WithLatencyMode(c.tcpSpin))
+			}
+			return tcp.New(opts...)
+		}},
 		{name: "cma", baseline: basePVM, newFn: func(c *config) agent.Backend {
 			return cma.New(cma.WithDeviceIPC(c.deviceIPC), cma.WithDeviceWindow(ipcWindow))
 		}},

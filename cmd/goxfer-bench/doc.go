@@ -28,6 +28,7 @@
 //	goxfer-bench -backends cma -blocks 4K,64M,256M -initiator-mem shm -target-mem shm  # cma+shm, beside Go copy
 //	goxfer-bench -backends cma -preset kv -initiator-mem shm -target-mem shm
 //	goxfer-bench -backends cma -shapes 64Kx4096 -cpuprofile cpu.prof  # the target's profile: cpu.prof.target
+//	goxfer-bench -backends tcp -blocks 4K,64K -tcp-latency 50us  # tcp's latency mode on both sides
 //
 // GPU memory. -initiator-mem and -target-mem (dram, vram; nixlbench's
 // segment types) place the initiator's local buffers and the target's

@@ -127,6 +127,16 @@ func (in *initiator) runInfo() runInfo {
 			ri.Notes = append(ri.Notes, simNotice)
 		}
 	}
+	var targetSpin time.Duration
+	if in.proc != nil {
+		targetSpin = in.proc.hello.TCPSpin
+	}
+	switch {
+	case in.cfg.tcpSpin == targetSpin && targetSpin > 0:
+		ri.TCPLatency = in.cfg.tcpSpin.String()
+	case in.cfg.tcpSpin != targetSpin: // a target started by hand with another -tcp-latency
+		ri.TCPLatency = fmt.Sprintf("initiator %v, target %v", in.cfg.tcpSpin, targetSpin)
+	}
 	for k, v := range in.baselineNotice {
 		ri.Notes = append(ri.Notes, k+": "+v)
 	}

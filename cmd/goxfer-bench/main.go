@@ -60,6 +60,9 @@ type config struct {
 	// deviceIPC lets cma move GPU memory on one host by mapping the peer's
 	// allocations (cma.WithDeviceIPC); off, it is staged.
 	deviceIPC bool
+	// tcpSpin is -tcp-latency: 0 leaves tcp's latency mode off, anything
+	// else is the spin of tcp.WithLatencyMode, on both sides.
+	tcpSpin time.Duration
 	// interleave runs small operations in batches alternating with the
 	// 4 KiB TCP ping-pong (interleave.go).
 	interleave bool
@@ -181,8 +184,12 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.IntVar(&c.gpu, "gpu", 0, "the GPU of vram buffers, on both sides")
 	fs.StringVar(&c.staging, "staging", "4M,64M", "CHUNK,POOL: how the connectors stage GPU memory through pinned host memory (connect.WithStaging); pass the same to a target started by hand")
 	fs.BoolVar(&c.deviceIPC, "device-ipc", true, "cma: move GPU memory on one host by mapping the peer's allocations (CUDA IPC, cma.WithDeviceIPC; path cma+ipc); false: stage it through pinned host memory (cma+staging); passed on to a spawned target")
+	fs.DurationVar(&c.tcpSpin, "tcp-latency", 0, "tcp: latency mode (tcp.WithLatencyMode) with this spin, on both sides (passed on to a spawned target; pass the same to a target started by hand): a connection's reader polls this long after a frame before it blocks, trading CPU for latency; 0: off (the default); at most 10ms")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
+	}
+	if c.tcpSpin < 0 || c.tcpSpin > 10*time.Millisecond {
+		return nil, fmt.Errorf("-tcp-latency %v: want 0 (off) up to 10ms", c.tcpSpin)
 	}
 	if fs.NArg() > 0 {
 		return nil, fmt.Errorf("unexpected arguments %q", fs.Args())

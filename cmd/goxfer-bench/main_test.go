@@ -815,3 +815,32 @@ func heapPath(r Result) string {
 	}
 	return "cma"
 }
+
+// TestTCPLatencyFlag: -tcp-latency turns on tcp's latency mode on both
+// sides; a run with it moves every byte right, and says so in the table
+// and the JSON. Out-of-range spins are refused.
+func TestTCPLatencyFlag(t *testing.T) {
+	cfg, err := parseFlags(nil, &bytes.Buffer{})
+	require.NoError(t, err)
+	assert.Zero(t, cfg.tcpSpin, "latency mode is off by default")
+	for bad, msg := range map[string]string{"-1us": "-tcp-latency -1µs: want 0 (off) up to 10ms", "11ms": "-tcp-latency 11ms: want 0 (off) up to 10ms"} {
+		_, err := parseFlags([]string{"-tcp-latency", bad}, &bytes.Buffer{})
+		assert.EqualError(t, err, msg, bad)
+	}
+
+	jsonPath := filepath.Join(t.TempDir(), "r.json")
+	code, stdout, stderr := benchChild(t, nil, "-backends", "tcp", "-blocks", "4K,1M", "-iters", "8", "-warmup", "1", "-check",
+		"-ucx", "off", "-control=false", "-latency-iters", "20", "-progress", "off", "-tcp-latency", "20us", "-o", jsonPath, "-timeout", "20s")
+	require.Equal(t, 0, code, "stderr:\n%s", stderr)
+	assert.Contains(t, stdout, "tcp latency mode (-tcp-latency: readers poll this long after a frame before they block): 20µs\n")
+	run, rs := readResults(t, jsonPath)
+	assert.Equal(t, "20µs", run.TCPLatency, "the spawned target's hello says it is in latency mode too")
+	n := 0
+	for _, r := range rs {
+		if r.Kind == "goxfer" {
+			n++
+			assert.Equal(t, "tcp", r.Path, r)
+		}
+	}
+	assert.Equal(t, 4, n, "READ and WRITE of 4 KiB and 1 MiB")
+}

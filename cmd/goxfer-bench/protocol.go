@@ -41,6 +41,9 @@ type hello struct {
 	GOMAXPROCS int      `json:"gomaxprocs"`
 	MemAvail   uint64   `json:"mem_available"`
 	Token1     string   `json:"token1"` // subject of the one-token-per-request service
+	// TCPSpin is the target's -tcp-latency: its tcp readers' spin in
+	// latency mode, 0 when off.
+	TCPSpin time.Duration `json:"tcp_spin,omitempty"`
 	// Device is the target's device driver ("cuda", "sim"), when the hello
 	// asked about GPU memory; DeviceErr why it cannot allocate any.
 	Device    string `json:"device,omitempty"`

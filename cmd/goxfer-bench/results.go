@@ -110,6 +110,10 @@ type runInfo struct {
 	// DeviceIPC is -device-ipc with GPU memory: "on" (cma may map the
 	// peer's GPU memory, path cma+ipc) or "off" (it stages it).
 	DeviceIPC string `json:"device_ipc,omitempty"`
+	// TCPLatency is -tcp-latency when tcp's latency mode was on: the
+	// spin of its readers on both sides, or "initiator X, target Y" when
+	// the sides differ ("" when off on both).
+	TCPLatency string `json:"tcp_latency,omitempty"`
 }
 
 // simNotice heads every output of a run on the simulated device.
@@ -325,6 +329,9 @@ func writeTable(w io.Writer, rs []Result, ri runInfo) {
 		fmt.Fprintf(w, "  target pid %d (%s)", ri.TargetPID, where)
 	}
 	fmt.Fprintf(w, "  built backends: %s\n", strings.Join(ri.Backends, ", "))
+	if ri.TCPLatency != "" {
+		fmt.Fprintf(w, "tcp latency mode (-tcp-latency: readers poll this long after a frame before they block): %s\n", ri.TCPLatency)
+	}
 	if ri.Device != "" {
 		fmt.Fprintf(w, "GPU memory: initiator %s, target %s, GPU %d, %s driver; staging through pinned host memory in %s chunks, %s pool per side",
 			ri.InitiatorMem, ri.TargetMem, ri.GPU, ri.Device, fmtSize(float64(ri.StageChunk)), fmtSize(float64(ri.StagePool)))

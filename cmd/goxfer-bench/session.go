@@ -133,7 +133,7 @@ func (in *initiator) spawn() (stop func(), err error) {
 	}
 	cmd := exec.Command(exe, "-role", "target", "-nats", in.natsURL, "-session", in.cfg.session,
 		"-listen", in.cfg.listen, "-timeout", in.cfg.timeout.String(), "-backends", "all", "-staging", in.cfg.staging,
-		"-device-ipc="+strconv.FormatBool(in.cfg.deviceIPC))
+		"-device-ipc="+strconv.FormatBool(in.cfg.deviceIPC), "-tcp-latency", in.cfg.tcpSpin.String())
 	if in.cfg.cpuProfile != "" {
 		cmd.Args = append(cmd.Args, "-cpuprofile", in.cfg.cpuProfile+".target")
 	}

@@ -194,7 +194,7 @@ func (t *target) onHello(msg *nats.Msg) {
 	h := hello{
 		PID: os.Getpid(), BootID: bootID(), Host: host, Backends: t.conn.AgentInfo().Backends(),
 		Raw: t.raw.Addr().String(), Ping: t.ping.Addr().String(), GOMAXPROCS: runtime.GOMAXPROCS(0),
-		MemAvail: memAvailable(), Token1: t.tok.Subject(),
+		MemAvail: memAvailable(), Token1: t.tok.Subject(), TCPSpin: t.cfg.tcpSpin,
 	}
 	if req.Device {
 		if d, err := gpuDriver(req.GPU); err != nil {
