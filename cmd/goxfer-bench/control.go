@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"time"
 
 	"github.com/goxfer/goxfer/connect"
 	gxnats "github.com/goxfer/goxfer/transport/nats"
@@ -51,7 +52,7 @@ func (in *initiator) controlPlane(ctx context.Context) ([]Result, error) {
 			continue
 		}
 		iters := in.cfg.latIters
-		lat, _, err := timeCalls(iters/10, iters, func() error {
+		lat, batches, err := in.timeControl(iters, func() error {
 			rctx, cancel := context.WithTimeout(ctx, in.cfg.timeout)
 			defer cancel()
 			_, err := gxnats.Request(rctx, in.nc, t.hello.Token1, nil)
@@ -65,13 +66,14 @@ func (in *initiator) controlPlane(ctx context.Context) ([]Result, error) {
 			r.Name, r.InProcess = "nats-token (in-process)", true
 		}
 		r.P50, r.P99 = percentiles(lat)
+		setControlPing(&r, batches, lat)
 		out = append(out, r)
 	}
 	dst := make([]byte, 4096)
 	for _, b := range in.cfg.backends {
 		t, c := in.targetFor(b), in.conns[b.name]
 		iters := in.cfg.latIters
-		lat, _, err := timeCalls(iters/10, iters, func() error {
+		lat, batches, err := in.timeControl(iters, func() error {
 			rctx, cancel := context.WithTimeout(ctx, in.cfg.timeout)
 			defer cancel()
 			rep, err := gxnats.Request(rctx, in.nc, t.hello.Token1, nil)
@@ -90,7 +92,53 @@ func (in *initiator) controlPlane(ctx context.Context) ([]Result, error) {
 		r := Result{Kind: "control", Name: b.name, Op: "REQ+READ", Block: 4096, Descs: 1, Iters: iters, InProcess: b.inProcess,
 			Note: "token request over NATS, then BeginRead and Wait"}
 		r.P50, r.P99 = percentiles(lat)
+		setControlPing(&r, batches, lat)
 		out = append(out, r)
 	}
 	return out, nil
+}
+
+// timeControl runs f iters times on the clock, after a tenth as many
+// warm-ups, as timeCalls does; with the ping-pong to interleave (in.ping),
+// in batches alternating with batches of it, as the small points run: a
+// request over NATS measured apart swings with the machine's load as the
+// ping-pong does.
+func (in *initiator) timeControl(iters int, f func() error) ([]time.Duration, []pingBatch, error) {
+	if in.ping == nil {
+		lat, _, err := timeCalls(iters/10, iters, f)
+		return lat, nil, err
+	}
+	pp := newPinger(in.ping, in.cfg.timeout)
+	lat, _, err := timeCalls(iters/10, 0, f)
+	if err != nil {
+		return nil, nil, err
+	}
+	size := batchSize(iters)
+	if _, err := pp.batch(size); err != nil { // warm the connection too
+		return nil, nil, fmt.Errorf("ping-pong: %w", err)
+	}
+	var batches []pingBatch
+	for lo := 0; lo < iters; lo += size {
+		hi := min(lo+size, iters)
+		part, _, err := timeCalls(0, hi-lo, f)
+		if err != nil {
+			return nil, nil, err
+		}
+		lat = append(lat, part...)
+		pings, err := pp.batch(hi - lo)
+		if err != nil {
+			return nil, nil, fmt.Errorf("ping-pong: %w", err)
+		}
+		batches = append(batches, pingBatch{lo: lo, hi: hi, pings: pings})
+	}
+	return lat, batches, nil
+}
+
+// setControlPing sets a control row's figures against the interleaved
+// ping-pong, if it ran, and says so in its note.
+func setControlPing(r *Result, batches []pingBatch, lat []time.Duration) {
+	setPingRatios(r, batches, lat, nil)
+	if r.PingPairs > 0 {
+		r.Note += "; " + pingNote(*r) + " (×ping in -o's CSV and JSON)"
+	}
 }

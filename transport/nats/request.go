@@ -170,15 +170,18 @@ func (s *Service) handle(m *nats.Msg) {
 	defer s.wg.Done()
 	defer func() { <-s.sem }()
 
-	ctx, cancel := context.WithCancel(s.ctx)
-	defer cancel()
-	if d := m.Header.Get(hdrDeadline); d != "" {
-		if t, err := time.Parse(time.RFC3339Nano, d); err == nil {
-			var c context.CancelFunc
-			ctx, c = context.WithDeadline(ctx, t)
-			defer c()
-		}
+	// One context, not a deadline below a cancellable one: each is an
+	// allocation, a registration with its parent and a cancellation.
+	var (
+		ctx    context.Context
+		cancel context.CancelFunc
+	)
+	if t, ok := requestDeadline(m.Header); ok {
+		ctx, cancel = context.WithDeadline(s.ctx, t)
+	} else {
+		ctx, cancel = context.WithCancel(s.ctx)
 	}
+	defer cancel()
 	req := &ServiceRequest{Subject: m.Subject, Data: m.Data, Header: appHeader(m.Header)}
 	rep, err := s.call(ctx, req)
 	if err != nil {
@@ -216,6 +219,17 @@ func (s *Service) handle(m *nats.Msg) {
 			s.log.Warn("goxfer/nats: reply lost", "subject", m.Subject, "err", err)
 		}
 	}
+}
+
+// requestDeadline is the requester's deadline its headers carry, if any
+// that parses.
+func requestDeadline(h nats.Header) (time.Time, bool) {
+	d := h.Get(hdrDeadline)
+	if d == "" {
+		return time.Time{}, false
+	}
+	t, err := time.Parse(time.RFC3339Nano, d)
+	return t, err == nil
 }
 
 // call runs the Handler, turning a panic into an error.

@@ -113,6 +113,69 @@ func TestRequestSeesTheRequestersHeadersAndDeadline(t *testing.T) {
 	assert.WithinDuration(t, want, <-deadlines, time.Millisecond)
 }
 
+// A Handler's ctx carries the requester's deadline when the request has
+// one (a goxfer Request) and none otherwise (a plain NATS request), and
+// ends, cancelled, once the Handler returned; the Service's Close ends a
+// running one.
+func TestHandlerContextLife(t *testing.T) {
+	srv := startServer(t)
+	md := testToken(t)
+	worker, nc := dial(t, srv), dial(t, srv)
+	kept := make(chan context.Context, 1)
+	serve(t, worker, "ctx", func(ctx context.Context, _ *ServiceRequest) (*Reply, error) {
+		assert.NoError(t, ctx.Err(), "the handler's ctx ended before it returned")
+		kept <- ctx
+		return &Reply{Metadata: md}, nil
+	})
+	for _, tc := range []struct {
+		name     string
+		request  func() error
+		deadline bool
+	}{
+		{"goxfer request", func() error {
+			_, err := Request(guarded(t), nc, "ctx", nil)
+			return err
+		}, true},
+		{"plain NATS request", func() error {
+			m, err := nc.Request("ctx", nil, hangGuard)
+			if err == nil {
+				_, err = decodeReply("ctx", m)
+			}
+			return err
+		}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			require.NoError(t, tc.request())
+			ctx := <-kept
+			_, ok := ctx.Deadline()
+			assert.Equal(t, tc.deadline, ok, "deadline")
+			select {
+			case <-ctx.Done():
+			case <-time.After(hangGuard):
+				t.Fatal("the handler's ctx did not end after it returned")
+			}
+			assert.ErrorIs(t, ctx.Err(), context.Canceled)
+		})
+	}
+
+	running := make(chan context.Context, 1)
+	svc, err := Serve(worker, "held", func(ctx context.Context, _ *ServiceRequest) (*Reply, error) {
+		running <- ctx
+		<-ctx.Done()
+		return nil, ctx.Err()
+	}, WithLogger(quietLog))
+	require.NoError(t, err)
+	answered := make(chan error, 1)
+	go func() {
+		_, err := Request(guarded(t), nc, "held", nil)
+		answered <- err
+	}()
+	ctx := <-running
+	require.NoError(t, svc.Close())
+	assert.ErrorIs(t, ctx.Err(), context.Canceled)
+	assert.ErrorIs(t, <-answered, ErrHandler)
+}
+
 func TestRequestToASubjectNobodyServes(t *testing.T) {
 	srv := startServer(t)
 	nc := dial(t, srv)
