@@ -44,19 +44,25 @@ type Reply struct {
 }
 
 // Service answers requests on a subject with a [Handler]; see [Serve]. It
-// is safe for concurrent use. It owns one goroutine per running handler,
-// all waited for by [Service.Close]; the connection stays the caller's.
+// is safe for concurrent use. It owns the goroutines that run its handlers:
+// one more than the most requests it has handled at once, at most
+// [WithConcurrency], kept until [Service.Close], which waits for them. The
+// connection stays the caller's.
 type Service struct {
 	subject string
 	nc      *nats.Conn
 	h       Handler
 	log     *slog.Logger
 	sub     *nats.Subscription
-	sem     chan struct{}
+	limit   int // workers at most: the concurrency
+
+	mu      sync.Mutex
+	workers int // goroutines that serve (see work)
+	idle    int // those waiting for a request
 
 	ctx    context.Context // cancelled by Close; the handlers' parent
 	cancel context.CancelFunc
-	wg     sync.WaitGroup // running handlers
+	wg     sync.WaitGroup // the workers
 
 	closeOnce sync.Once
 	closeErr  error
@@ -67,11 +73,14 @@ type Service struct {
 // workers serving the same subject shares its requests, each request going
 // to one worker. Each request runs h on a goroutine of its own, at most
 // [WithConcurrency] (default 64) at once; further requests wait in the
-// subscription's pending buffer. A Handler error is sent back as
-// Goxfer-Error headers and reaches the requester as a [*HandlerError]; a
-// panic in h is logged ([WithLogger]) and answered with "handler
-// panicked", and the Service continues. A reply too large for the server's
-// max payload is answered with an error naming both sizes.
+// subscription's pending buffer, a synchronous subscription's (up to the
+// connection's [nats.SyncQueueLen], 64 Ki requests by default, and 64
+// MiB; requests past that are dropped and logged, and their requesters
+// time out). A Handler error is sent back as Goxfer-Error headers and
+// reaches the requester as a [*HandlerError]; a panic in h is logged
+// ([WithLogger]) and answered with "handler panicked", and the Service
+// continues. A reply too large for the server's max payload is answered
+// with an error naming both sizes.
 //
 // Serve uses nc, which stays the caller's: it never dials, and closing nc
 // stops the Service (Close must still be called to wait for handlers).
@@ -88,9 +97,9 @@ func Serve(nc *nats.Conn, subject string, h Handler, opts ...ServeOption) (*Serv
 	if o.queue != nil {
 		queue = *o.queue
 	}
-	s := &Service{subject: subject, nc: nc, h: h, log: o.logger, sem: make(chan struct{}, o.concurrency)}
+	s := &Service{subject: subject, nc: nc, h: h, log: o.logger, limit: o.concurrency}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
-	s.sub, err = nc.QueueSubscribe(subject, queue, s.dispatch)
+	s.sub, err = nc.QueueSubscribeSync(subject, queue)
 	if err != nil {
 		s.cancel()
 		return nil, fmt.Errorf("goxfer/nats: serve subject %q (queue %q): %w", subject, queue, err)
@@ -102,6 +111,9 @@ func Serve(nc *nats.Conn, subject string, h Handler, opts ...ServeOption) (*Serv
 		s.cancel()
 		return nil, fmt.Errorf("goxfer/nats: serve subject %q: %w", subject, err)
 	}
+	s.workers, s.idle = 1, 1
+	s.wg.Add(1)
+	go s.work()
 	return s, nil
 }
 
@@ -148,28 +160,74 @@ func (s *Service) Close() error {
 	return s.closeErr
 }
 
-// dispatch runs on the subscription's goroutine, one message at a time, so
-// that a full semaphore leaves further requests pending in the
-// subscription.
-func (s *Service) dispatch(m *nats.Msg) {
-	if s.ctx.Err() != nil {
-		s.respondError(m, codeUnavailable, "the service is closing; the request was not handled")
-		return
+// work answers the subscription's requests, one at a time, each on the
+// goroutine that took it from the subscription: no goroutine is started
+// or handed a request per request (that cost about a third of what goxfer
+// adds to a token request over NATS; docs/benchmarks.md). Every worker
+// waits on the subscription; one that takes a request when no other waits
+// starts another, up to the concurrency, so that a running handler holds
+// up no other request, and with every worker busy further requests wait
+// in the subscription. Once the Service is closing, workers answer what
+// is left "unavailable" until the subscription closes.
+func (s *Service) work() {
+	defer s.wg.Done()
+	for {
+		m, err := s.sub.NextMsgWithContext(context.Background())
+		s.mu.Lock()
+		s.idle--
+		grow := err == nil && s.idle == 0 && s.workers < s.limit && s.ctx.Err() == nil
+		if grow {
+			s.workers++
+			s.idle++
+			s.wg.Add(1)
+		}
+		s.mu.Unlock()
+		if grow {
+			go s.work()
+		}
+		switch {
+		case err != nil:
+			if s.closedBy(err) {
+				return
+			}
+		case s.ctx.Err() != nil:
+			s.respondError(m, codeUnavailable, "the service is closing; the request was not handled")
+		default:
+			s.handle(m)
+		}
+		s.mu.Lock()
+		s.idle++
+		s.mu.Unlock()
 	}
-	select {
-	case s.sem <- struct{}{}:
-	case <-s.ctx.Done():
-		s.respondError(m, codeUnavailable, "the service is closing; the request was not handled")
-		return
-	}
-	s.wg.Add(1)
-	go s.handle(m)
 }
 
-func (s *Service) handle(m *nats.Msg) {
-	defer s.wg.Done()
-	defer func() { <-s.sem }()
+// closedBy reports whether err, from the subscription's NextMsg, means the
+// worker should stop: the subscription closed. Otherwise requests were
+// dropped (nats.ErrSlowConsumer: the client's pending limits), or the
+// server refused the subscription until the next reconnect (with
+// nats.PermissionErrOnSubscribe): their requesters time out or retry, as
+// with any subscription. closedBy logs that, and after a refusal waits a
+// little before the next try, or stops the worker if the Service closes.
+func (s *Service) closedBy(err error) bool {
+	if errors.Is(err, nats.ErrConnectionClosed) || errors.Is(err, nats.ErrBadSubscription) || !s.sub.IsValid() {
+		return true
+	}
+	s.log.Warn("goxfer/nats: requests lost", "subject", s.subject, "err", err)
+	if errors.Is(err, nats.ErrSlowConsumer) {
+		return false
+	}
+	t := time.NewTimer(100 * time.Millisecond)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return false
+	case <-s.ctx.Done():
+		return true
+	}
+}
 
+// handle answers m.
+func (s *Service) handle(m *nats.Msg) {
 	// One context, not a deadline below a cancellable one: each is an
 	// allocation, a registration with its parent and a cancellation.
 	var (

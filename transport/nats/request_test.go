@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -449,4 +450,48 @@ func TestServiceCloseAfterConnectionClosed(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("Service.Close still running 5 s after its connection was closed")
 	}
+}
+
+// Requests dropped because the worker's connection held too many
+// (nats.ErrSlowConsumer) are logged and lost, as with any subscription,
+// and the Service goes on serving: the one still pending, then new ones.
+func TestServiceServesOnAfterASlowConsumer(t *testing.T) {
+	srv := startServer(t)
+	md := testToken(t)
+	var log lockedBuffer
+	release := make(chan struct{})
+	held := make(chan struct{}, 1)
+	quiet := nats.ErrorHandler(func(*nats.Conn, *nats.Subscription, error) {}) // the Service logs it
+	svc := serve(t, dial(t, srv, nats.SyncQueueLen(1), quiet), "narrow", func(_ context.Context, req *ServiceRequest) (*Reply, error) {
+		if string(req.Data) == "hold" {
+			held <- struct{}{}
+			<-release
+		}
+		return &Reply{Metadata: md}, nil
+	}, WithConcurrency(1), log.logger(slog.LevelWarn))
+	nc := dial(t, srv)
+	send := func(ctx context.Context, data string) <-chan error {
+		done := make(chan error, 1)
+		go func() {
+			_, err := Request(ctx, nc, "narrow", []byte(data))
+			done <- err
+		}()
+		return done
+	}
+	first := send(guarded(t), "hold")
+	<-held // the only worker is busy
+	second := send(guarded(t), "pending")
+	require.Eventually(t, func() bool { n, _, _ := svc.sub.Pending(); return n == 1 }, hangGuard, time.Millisecond)
+	// The pending buffer holds one request: these are dropped.
+	for range 2 {
+		ctx, cancel := context.WithTimeout(guarded(t), 200*time.Millisecond)
+		require.ErrorIs(t, <-send(ctx, "dropped"), context.DeadlineExceeded)
+		cancel()
+	}
+	close(release)
+	require.NoError(t, <-first)
+	require.NoError(t, <-second)
+	require.NoError(t, <-send(guarded(t), "after"))
+	assert.Contains(t, log.String(), "requests lost")
+	assert.Contains(t, log.String(), nats.ErrSlowConsumer.Error())
 }
