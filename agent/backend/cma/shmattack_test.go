@@ -233,7 +233,13 @@ func TestShmAttackUnmappableSegment(t *testing.T) {
 		}
 		return false
 	}, 5*time.Second, 5*time.Millisecond)
-	time.Sleep(20 * time.Millisecond) // the segment is read, and left out
+	// The segment is read, and left out: polled, as a fixed sleep could
+	// end before the reader got to it and resolve would wait for it.
+	require.Eventually(t, func() bool {
+		p.sh.mu.Lock()
+		defer p.sh.mu.Unlock()
+		return p.sh.unmapped[1]
+	}, 5*time.Second, time.Millisecond, "the unmappable segment was not read and left out")
 
 	x := &agent.Work{Op: agent.OpRead, Key: key, Segments: []agent.Segment{{
 		Local: agent.DRAM(make([]byte, 100)), Remote: agent.Region{Addr: remote, Len: 100, Kind: agent.KindDRAM}}}}
