@@ -203,9 +203,22 @@ func TestShmHostileSlots(t *testing.T) {
 				defer unix.Close(fd)
 				sendSeg(c, 1, fd, 1<<20, tc.segAt)
 			}, nil)
-			a, _ := newAgent(t, WithTimeout(300*time.Millisecond))
+			a, b := newAgent(t, WithTimeout(300*time.Millisecond))
 			require.NoError(t, a.Notify(context.Background(), fs.info, agent.NewKey(), []byte("hi"))) // connects
-			time.Sleep(20 * time.Millisecond)                                                         // the table and segment are read
+			// The table and segment are read: polled, as a reader
+			// descheduled past a fixed sleep and the 300 ms a transfer
+			// waits for them would send the honest case to leases.
+			require.Eventually(t, func() bool {
+				b.mu.Lock()
+				defer b.mu.Unlock()
+				ps := b.peers[fs.info.ID]
+				if len(ps) != 1 {
+					return false
+				}
+				ps[0].sh.mu.Lock()
+				defer ps[0].sh.mu.Unlock()
+				return ps[0].sh.table != nil && len(ps[0].sh.segs) == 1
+			}, 5*time.Second, time.Millisecond, "the lease table and the segment were not mapped")
 			dst := make([]byte, 100)
 			x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: fs.info, Key: key, Backend: Name,
 				Segments: []agent.Segment{{Local: agent.DRAM(dst), Remote: agent.Region{Addr: tc.at, Len: 100, Kind: agent.KindDRAM}}}})
