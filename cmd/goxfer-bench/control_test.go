@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"regexp"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -26,7 +27,7 @@ func TestControlRowsInterleaved(t *testing.T) {
 			jsonPath := filepath.Join(t.TempDir(), "r.json")
 			args := append([]string{"-backends", "tcp", "-blocks", "4K", "-ops", "read", "-iters", "4", "-warmup", "1",
 				"-latency-iters", "40", "-ucx", "off", "-progress", "off", "-o", jsonPath, "-timeout", "20s"}, tc.args...)
-			code, _, stderr := bench(t, args...)
+			code, stdout, stderr := bench(t, args...)
 			require.Equal(t, 0, code, "stderr:\n%s", stderr)
 			var doc struct {
 				Results []Result `json:"results"`
@@ -51,6 +52,7 @@ func TestControlRowsInterleaved(t *testing.T) {
 				assert.Positive(t, r.PingP50, r.Name)
 				assert.Positive(t, r.PingRatio, r.Name)
 				assert.Contains(t, r.Note, "interleaved with the 4 KiB TCP ping-pong, 20 pairs of batches", r.Name)
+				assert.Regexp(t, regexp.QuoteMeta(r.Name)+` +\S+ +1 +[0-9.]+ +[0-9.]+ +`+regexp.QuoteMeta(fmtF(r.PingRatio, 2))+`  `, stdout, "the table's ×ping column")
 			}
 			assert.Equal(t, 2, rows, "nats-token and tcp REQ+READ")
 		})

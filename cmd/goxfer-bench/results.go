@@ -399,9 +399,9 @@ func writeTable(w io.Writer, rs []Result, ri runInfo) {
 		fmt.Fprintln(w)
 		fmt.Fprintln(w, "latency and control plane (µs)")
 		tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-		fmt.Fprintln(tw, "what\top\tdescs\tp50 µs\tp99 µs\t  note")
+		fmt.Fprintln(tw, "what\top\tdescs\tp50 µs\tp99 µs\t×ping\t  note")
 		for _, r := range lat {
-			fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t  %s\n", r.Name, r.Op, r.Descs, fmtF(r.P50, 1), fmtF(r.P99, 1), r.Note)
+			fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\t  %s\n", r.Name, r.Op, r.Descs, fmtF(r.P50, 1), fmtF(r.P99, 1), fmtF(r.PingRatio, 2), r.Note)
 		}
 		_ = tw.Flush()
 	}
