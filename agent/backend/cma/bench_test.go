@@ -49,7 +49,8 @@ var benchTarget = testproc.Shared[benchHello]{Env: benchChildEnv}
 
 // BenchmarkCMA measures READ and WRITE against a child process through the
 // cma backend, through the tcp backend, and with one raw
-// process_vm_readv/writev call, for each shape in turn, so the ratios
+// process_vm_readv/writev call, for each shape in turn (up to 1 MiB also
+// through cma with a completion notification), so the ratios
 // compare the same moment of a noisy machine. The KV shape compares with
 // the 256 MiB single region just before it.
 func BenchmarkCMA(b *testing.B) {
@@ -70,6 +71,15 @@ func BenchmarkCMA(b *testing.B) {
 					b.SetBytes(int64(sh.Bytes()))
 					b.ReportAllocs()
 					backendtest.BenchPost(b, a, agent.Request{Op: op, Peer: ch.Info, Key: key, Segments: segs, Backend: backend})
+				})
+			}
+			if sh.Descs == 1 && sh.Len <= 1<<20 {
+				// With a completion notification, as connect's transfers
+				// always carry: its sendmsg wakes the child's reader.
+				b.Run(fmt.Sprintf("%s/%s/cma+notify", op, sh.Name), func(b *testing.B) {
+					b.SetBytes(int64(sh.Bytes()))
+					b.ReportAllocs()
+					backendtest.BenchPost(b, a, agent.Request{Op: op, Peer: ch.Info, Key: key, Segments: segs, Backend: cma.Name, Notify: []byte("done")})
 				})
 			}
 			if sh.Descs == 1 {
