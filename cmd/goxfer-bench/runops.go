@@ -141,21 +141,23 @@ func (in *initiator) runOps(ctx context.Context, c *connect.Connector, p *prepar
 		defer wcancel()
 		t0 := monoNow()
 		var err error
-		var path string
+		var pathOf func() string // read after t1: not the operation's time
 		if op == dirRead {
 			var x *connect.ReadOperation
 			if x, err = c.BeginRead(wctx, p.mds[i], descs[s]...); err == nil {
-				err = x.Wait(wctx)
-				path = x.Path()
+				err, pathOf = x.Wait(wctx), x.Path
 			}
 		} else {
 			var x *connect.WriteOperation
 			if x, err = c.BeginWrite(wctx, p.mds[i], descs[s]...); err == nil {
-				err = x.Wait(wctx)
-				path = x.Path()
+				err, pathOf = x.Wait(wctx), x.Path
 			}
 		}
 		t1 := monoNow()
+		var path string
+		if pathOf != nil {
+			path = pathOf()
+		}
 		if err != nil {
 			if errors.Is(err, context.DeadlineExceeded) {
 				return fmt.Errorf("operation %d did not complete within %v: %w", i, in.cfg.timeout, err)
