@@ -57,8 +57,10 @@ type Service struct {
 	limit   int // workers at most: the concurrency
 
 	mu      sync.Mutex
-	workers int // goroutines that serve (see work)
-	idle    int // those waiting for a request
+	workers int       // goroutines that serve (see work)
+	idle    int       // those waiting for a request
+	lostAt  time.Time // when "requests lost" was last logged (see lost)
+	unsaid  int       // the losses since, not logged
 
 	ctx    context.Context // cancelled by Close; the handlers' parent
 	cancel context.CancelFunc
@@ -79,8 +81,10 @@ type Service struct {
 // time out). A Handler error is sent back as Goxfer-Error headers and
 // reaches the requester as a [*HandlerError]; a panic in h is logged
 // ([WithLogger]) and answered with "handler panicked", and the Service
-// continues. A reply too large for the server's max payload is answered
-// with an error naming both sizes.
+// continues, as it does after a handler that calls [runtime.Goexit]
+// (answered with a handler error). Lost requests are logged once, then at
+// most once every 10 s. A reply too large for the server's max payload is
+// answered with an error naming both sizes.
 //
 // Serve uses nc, which stays the caller's: it never dials, and closing nc
 // stops the Service (Close must still be called to wait for handlers).
@@ -170,7 +174,24 @@ func (s *Service) Close() error {
 // in the subscription. Once the Service is closing, workers answer what
 // is left "unavailable" until the subscription closes.
 func (s *Service) work() {
-	defer s.wg.Done()
+	// handling is the request whose handler runs. A handler that ends
+	// this goroutine (runtime.Goexit, as t.FailNow does; a panic is
+	// recovered in call) leaves it set: its requester is answered, and
+	// another goroutine takes this one's place, and its count in s.wg, so
+	// that the Service keeps its workers.
+	var handling *nats.Msg
+	defer func() {
+		if handling == nil {
+			s.wg.Done()
+			return
+		}
+		s.log.Error("goxfer/nats: handler ended its goroutine (runtime.Goexit)", "subject", handling.Subject)
+		s.respondError(handling, codeHandler, "handler ended its goroutine (runtime.Goexit)")
+		s.mu.Lock()
+		s.idle++
+		s.mu.Unlock()
+		go s.work()
+	}()
 	for {
 		m, err := s.sub.NextMsgWithContext(context.Background())
 		s.mu.Lock()
@@ -193,7 +214,9 @@ func (s *Service) work() {
 		case s.ctx.Err() != nil:
 			s.respondError(m, codeUnavailable, "the service is closing; the request was not handled")
 		default:
+			handling = m
 			s.handle(m)
+			handling = nil
 		}
 		s.mu.Lock()
 		s.idle++
@@ -206,13 +229,14 @@ func (s *Service) work() {
 // dropped (nats.ErrSlowConsumer: the client's pending limits), or the
 // server refused the subscription until the next reconnect (with
 // nats.PermissionErrOnSubscribe): their requesters time out or retry, as
-// with any subscription. closedBy logs that, and after a refusal waits a
-// little before the next try, or stops the worker if the Service closes.
+// with any subscription. closedBy logs that ([Service.lost]), and after a
+// refusal waits a little before the next try, or stops the worker if the
+// Service closes.
 func (s *Service) closedBy(err error) bool {
 	if errors.Is(err, nats.ErrConnectionClosed) || errors.Is(err, nats.ErrBadSubscription) || !s.sub.IsValid() {
 		return true
 	}
-	s.log.Warn("goxfer/nats: requests lost", "subject", s.subject, "err", err)
+	s.lost(err)
 	if errors.Is(err, nats.ErrSlowConsumer) {
 		return false
 	}
@@ -222,7 +246,38 @@ func (s *Service) closedBy(err error) bool {
 	case <-t.C:
 		return false
 	case <-s.ctx.Done():
+		// While refused, NextMsg reports the refusal, never a request
+		// still pending from before it: such a subscription cannot drain,
+		// and Close would wait for it forever. It ends here, dropping
+		// them (their requesters time out or retry).
+		if err := s.sub.Unsubscribe(); err != nil && !errors.Is(err, nats.ErrBadSubscription) && !errors.Is(err, nats.ErrConnectionClosed) {
+			s.log.Warn("goxfer/nats: close refused subscription", "subject", s.subject, "err", err)
+		}
 		return true
+	}
+}
+
+// lostLogEvery is how often at most a Service logs "requests lost".
+const lostLogEvery = 10 * time.Second
+
+// lost logs err, a loss that closedBy reports: the first at once, then at
+// most one line every lostLogEvery, saying how many came since the last
+// line. A flood past the pending limits makes each request taken report
+// one (NextMsg says so once per drop it saw), a refused subscription each
+// retry: a line for each would flood the log as well.
+func (s *Service) lost(err error) {
+	s.mu.Lock()
+	now := time.Now()
+	say := s.lostAt.IsZero() || now.Sub(s.lostAt) >= lostLogEvery
+	unsaid := s.unsaid
+	if say {
+		s.lostAt, s.unsaid = now, 0
+	} else {
+		s.unsaid++
+	}
+	s.mu.Unlock()
+	if say {
+		s.log.Warn("goxfer/nats: requests lost", "subject", s.subject, "err", err, "unlogged_since_last", unsaid)
 	}
 }
 
