@@ -126,16 +126,24 @@ func (s *Service) Subject() string { return s.subject }
 
 // Close stops taking requests (the subscription is drained: requests
 // already delivered are answered "unavailable", so that requesters with
-// [WithRetry] go to another worker), cancels the ctx of running handlers
-// and waits for them to return. The connection stays open. Close is
+// [WithRetry] go to another worker; while the connection is down they
+// are dropped instead), cancels the ctx of running handlers and waits for
+// them to return. The connection stays open. Close is
 // idempotent and safe for concurrent use; every call returns the first
 // call's result.
 func (s *Service) Close() error {
 	s.closeOnce.Do(func() {
 		s.cancel()
 		closed := s.sub.StatusChanged(nats.SubscriptionClosed)
-		if err := s.sub.Drain(); err != nil {
-			// Drained only while connected; otherwise drop what is pending.
+		// Drained only while connected; otherwise drop what is pending.
+		// (A drain while the connection is down waits for the server,
+		// up to the client's 10 s flush timeout, to answer what no
+		// requester can hear before the connection is back.)
+		var err error = nats.ErrConnectionReconnecting
+		if s.nc.IsConnected() {
+			err = s.sub.Drain()
+		}
+		if err != nil {
 			if err := s.sub.Unsubscribe(); err != nil && !errors.Is(err, nats.ErrConnectionClosed) && !errors.Is(err, nats.ErrBadSubscription) {
 				s.closeErr = fmt.Errorf("goxfer/nats: close service on subject %q: %w", s.subject, err)
 			}

@@ -246,3 +246,26 @@ func TestServiceClosesWhenRefusedWithRequestsPending(t *testing.T) {
 		t.Fatal("Service.Close still running 5 s after it was called")
 	}
 }
+
+// Close while the connection is down (reconnecting) returns once the
+// handlers have, not after a drain that waits for the server: nothing
+// pending can be answered before the connection is back.
+func TestServiceClosesPromptlyWhileDisconnected(t *testing.T) {
+	srv := startServer(t)
+	nc := dial(t, srv, resilient...)
+	started := make(chan struct{}, 1)
+	s, err := Serve(nc, "offline", func(ctx context.Context, _ *ServiceRequest) (*Reply, error) {
+		started <- struct{}{}
+		<-ctx.Done()
+		return nil, ctx.Err()
+	}, WithLogger(quietLog))
+	require.NoError(t, err)
+	requester := dial(t, srv, resilient...)
+	go func() { _, _ = Request(guarded(t), requester, "offline", nil) }()
+	<-started
+	srv.Shutdown()
+	require.Eventually(t, func() bool { return !nc.IsConnected() }, hangGuard, time.Millisecond)
+	start := time.Now()
+	require.NoError(t, s.Close())
+	assert.Less(t, time.Since(start), 2*time.Second, "Close while disconnected")
+}
