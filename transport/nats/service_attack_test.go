@@ -269,3 +269,31 @@ func TestServiceClosesPromptlyWhileDisconnected(t *testing.T) {
 	require.NoError(t, s.Close())
 	assert.Less(t, time.Since(start), 2*time.Second, "Close while disconnected")
 }
+
+// WithQueue still picks the queue group of a Service's synchronous
+// subscription: Services in two groups on one subject both get each
+// request, two in one group share them.
+func TestServiceWithQueueGroups(t *testing.T) {
+	srv := startServer(t)
+	md := testToken(t)
+	var a, b, c atomic.Int32
+	count := func(n *atomic.Int32) Handler {
+		return func(context.Context, *ServiceRequest) (*Reply, error) {
+			n.Add(1)
+			return &Reply{Metadata: md}, nil
+		}
+	}
+	serve(t, dial(t, srv), "grouped", count(&a), WithQueue("a"))
+	serve(t, dial(t, srv), "grouped", count(&b), WithQueue("b"))
+	serve(t, dial(t, srv), "grouped", count(&c), WithQueue("b"))
+	nc := dial(t, srv)
+	const n = 20
+	for range n {
+		_, err := Request(guarded(t), nc, "grouped", nil)
+		require.NoError(t, err)
+	}
+	require.Eventually(t, func() bool { return a.Load() == n && b.Load()+c.Load() == n }, hangGuard, time.Millisecond)
+	time.Sleep(50 * time.Millisecond)
+	assert.Equal(t, int32(n), a.Load())
+	assert.Equal(t, int32(n), b.Load()+c.Load())
+}
