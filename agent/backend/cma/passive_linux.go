@@ -11,6 +11,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"runtime/debug"
 	"sync"
 	"syscall"
 	"time"
@@ -112,7 +113,10 @@ func (r *frameReader) Read(p []byte) (int, error) {
 // exposing side of a connection idles between completion notifications;
 // waking that thread cost about 3 µs of CPU and a wake-up per notification
 // (docs/benchmarks.md, "Small transfers on cma"). The wait for data is
-// the poller's, as c.Read's, with the same deadlines and errors.
+// the poller's, as c.Read's, with the same deadlines and errors. (Under
+// the race detector it reads with syscall.Read: see rawRead.) A file
+// descriptor a peer attaches (SCM_RIGHTS) is discarded by the kernel, as
+// with c.Read: this side expects none.
 func readQuiet(c *net.UnixConn, p []byte) (int, error) {
 	if len(p) == 0 {
 		return 0, nil
@@ -125,11 +129,11 @@ func readQuiet(c *net.UnixConn, p []byte) (int, error) {
 	var errno syscall.Errno
 	err = rc.Read(func(fd uintptr) bool {
 		for {
-			r, _, e := syscall.RawSyscall(syscall.SYS_READ, fd, uintptr(unsafe.Pointer(&p[0])), uintptr(len(p)))
+			r, e := rawRead(fd, p)
 			if e == syscall.EINTR {
 				continue
 			}
-			n, errno = int(r), e
+			n, errno = r, e
 			return e != syscall.EAGAIN
 		}
 	})
@@ -143,6 +147,40 @@ func readQuiet(c *net.UnixConn, p []byte) (int, error) {
 	}
 	return n, nil
 }
+
+// rawRead is one read(2) of fd into p, which is not empty: a raw system
+// call, or in a binary built with the race detector syscall.Read, whose
+// annotations tell the detector that a read happens after the write(2)
+// it reads. Without them, whatever a goroutine of this process did
+// before writing to the peer's end looks concurrent with what the reader
+// does after reading it: a false report of a race.
+func rawRead(fd uintptr, p []byte) (int, syscall.Errno) {
+	if raceBuild {
+		n, err := syscall.Read(int(fd), p)
+		var errno syscall.Errno
+		if err != nil && !errors.As(err, &errno) {
+			errno = syscall.EIO // not reached: its errors are Errnos
+		}
+		return n, errno
+	}
+	r, _, e := syscall.RawSyscall(syscall.SYS_READ, fd, uintptr(unsafe.Pointer(&p[0])), uintptr(len(p)))
+	return int(r), e
+}
+
+// raceBuild reports whether this binary was built with the race detector
+// (go build -race), as its build information says; false without any.
+var raceBuild = func() bool {
+	bi, ok := debug.ReadBuildInfo()
+	if !ok {
+		return false
+	}
+	for _, s := range bi.Settings {
+		if s.Key == "-race" {
+			return s.Value == "true"
+		}
+	}
+	return false
+}()
 
 // begin waits, without a deadline of its own, for the next frame's first
 // byte. Leases due are renewed first: frames already buffered need no Read.

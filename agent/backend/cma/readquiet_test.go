@@ -98,3 +98,108 @@ func TestReadQuietReset(t *testing.T) {
 	require.False(t, errors.Is(err, io.EOF), "%v", err)
 	require.ErrorIs(t, err, unix.ECONNRESET)
 }
+
+// TestReadQuietWokenFromAnotherGoroutine checks what the exposing side's
+// other goroutines do to a read that waits: the stager moves its deadline
+// (server.hold) or sets one in the past (server.abort), and Close ends
+// it, each as they would end c.Read.
+func TestReadQuietWokenFromAnotherGoroutine(t *testing.T) {
+	a, _ := unixPair(t)
+	buf := make([]byte, 8)
+	wait := func(wake func()) (time.Duration, error) {
+		go func() {
+			time.Sleep(20 * time.Millisecond)
+			wake()
+		}()
+		start := time.Now()
+		_, err := readQuiet(a, buf)
+		return time.Since(start), err
+	}
+
+	// A deadline set while the read waits with none.
+	took, err := wait(func() { _ = a.SetReadDeadline(time.Now().Add(20 * time.Millisecond)) })
+	require.ErrorIs(t, err, os.ErrDeadlineExceeded)
+	require.GreaterOrEqual(t, took, 35*time.Millisecond)
+	require.Less(t, took, 2*time.Second)
+
+	// A far deadline brought forward, into the past (abort).
+	require.NoError(t, a.SetReadDeadline(time.Now().Add(time.Hour)))
+	took, err = wait(func() { _ = a.SetReadDeadline(time.Unix(1, 0)) })
+	require.ErrorIs(t, err, os.ErrDeadlineExceeded)
+	require.Less(t, took, 2*time.Second)
+	var ne net.Error
+	require.ErrorAs(t, err, &ne)
+	require.True(t, ne.Timeout())
+	require.NoError(t, a.SetReadDeadline(time.Time{}))
+
+	// Close.
+	took, err = wait(func() { _ = a.Close() })
+	require.ErrorIs(t, err, net.ErrClosed)
+	require.Less(t, took, 2*time.Second)
+}
+
+// TestReadQuietDropsPassedDescriptors checks that a file descriptor a
+// hostile peer attaches (SCM_RIGHTS) to what it sends the exposing side,
+// which expects none, is discarded by the kernel, as c.Read's read(2) did:
+// the bytes arrive, and no copy of the descriptor lives on in this
+// process (the pipe it was the only reader of is broken once it is read).
+func TestReadQuietDropsPassedDescriptors(t *testing.T) {
+	a, b := unixPair(t)
+	r, w, err := os.Pipe()
+	require.NoError(t, err)
+	defer w.Close()
+	_, _, err = b.WriteMsgUnix([]byte("fd"), unix.UnixRights(int(r.Fd())), nil)
+	require.NoError(t, err)
+	require.NoError(t, r.Close())
+	// In flight, the descriptor still reads the pipe.
+	_, err = w.Write([]byte("x"))
+	require.NoError(t, err)
+
+	buf := make([]byte, 8)
+	n, err := readQuiet(a, buf)
+	require.NoError(t, err)
+	require.Equal(t, "fd", string(buf[:n]))
+	_, err = w.Write([]byte("x"))
+	require.ErrorIs(t, err, unix.EPIPE, "the passed descriptor survived the read")
+}
+
+// TestReadQuietPartialFrames checks that a peer trickling a frame a byte at
+// a time is read as it comes, each read returning what is there.
+func TestReadQuietPartialFrames(t *testing.T) {
+	a, b := unixPair(t)
+	go func() {
+		for _, c := range []byte("frame") {
+			time.Sleep(2 * time.Millisecond)
+			_, _ = b.Write([]byte{c})
+		}
+	}()
+	var got []byte
+	buf := make([]byte, 8)
+	for len(got) < 5 {
+		n, err := readQuiet(a, buf)
+		require.NoError(t, err)
+		require.Positive(t, n)
+		got = append(got, buf[:n]...)
+	}
+	require.Equal(t, "frame", string(got))
+}
+
+// TestReadQuietOrdersForTheRaceDetector checks that a read happens after
+// the write(2) it reads as the race detector sees it, as with c.Read:
+// under -race, what the writing goroutine did before its write is no race
+// with what the reader does after its read.
+func TestReadQuietOrdersForTheRaceDetector(t *testing.T) {
+	a, b := unixPair(t)
+	var before int
+	go func() {
+		before = 1
+		_, _ = b.Write([]byte("go"))
+	}()
+	buf := make([]byte, 2)
+	for n := 0; n < len(buf); {
+		k, err := readQuiet(a, buf[n:])
+		require.NoError(t, err)
+		n += k
+	}
+	require.Equal(t, 1, before)
+}
