@@ -11,7 +11,6 @@ import (
 	"io"
 	"net"
 	"os"
-	"runtime/debug"
 	"sync"
 	"syscall"
 	"time"
@@ -166,21 +165,6 @@ func rawRead(fd uintptr, p []byte) (int, syscall.Errno) {
 	r, _, e := syscall.RawSyscall(syscall.SYS_READ, fd, uintptr(unsafe.Pointer(&p[0])), uintptr(len(p)))
 	return int(r), e
 }
-
-// raceBuild reports whether this binary was built with the race detector
-// (go build -race), as its build information says; false without any.
-var raceBuild = func() bool {
-	bi, ok := debug.ReadBuildInfo()
-	if !ok {
-		return false
-	}
-	for _, s := range bi.Settings {
-		if s.Key == "-race" {
-			return s.Value == "true"
-		}
-	}
-	return false
-}()
 
 // begin waits, without a deadline of its own, for the next frame's first
 // byte. Leases due are renewed first: frames already buffered need no Read.
