@@ -130,7 +130,7 @@ func (s *Service) Subject() string { return s.subject }
 // are dropped instead), cancels the ctx of running handlers and waits for
 // them to return. The connection stays open. Close is
 // idempotent and safe for concurrent use; every call returns the first
-// call's result.
+// call's result. A handler must not call it: Close waits for handlers.
 func (s *Service) Close() error {
 	s.closeOnce.Do(func() {
 		s.cancel()
