@@ -442,13 +442,20 @@ func TestServiceCloseAfterConnectionClosed(t *testing.T) {
 	s, err := Serve(nc, "svc.closed-conn", func(ctx context.Context, req *ServiceRequest) (*Reply, error) { return &Reply{}, nil })
 	require.NoError(t, err)
 	nc.Close()
+	requireClosesWithin(t, s, 5*time.Second, "after its connection was closed")
+}
+
+// requireClosesWithin calls s.Close and fails t unless it returns nil
+// within d.
+func requireClosesWithin(t *testing.T, s *Service, d time.Duration, when string) {
+	t.Helper()
 	done := make(chan error, 1)
 	go func() { done <- s.Close() }()
 	select {
 	case err := <-done:
 		require.NoError(t, err)
-	case <-time.After(5 * time.Second):
-		t.Fatal("Service.Close still running 5 s after its connection was closed")
+	case <-time.After(d):
+		t.Fatalf("Service.Close still running %v after it was called %s", d, when)
 	}
 }
 

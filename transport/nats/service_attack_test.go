@@ -237,14 +237,7 @@ func TestServiceClosesWhenRefusedWithRequestsPending(t *testing.T) {
 		t.Fatal("the server did not refuse the subscription after its restart")
 	}
 	close(release)
-	done := make(chan error, 1)
-	go func() { done <- s.Close() }()
-	select {
-	case err := <-done:
-		require.NoError(t, err)
-	case <-time.After(5 * time.Second):
-		t.Fatal("Service.Close still running 5 s after it was called")
-	}
+	requireClosesWithin(t, s, 5*time.Second, "with requests pending on a refused subscription")
 }
 
 // Close while the connection is down (reconnecting) returns once the
