@@ -108,28 +108,17 @@ func (in *initiator) timeControl(iters int, f func() error) ([]time.Duration, []
 		lat, _, err := timeCalls(iters/10, iters, f)
 		return lat, nil, err
 	}
-	pp := newPinger(in.ping, in.cfg.timeout)
-	lat, _, err := timeCalls(iters/10, 0, f)
-	if err != nil {
+	if _, _, err := timeCalls(iters/10, 0, f); err != nil { // the warm-ups
 		return nil, nil, err
 	}
-	size := batchSize(iters)
-	if _, err := pp.batch(size); err != nil { // warm the connection too
-		return nil, nil, fmt.Errorf("ping-pong: %w", err)
-	}
-	var batches []pingBatch
-	for lo := 0; lo < iters; lo += size {
-		hi := min(lo+size, iters)
+	lat := make([]time.Duration, 0, iters)
+	batches, err := newPinger(in.ping, in.cfg.timeout).alternate(0, iters, func(lo, hi int) error {
 		part, _, err := timeCalls(0, hi-lo, f)
-		if err != nil {
-			return nil, nil, err
-		}
 		lat = append(lat, part...)
-		pings, err := pp.batch(hi - lo)
-		if err != nil {
-			return nil, nil, fmt.Errorf("ping-pong: %w", err)
-		}
-		batches = append(batches, pingBatch{lo: lo, hi: hi, pings: pings})
+		return err
+	})
+	if err != nil {
+		return nil, nil, err
 	}
 	return lat, batches, nil
 }
@@ -139,6 +128,6 @@ func (in *initiator) timeControl(iters int, f func() error) ([]time.Duration, []
 func setControlPing(r *Result, batches []pingBatch, lat []time.Duration) {
 	setPingRatios(r, batches, lat, nil)
 	if r.PingPairs > 0 {
-		r.Note += "; " + pingNote(*r) + " (×ping in -o's CSV and JSON)"
+		r.Note += "; " + pingNote(*r)
 	}
 }

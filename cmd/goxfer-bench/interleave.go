@@ -58,6 +58,30 @@ func (p *pinger) batch(n int) ([]time.Duration, error) {
 	return lat, nil
 }
 
+// alternate runs the measured calls [lo, total) in batches (run measures
+// [lo, hi)), each followed by a batch of as many ping-pongs, after one
+// batch to warm the connection; it returns the pairs. It stops at run's
+// first error, which it returns as it is.
+func (p *pinger) alternate(lo, total int, run func(lo, hi int) error) ([]pingBatch, error) {
+	size := batchSize(total - lo)
+	if _, err := p.batch(size); err != nil {
+		return nil, fmt.Errorf("ping-pong: %w", err)
+	}
+	var batches []pingBatch
+	for ; lo < total; lo += size {
+		hi := min(lo+size, total)
+		if err := run(lo, hi); err != nil {
+			return nil, err
+		}
+		pings, err := p.batch(hi - lo)
+		if err != nil {
+			return nil, fmt.Errorf("ping-pong: %w", err)
+		}
+		batches = append(batches, pingBatch{lo: lo, hi: hi, pings: pings})
+	}
+	return batches, nil
+}
+
 // pingBatch is one pair: the measured operations [lo, hi) and the
 // ping-pongs that ran right after them.
 type pingBatch struct {

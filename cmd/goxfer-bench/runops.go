@@ -198,19 +198,14 @@ func (in *initiator) runOps(ctx context.Context, c *connect.Connector, p *prepar
 	if pp == nil {
 		phase(warmup, total)
 	} else {
-		size := batchSize(total - warmup)
-		if _, err := pp.batch(size); err != nil { // warm the connection too
-			return nil, fmt.Errorf("ping-pong: %w", err)
-		}
-		for lo := warmup; lo < total && firstErr == nil; lo += size {
-			hi := min(lo+size, total)
+		batches, err := pp.alternate(warmup, total, func(lo, hi int) error {
 			phase(lo, hi)
-			pings, err := pp.batch(hi - lo)
-			if err != nil {
-				return nil, fmt.Errorf("ping-pong: %w", err)
-			}
-			run.batches = append(run.batches, pingBatch{lo: lo, hi: hi, pings: pings})
+			return firstErr
+		})
+		if err != nil && firstErr == nil {
+			return nil, err
 		}
+		run.batches = batches
 	}
 	if firstErr != nil {
 		return nil, firstErr
