@@ -67,6 +67,11 @@ func WithLogger(l *slog.Logger) Option {
 type Stats struct {
 	Refused              uint64 // remote accesses refused
 	DroppedNotifications uint64 // notifications for no known key, or to a full queue
+	// LostNotifications counts finished transfers whose notification the
+	// backend failed to send ([Work.FinishNotify]): the transfer had
+	// succeeded, and the passive side learns of the loss only as of a lost
+	// peer.
+	LostNotifications uint64
 	// Registered, Exposed and InFlight are gauges, not counters: regions
 	// registered now, exposures not yet revoked, transfers posted and not
 	// finished. A steady climb means operations are not being closed.
@@ -119,6 +124,7 @@ type Agent struct {
 
 	refused atomic.Uint64
 	dropped atomic.Uint64
+	lost    atomic.Uint64 // LostNotifications
 
 	fallbacks sync.Map // "peer/backend" already logged
 
@@ -260,7 +266,7 @@ func (a *Agent) Backends() []string {
 // Stats returns the agent's counters. Safe for concurrent use, also after
 // Close.
 func (a *Agent) Stats() Stats {
-	st := Stats{Refused: a.refused.Load(), DroppedNotifications: a.dropped.Load()}
+	st := Stats{Refused: a.refused.Load(), DroppedNotifications: a.dropped.Load(), LostNotifications: a.lost.Load()}
 	st.Registered, _ = a.Registered()
 	a.expMu.RLock()
 	st.Exposed = len(a.exps)
@@ -475,6 +481,13 @@ func (a *Agent) untrack(t *transfer) bool {
 	_, ok := a.xfers[t]
 	delete(a.xfers, t)
 	return ok
+}
+
+// lostNotify counts and logs a finished transfer's notification that its
+// backend failed to send.
+func (a *Agent) lostNotify(w *Work, err error) {
+	a.lost.Add(1)
+	a.log.Debug("goxfer: a finished transfer's notification was not sent", "peer", w.Peer.ID, "backend", w.t.backend, "err", err)
 }
 
 // Notify sends a standalone notification to peer under key, best effort,

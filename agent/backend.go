@@ -100,9 +100,11 @@ type Backend interface {
 	// memory. It finishes a cancelled transfer ([Work.Cancelled],
 	// [Work.AfterCancel]) promptly, with [Work.CancelErr]. If w.Notify is
 	// non-nil the backend delivers it (reading it only: callers share it)
-	// to the remote agent under w.Key after every byte of w is in place and
-	// before calling w.Finish(nil). An error from Post means w was not
-	// started and Finish must not be called.
+	// to the remote agent under w.Key after every byte of w is in place:
+	// by finishing with [Work.FinishNotify] (or through Parts, which does),
+	// or with the data, for the peer to deliver once it landed and before
+	// it acknowledges (tcp's one-frame WRITE). An error from Post means w
+	// was not started and Finish must not be called.
 	Post(w *Work) error
 	// Notify sends msg to the remote agent under key, best effort, without
 	// waiting for the remote to process it. msg stays the caller's: the

@@ -66,9 +66,13 @@
 // # Notifications and peer loss
 //
 // A request may carry a notification (Request.Notify), which its backend
-// delivers to the peer's exposure only after every byte is in place, and
-// before the transfer reports success. [Agent.Notify] sends one on its
-// own. The receiving agent hands each notification and each loss of a peer
+// delivers to the peer's exposure only after every byte is in place: right
+// after the transfer reports success, so that the active side's waiter is
+// not held up by it, or with the data itself where a backend can carry it
+// there. [Agent.Close] waits for notifications being sent; one that fails
+// cannot undo a success (it is counted, [Stats].LostNotifications, and the
+// passive side sees the failure as a lost peer). [Agent.Notify] sends one
+// on its own. The receiving agent hands each notification and each loss of a peer
 // to the exposure that owns the key, on the delivering goroutine and
 // without blocking: no polling, no hand-off. A peer is lost when a backend
 // loses the channel it used the exposure through ([EventPeerLost]), or when

@@ -11,9 +11,16 @@ import (
 //   - the first error any part reports is the transfer's outcome;
 //   - a transfer cancelled before it finished never reports success, even
 //     if every part went through;
+//   - [Work.Finish] is called exactly once, after the last part;
 //   - the notification, if any, goes out only once every part is done and
-//     successful, and its failure fails the transfer;
-//   - [Work.Finish] is called exactly once, after the last part.
+//     successful, right after Finish, on the same goroutine: the active
+//     side's waiter is released first (ARCHITECTURE semantic 2: the active
+//     Wait returns, then the passive side is notified). [Agent.Close] waits
+//     for it before it stops the backends. A notification that fails is
+//     counted in [Stats].LostNotifications and logged; it cannot fail a
+//     transfer that already succeeded, and the passive side learns of the
+//     loss as of a lost peer (the failure that stopped the notification
+//     breaks the connection to it).
 //
 // A backend embeds or allocates one per transfer and calls Init before
 // sharing it. The zero value is not usable. Methods are safe for concurrent
@@ -63,8 +70,8 @@ func (p *Parts) Failed() bool {
 }
 
 // Done ends one part, with err if it failed. The last Done finishes the
-// transfer on the calling goroutine: it sends the notification, if any,
-// and calls [Work.Finish].
+// transfer on the calling goroutine: it calls [Work.Finish], then sends
+// the notification, if any.
 func (p *Parts) Done(err error) {
 	if err != nil {
 		p.Fail(err)
@@ -90,7 +97,8 @@ func (p *Parts) finish() {
 		}
 	}
 	if err == nil && w.Notify != nil {
-		err = p.notify(w.Key, w.Notify)
+		w.FinishNotify(p.notify)
+		return
 	}
 	w.Finish(err)
 }

@@ -59,9 +59,9 @@ func TestParts(t *testing.T) {
 		{name: "a cancelled transfer never succeeds",
 			run:  func(p *Parts, x *Xfer) { p.Add(); p.Done(nil); x.Cancel(nil); p.Done(nil) },
 			want: ErrCancelled},
-		{name: "a failed notification fails the transfer", notify: []byte("done"), notifyErr: ErrRemoteLost,
-			run:  func(p *Parts, x *Xfer) { p.Done(nil) },
-			want: ErrRemoteLost, notified: true},
+		{name: "a failed notification does not undo the success", notify: []byte("done"), notifyErr: ErrRemoteLost,
+			run:      func(p *Parts, x *Xfer) { p.Done(nil) },
+			notified: true},
 		{name: "Fail records without finishing",
 			run: func(p *Parts, x *Xfer) {
 				p.Add()
@@ -89,14 +89,18 @@ func TestParts(t *testing.T) {
 				defer mu.Unlock()
 				select {
 				case <-x.Done():
-					t.Error("notified after Finish")
 				default:
+					t.Error("notified before Finish released the waiter")
+				}
+				if finished != 0 {
+					t.Error("the finished callback ran before the notification")
 				}
 				notes = append(notes, sent{k, string(msg)})
 				return tc.notifyErr
 			}, func() { finished++ })
 			assert.Same(t, w, p.Work())
 			assert.False(t, p.Failed())
+			lost := a.Stats().LostNotifications
 			tc.run(&p, x)
 			<-x.Done()
 			if tc.want == nil {
@@ -110,7 +114,64 @@ func TestParts(t *testing.T) {
 			} else {
 				assert.Empty(t, notes)
 			}
+			wantLost := uint64(0)
+			if tc.notified && tc.notifyErr != nil {
+				wantLost = 1
+			}
+			assert.Equal(t, wantLost, a.Stats().LostNotifications-lost, "LostNotifications")
 		})
+	}
+}
+
+// TestCloseWaitsForNotification: a transfer's notification goes out after
+// its waiter is released, and Close, called as soon as the transfer is
+// done, waits for it before it stops the backends (it would otherwise be
+// cut off with the connection, and the passive side see a lost peer where
+// the transfer succeeded).
+func TestCloseWaitsForNotification(t *testing.T) {
+	b := &capturingBackend{stubBackend{name: "parts"}, make(chan *Work, 1)}
+	a := newTestAgent(t, b)
+	peer := Info{ID: uuid.New(), Conns: []ConnInfo{{Backend: "parts"}}}
+	x, err := a.Post(context.Background(), Request{Op: OpRead, Peer: peer, Notify: []byte("done"),
+		Segments: []Segment{{Local: DRAM(make([]byte, 8)), Remote: Region{Addr: 0x1000, Len: 8}}}})
+	require.NoError(t, err)
+	w := <-b.posted
+	entered, release := make(chan struct{}), make(chan struct{})
+	sent := make(chan struct{})
+	var p Parts
+	p.Init(w, func(Key, []byte) error {
+		close(entered)
+		<-release
+		close(sent)
+		return nil
+	}, nil)
+	go p.Done(nil)
+	<-entered
+	select {
+	case <-x.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("the waiter was not released before the notification was sent")
+	}
+	require.NoError(t, x.Err())
+	assert.Zero(t, a.Stats().InFlight, "a transfer sending its notification is not in flight")
+	closed := make(chan error, 1)
+	go func() { closed <- a.Close() }()
+	select {
+	case <-closed:
+		t.Fatal("Close returned while a notification was being sent")
+	case <-time.After(50 * time.Millisecond):
+	}
+	close(release)
+	select {
+	case err := <-closed:
+		require.NoError(t, err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("Close did not return once the notification was sent")
+	}
+	select {
+	case <-sent:
+	default:
+		t.Fatal("Close returned before the notification was sent")
 	}
 }
 

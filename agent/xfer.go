@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"iter"
+	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -56,8 +57,11 @@ type Request struct {
 	Key      Key       // the remote exposure's key
 	Segments []Segment // any number; each Local.Len == Remote.Len
 	// Notify, when non-nil, is delivered to the remote agent under Key once
-	// every byte is in place, before the transfer reports success. Backends
-	// only read it, so one message may serve many requests.
+	// every byte is in place, right after the transfer reports success
+	// ([Work.FinishNotify]); a notification that fails then is counted in
+	// [Stats].LostNotifications. Backends only read it, so one message may
+	// serve many requests; it must stay unchanged until the agent is
+	// closed or the peer has it (connect builds one per operation).
 	Notify []byte
 	// Backend forces a backend by name; empty lets the agent choose.
 	Backend string
@@ -278,23 +282,64 @@ func (w *Work) Via(how string) {
 // backend has let go of the local memory. Backends call it exactly once
 // ([Parts] does for transfers moved in parts); later calls are ignored. It
 // runs Request.OnDone on the calling goroutine.
-func (w *Work) Finish(err error) {
+func (w *Work) Finish(err error) { w.finish(err, nil) }
+
+// FinishNotify finishes w with success, as Finish(nil) does, and then,
+// on the calling goroutine, delivers w.Notify (when not nil) with send:
+// the waiters are released before the notification is written, as
+// ARCHITECTURE semantic 2 orders them (the active Wait returns, then the
+// passive side is notified), and [Agent.Close] waits for send to return
+// before it stops the backends, so a Close right after the active Wait
+// does not lose it. A send that fails cannot fail a transfer that already
+// succeeded: it is counted in [Stats].LostNotifications and logged at
+// debug level. Backends that do not finish through [Parts] call it once
+// every byte is in place; send must return within the backend's own bounds
+// (a dead peer, the backend's Close).
+func (w *Work) FinishNotify(send func(key Key, msg []byte) error) {
+	if w.Notify == nil {
+		w.Finish(nil)
+		return
+	}
+	w.finish(nil, func() {
+		// The waiter just woken waits in this processor's run-next slot
+		// until this goroutine blocks: yield, so that it runs first.
+		runtime.Gosched()
+		if err := send(w.Key, w.Notify); err != nil {
+			w.t.a.lostNotify(w, err)
+		}
+	})
+}
+
+// finish is Finish, then after (when not nil) on the calling goroutine
+// once the waiters are released, while Close still counts the transfer:
+// Close does not stop the backends before after has returned.
+func (w *Work) finish(err error, after func()) {
 	t := w.t
+	first, tracked := false, false
 	t.doneOnce.Do(func() {
+		first = true
 		t.err = err
 		// Out of Stats().InFlight before anyone can see it finish (OnDone
 		// wakes connect's waiters), so that a caller that saw it finish
 		// never counts it; still counted by Close, which must not return
 		// before Done is closed.
-		tracked := t.a.untrack(t)
+		tracked = t.a.untrack(t)
 		if t.onDone != nil {
 			t.onDone(&t.x, err)
 		}
 		close(t.done)
-		if tracked {
-			t.a.xferWG.Done()
-		}
 	})
+	if !first {
+		return
+	}
+	// after runs outside the Once: a later Finish from another goroutine
+	// (a backend's cancellation path, say) must not wait for it.
+	if after != nil {
+		after()
+	}
+	if tracked {
+		t.a.xferWG.Done()
+	}
 }
 
 // Pieces yields the pieces of w's n bytes that start at c; see [Pieces].

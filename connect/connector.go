@@ -116,7 +116,10 @@ func closeBackends(bs []agent.Backend) {
 // (each bounded by 10 s). Then passive operations and exposures are closed
 // (their Wait returns [ErrClosed] unless the operation already had an
 // outcome; an [Exposure]'s Events channel is closed), and the
-// agent and its backends stop ([agent.Agent.Close]). It returns once no
+// agent and its backends stop ([agent.Agent.Close]), after the completion
+// notifications of transfers that already succeeded have gone out (a
+// READ's Wait returns before its notification is written), so closing
+// right after a Wait does not lose one. It returns once no
 // backend touches any operation's memory and every goroutine the Connector
 // started has ended. Errors from releasing memory and stopping backends are
 // joined. Close is idempotent and safe to call concurrently; every call

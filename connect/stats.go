@@ -23,6 +23,11 @@ type Stats struct {
 	// DroppedNotifications counts notifications that arrived for no known
 	// operation, or while its queue was full.
 	DroppedNotifications uint64
+	// LostNotifications counts this side's completion notifications that
+	// could not be sent after a transfer succeeded (the connection to the
+	// peer broke at that moment): the active operation's success stands,
+	// and the passive side sees the broken connection as ErrRemoteLost.
+	LostNotifications uint64
 	// Registered, Exposed and InFlight are gauges of what is open now:
 	// memory regions registered, passive operations whose memory is still
 	// exposed, and transfers on their way. An idle Connector whose
@@ -41,6 +46,7 @@ func (c *Connector) Stats() Stats {
 	return Stats{
 		Refused:              st.Refused,
 		DroppedNotifications: st.DroppedNotifications,
+		LostNotifications:    st.LostNotifications,
 		Registered:           st.Registered,
 		Exposed:              st.Exposed,
 		InFlight:             st.InFlight,

@@ -122,6 +122,9 @@ func testNotify(t *testing.T, cfg Config) {
 			})
 		}
 	}
+	for _, op := range ops {
+		t.Run(fmt.Sprintf("Bound/CloseAfterWait/%v", op), func(t *testing.T) { closeAfterWait(t, cfg, p, op) })
+	}
 	big := make([]byte, 64<<10)
 	pattern.Fill(big, pattern.NextSeed(), 0, 0)
 	for _, m := range []struct {
@@ -285,4 +288,27 @@ func testRegistration(t *testing.T, cfg Config) {
 	require.NoError(t, r1.Release())
 	regions, refs = p.Registered()
 	require.Equal(t, [2]int{0, 0}, [2]int{regions, refs}, "all registrations released")
+}
+
+// closeAfterWait: a bound notification goes out after the active side's
+// transfer reports success (agent.Work.FinishNotify), and closing the
+// active agent as soon as it has must not lose it: the passive side hears
+// the notification, not the loss of its peer.
+func closeAfterWait(t *testing.T, cfg Config, p *agent.Agent, op agent.Op) {
+	const rounds = 10
+	for i := range rounds {
+		a := newAgent(t, cfg)
+		pb, pSeed := side(t, p, []int{4 << 10})
+		ab := newBuffers([]int{4 << 10}) // not registered: a is closed before the cleanups run
+		t.Cleanup(ab.free)
+		e := expose(t, p, op.Access(), pb)
+		msg := []byte(fmt.Sprintf("%v round %d", op, i))
+		x, err := a.Post(context.Background(), agent.Request{Op: op, Peer: p.Info(), Key: e.Key(), Segments: segments(ab, pb.regions(), pSeed), Notify: msg})
+		require.NoError(t, err, "Post")
+		require.NoError(t, waitXfer(t, x), "round %d: %v over %s", i, op, x.Backend())
+		require.NoError(t, a.Close(), "Close right after the transfer")
+		ev := waitEvent(t, e, hangGuard)
+		require.Equal(t, agent.EventNotify, ev.Kind, "round %d: the passive side's first event after the active agent closed: %+v", i, ev)
+		assert.Equal(t, msg, ev.Msg)
+	}
 }

@@ -101,6 +101,8 @@ var (
 		"Remote accesses the Connector's agent refused: forged or revoked tokens, out-of-range addresses, the wrong access kind, malformed requests.", nil, nil)
 	droppedDesc = prometheus.NewDesc("goxfer_dropped_notifications_total",
 		"Notifications that arrived for no known operation, or while its queue was full.", nil, nil)
+	lostDesc = prometheus.NewDesc("goxfer_lost_notifications_total",
+		"Completion notifications this side could not send after its transfer succeeded (the connection broke); the peer saw ErrRemoteLost.", nil, nil)
 	registeredDesc = prometheus.NewDesc("goxfer_registered_regions",
 		"Memory regions registered with the backends now.", nil, nil)
 	exposedDesc = prometheus.NewDesc("goxfer_exposures",
@@ -225,7 +227,7 @@ func (c *Collector) Describe(ch chan<- *prometheus.Desc) {
 	c.operations.Describe(ch)
 	c.duration.Describe(ch)
 	c.size.Describe(ch)
-	for _, d := range []*prometheus.Desc{refusedDesc, droppedDesc, registeredDesc, exposedDesc, inFlightDesc} {
+	for _, d := range []*prometheus.Desc{refusedDesc, droppedDesc, lostDesc, registeredDesc, exposedDesc, inFlightDesc} {
 		ch <- d
 	}
 	for _, b := range backendCounters {
@@ -249,6 +251,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	st := conn.Stats()
 	ch <- prometheus.MustNewConstMetric(refusedDesc, prometheus.CounterValue, float64(st.Refused))
 	ch <- prometheus.MustNewConstMetric(droppedDesc, prometheus.CounterValue, float64(st.DroppedNotifications))
+	ch <- prometheus.MustNewConstMetric(lostDesc, prometheus.CounterValue, float64(st.LostNotifications))
 	ch <- prometheus.MustNewConstMetric(registeredDesc, prometheus.GaugeValue, float64(st.Registered))
 	ch <- prometheus.MustNewConstMetric(exposedDesc, prometheus.GaugeValue, float64(st.Exposed))
 	ch <- prometheus.MustNewConstMetric(inFlightDesc, prometheus.GaugeValue, float64(st.InFlight))

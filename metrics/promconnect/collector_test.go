@@ -199,6 +199,9 @@ func TestScrapeAfterTransfers(t *testing.T) {
 	}
 	assert.Equal(t, 1.0, metric(t, fams, "goxfer_dropped_notifications_total", labels("side", "passive")).GetCounter().GetValue())
 	assert.Equal(t, 0.0, metric(t, fams, "goxfer_dropped_notifications_total", labels("side", "active")).GetCounter().GetValue())
+	for _, s := range []string{"passive", "active"} {
+		assert.Equal(t, 0.0, metric(t, fams, "goxfer_lost_notifications_total", labels("side", s)).GetCounter().GetValue(), "no notification lost on the %s side", s)
+	}
 }
 
 // A scrape while memory is exposed shows it in the gauges.

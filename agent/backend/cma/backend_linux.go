@@ -176,7 +176,9 @@ func ptraceScope() int {
 func (b *Backend) probeAddr() uint64 { return uint64(uintptr(unsafe.Pointer(b.probe))) }
 
 // Close implements [agent.Backend]: it ends the backend's lifetime, stops
-// listening, closes every connection, fails what is still in flight with
+// listening, lets each connection's writer send what is queued (the
+// notifications of transfers that succeeded), within WithTimeout in all,
+// closes every connection, fails what is still in flight with
 // [agent.ErrClosed], waits for transfers and notifications in flight to
 // finish, then for the backend's goroutines. Later calls do nothing.
 func (b *Backend) Close() error {
@@ -197,6 +199,16 @@ func (b *Backend) Close() error {
 		peers = append(peers, p)
 	}
 	b.mu.Unlock()
+	// The notifications of transfers that succeeded go out first (the
+	// agent waited for them to be queued), within the timeout in all.
+	flushBy := time.Now().Add(b.cfg.timeout)
+	for _, p := range peers {
+		select {
+		case <-p.ready:
+			p.flush(flushBy)
+		default: // still connecting: nothing was sent to it
+		}
+	}
 	conns, _ := b.conns.Stop()
 	if b.ln == nil {
 		return nil

@@ -56,14 +56,18 @@ type peer struct {
 	qmu   sync.Mutex
 	q     []byte        // frames queued for the writer
 	qwake chan struct{} // one token: q may hold frames
-	// Notification bytes queued or being written, of which qnew are in q:
-	// Notify waits for room under maxQueuedNotify (queueNotify). qroom is
-	// closed when the writer sent some.
+	// Notification bytes (headers included) queued or being written by the
+	// writer, of which qnew are in q: Notify waits for room under
+	// maxQueuedNotify (queueNotify). qroom is closed when the writer sent
+	// some.
 	qnote, qnew int
 	qroom       chan struct{}
 	// writing: the writer, or a goroutine sending a notification straight
 	// to an idle socket (sendNow), is writing; the other waits. Under qmu.
 	writing bool
+	// qidle, when not nil, is closed once qnote is back to zero (flush
+	// waits for it). Under qmu.
+	qidle chan struct{}
 
 	// departed is set, under b.mu, when PeerDeparted names the peer while
 	// its probe runs: the connection is failed as soon as it is up.

@@ -156,6 +156,11 @@ func remoteVRAM(segs []agent.Segment) bool {
 // (WithLeaseFree), a transfer of at most 1 MiB is copied with one
 // process_vm_readv/writev call before Post returns, with no lease either.
 func (b *Backend) Post(x *agent.Work) error {
+	if len(x.Notify) > b.cfg.maxNotify {
+		// Refused here: once the bytes moved, a notification that cannot
+		// be sent no longer fails the transfer (agent.Work.FinishNotify).
+		return fmt.Errorf("%w: notification of %d bytes, at most %d", agent.ErrInvalid, len(x.Notify), b.cfg.maxNotify)
+	}
 	p, err := b.usable(x.Peer)
 	if err != nil {
 		return err

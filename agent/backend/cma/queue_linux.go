@@ -95,6 +95,9 @@ func (p *peer) writer() {
 				close(p.qroom)
 				p.qroom = nil
 			}
+			if p.qnote == 0 {
+				p.notesSentLocked()
+			}
 		}
 		more := len(p.q) > 0
 		p.qmu.Unlock()
@@ -148,8 +151,8 @@ func (p *peer) queueNotify(ctx context.Context, key agent.Key, msg []byte, wait 
 			// side handles frames in order, so the notification never
 			// overtakes them.
 			p.enqueue(&header{typ: tNotify, length: uint32(len(msg)), key: key}, nil, msg)
-			p.qnote += len(msg)
-			p.qnew += len(msg)
+			p.qnote += hdrSize + len(msg)
+			p.qnew += hdrSize + len(msg)
 			p.qmu.Unlock()
 			return nil
 		}
@@ -227,8 +230,10 @@ func (p *peer) sendNow(h *header, payload []byte) {
 	p.writing = false
 	if n < len(b) {
 		// The rest (all of it, on any failure: the writer reports that),
-		// before anything queued since.
+		// before anything queued since: notification bytes still to send.
 		p.q = append(append([]byte(nil), b[n:]...), p.q...)
+		p.qnote += len(b) - n
+		p.qnew += len(b) - n
 	}
 	if len(p.q) > 0 {
 		if p.qwake == nil {
@@ -238,5 +243,41 @@ func (p *peer) sendNow(h *header, payload []byte) {
 		case p.qwake <- struct{}{}:
 		default:
 		}
+	}
+}
+
+// notesSentLocked tells flush that no notification is queued or being
+// written by the writer. The caller holds p.qmu.
+func (p *peer) notesSentLocked() {
+	if p.qidle != nil {
+		close(p.qidle)
+		p.qidle = nil
+	}
+}
+
+// flush waits until the notifications queued for the peer (those of
+// transfers that already succeeded, above all) have been written, the
+// peer fails, or deadline passes: Close calls it before it closes the
+// connections, so that a Close right after a transfer's Wait does not cut
+// off its notification (agent.Work.FinishNotify). A notification written
+// straight to an idle socket (sendNow) was whole when its transfer's
+// notify returned.
+func (p *peer) flush(deadline time.Time) {
+	p.qmu.Lock()
+	if p.broken.Load() || p.qnote == 0 {
+		p.qmu.Unlock()
+		return
+	}
+	if p.qidle == nil {
+		p.qidle = make(chan struct{})
+	}
+	idle := p.qidle
+	p.qmu.Unlock()
+	t := time.NewTimer(time.Until(deadline))
+	defer t.Stop()
+	select {
+	case <-idle:
+	case <-p.dead:
+	case <-t.C:
 	}
 }

@@ -1111,14 +1111,15 @@ func (b *Backend) runShared(p *peer, x *agent.Work, t *shmXfer, ops []shmOp) {
 	go func() { b.finishShared(p, x, t, b.copyShared(p, x, t, ops, b.cfg.workers)) }()
 }
 
-// finishShared ends a transfer moved through shared memory: its
-// notification goes out (queued, one way), then it finishes.
+// finishShared ends a transfer moved through shared memory: it finishes,
+// then its notification goes out (one way; agent.Work.FinishNotify).
 func (b *Backend) finishShared(p *peer, x *agent.Work, t *shmXfer, err error) {
 	t.release()
-	if err == nil && x.Notify != nil {
-		err = p.notify(x.Key, x.Notify)
+	if err == nil {
+		x.FinishNotify(p.notify)
+	} else {
+		x.Finish(err)
 	}
-	x.Finish(err)
 	b.xwg.Done()
 }
 

@@ -210,6 +210,11 @@ func (s *stream) fenceFor(st *xstate) {
 // on the caller's goroutine only as far as the socket takes it at once).
 // The backend reads or writes w's local memory until it calls w.Finish.
 func (b *Backend) Post(x *agent.Work) error {
+	if len(x.Notify) > maxNotify {
+		// Refused here: once the bytes moved, a notification that cannot
+		// be sent no longer fails the transfer (agent.Work.FinishNotify).
+		return fmt.Errorf("%w: notification of %d bytes, at most %d", agent.ErrInvalid, len(x.Notify), maxNotify)
+	}
 	p, err := b.peerFor(x.Peer)
 	if err != nil {
 		return err
