@@ -175,9 +175,14 @@ func ptraceScope() int {
 
 func (b *Backend) probeAddr() uint64 { return uint64(uintptr(unsafe.Pointer(b.probe))) }
 
+// closeFlush bounds how long Close lets the connections' writers send the
+// notifications still queued.
+const closeFlush = time.Second
+
 // Close implements [agent.Backend]: it ends the backend's lifetime, stops
-// listening, lets each connection's writer send what is queued (the
-// notifications of transfers that succeeded), within WithTimeout in all,
+// listening, lets each connection's writer send the notifications still
+// queued (those of transfers that succeeded, above all), within a second
+// or WithTimeout if shorter, in all,
 // closes every connection, fails what is still in flight with
 // [agent.ErrClosed], waits for transfers and notifications in flight to
 // finish, then for the backend's goroutines. Later calls do nothing.
@@ -200,8 +205,9 @@ func (b *Backend) Close() error {
 	}
 	b.mu.Unlock()
 	// The notifications of transfers that succeeded go out first (the
-	// agent waited for them to be queued), within the timeout in all.
-	flushBy := time.Now().Add(b.cfg.timeout)
+	// agent waited for them to be queued), within closeFlush in all: a
+	// peer that has not read them by then has stopped reading.
+	flushBy := time.Now().Add(min(b.cfg.timeout, closeFlush))
 	for _, p := range peers {
 		select {
 		case <-p.ready:

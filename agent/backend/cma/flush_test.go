@@ -3,6 +3,9 @@
 package cma
 
 import (
+	"bufio"
+	"context"
+	"net"
 	"testing"
 	"time"
 
@@ -64,4 +67,22 @@ func TestCloseFlushesQueuedNotification(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("no notification")
 	}
+}
+
+// A peer that stopped reading holds Close up for at most closeFlush while
+// notifications to it are still queued, even under a long WithTimeout.
+func TestCloseFlushBounded(t *testing.T) {
+	backendtest.Watchdog(t, time.Minute)
+	f := newFakeExposer(t, func(c *net.UnixConn, br *bufio.Reader) {}) // never reads again
+	a, b := newAgent(t, WithTimeout(time.Minute))
+	require.NoError(t, b.Reachable(context.Background(), f.info))
+	msg := make([]byte, 64<<10)
+	for range 32 { // 2 MiB: more than the socket takes, less than Notify queues
+		require.NoError(t, b.Notify(context.Background(), f.info, agent.NewKey(), msg))
+	}
+	start := time.Now()
+	require.NoError(t, a.Close())
+	took := time.Since(start)
+	require.Less(t, took, closeFlush+5*time.Second, "Close against a peer that reads nothing")
+	t.Logf("Close took %v with notifications queued to a peer that reads nothing", took.Round(time.Millisecond))
 }
