@@ -618,7 +618,9 @@ func (a *Agent) send(e *Exposure, ev Event) {
 
 // Close stops the agent. From its start, Post, Notify, Expose and Register
 // fail with [ErrClosed]. It cancels the transfers in flight (cause
-// ErrClosed) and waits until their backends have finished them, revokes
+// ErrClosed) and waits until their backends have finished them and until
+// the notifications of transfers that finished are sent
+// ([Work.FinishNotify]; bounded by each backend's own limits), revokes
 // the exposures still open, cancels every backend's [Host.Context], waits
 // for the Notify, PeerDeparted and Post calls still inside a backend, then
 // calls each backend's [Backend.Close] once; their errors are joined. A
