@@ -324,6 +324,15 @@ func (w *Work) finish(err error, after func()) {
 		// never counts it; still counted by Close, which must not return
 		// before Done is closed.
 		tracked = t.a.untrack(t)
+		if after != nil && !tracked {
+			// A part of a staged transfer, which the agent does not
+			// track: its parent, still counted until onDone below ends
+			// the part, must not let Close stop the backends before
+			// after (the notification) has returned. Counted here, while
+			// the parent's count keeps xferWG above zero.
+			t.a.xferWG.Add(1)
+			tracked = true
+		}
 		if t.onDone != nil {
 			t.onDone(&t.x, err)
 		}

@@ -1,0 +1,136 @@
+package agent_test
+
+// Attack tests on the notification sent after success (commit 4ed8f1c,
+// agent.Work.FinishNotify): Agent.Close must wait for a notification being
+// sent, whatever the path of the transfer.
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backend/tcp"
+	"github.com/goxfer/goxfer/agent/devmem"
+)
+
+// gatedNotify is a backend that finishes every transfer at once through
+// agent.Parts, with a notification that waits for the test's word.
+type gatedNotify struct {
+	entered chan struct{}
+	release chan struct{}
+	sent    chan struct{}
+}
+
+func (b *gatedNotify) Name() string                                                { return "gated" }
+func (b *gatedNotify) Start(agent.Host) ([]byte, error)                            { return []byte("gated"), nil }
+func (b *gatedNotify) Supports(k agent.MemKind) bool                               { return k == agent.KindDRAM }
+func (b *gatedNotify) Reachable(context.Context, agent.Info) error                 { return nil }
+func (b *gatedNotify) Close() error                                                { return nil }
+func (b *gatedNotify) Notify(context.Context, agent.Info, agent.Key, []byte) error { return nil }
+func (b *gatedNotify) Post(w *agent.Work) error {
+	go func() {
+		var p agent.Parts
+		p.Init(w, func(agent.Key, []byte) error {
+			b.entered <- struct{}{}
+			<-b.release
+			b.sent <- struct{}{}
+			return nil
+		}, nil)
+		p.Done(nil)
+	}()
+	return nil
+}
+
+// TestAttack19CloseWaitsForStagedNotification: a transfer of GPU memory
+// staged through host buffers sends its notification with its last part,
+// an inner transfer the agent does not track. Close, called once the
+// transfer is done, must still wait for that notification before it stops
+// the backends, as it does for a transfer of host memory.
+func TestAttack19CloseWaitsForStagedNotification(t *testing.T) {
+	for _, op := range []agent.Op{agent.OpRead, agent.OpWrite} {
+		t.Run(op.String(), func(t *testing.T) {
+			sim := devmem.NewSim(1)
+			b := &gatedNotify{entered: make(chan struct{}, 1), release: make(chan struct{}), sent: make(chan struct{}, 1)}
+			a, err := agent.New(agent.WithBackends(b), agent.WithDevice(sim), agent.WithStaging(64<<10, 1<<20))
+			require.NoError(t, err)
+			local := vram(t, sim, 0, 4096, nil)
+			peer := agent.Info{ID: ctlPeer().ID, Conns: []agent.ConnInfo{{Backend: "gated"}}}
+			x, err := a.Post(context.Background(), agent.Request{Op: op, Peer: peer, Key: agent.NewKey(), Notify: []byte("done"),
+				Segments: []agent.Segment{{Local: local, Remote: agent.Region{Addr: 0x100000, Len: 4096}}}})
+			require.NoError(t, err)
+			require.Equal(t, "gated+staging", x.Path())
+			<-b.entered // the last part finished; its notification is being sent
+			select {
+			case <-x.Done():
+			case <-time.After(10 * time.Second):
+				t.Fatal("the staged transfer did not finish while its notification was being sent")
+			}
+			require.NoError(t, x.Err())
+			closed := make(chan error, 1)
+			go func() { closed <- a.Close() }()
+			select {
+			case err := <-closed:
+				close(b.release)
+				t.Fatalf("Close returned (%v) while the notification of a staged transfer was still being sent", err)
+			case <-time.After(100 * time.Millisecond):
+			}
+			close(b.release)
+			select {
+			case err := <-closed:
+				require.NoError(t, err)
+			case <-time.After(10 * time.Second):
+				t.Fatal("Close did not return once the notification was sent")
+			}
+			select {
+			case <-b.sent:
+			default:
+				t.Fatal("Close returned before the notification was sent")
+			}
+		})
+	}
+}
+
+// TestAttack19StagedCloseAfterWaitTCP: over tcp, a staged transfer (GPU
+// memory on the active side) with a notification, and the active agent
+// closed right after its Wait: the exposing side hears the notification,
+// not the loss of its peer. Rounds repeat the race; GOMAXPROCS is not
+// touched.
+func TestAttack19StagedCloseAfterWaitTCP(t *testing.T) {
+	sim := devmem.NewSim(1)
+	pas := newStagingAgent(t, sim, 64<<10, 1<<20, tcp.New())
+	const n = 200 << 10 // several frames: the notification is not a WRITE's trailer
+	for _, op := range []agent.Op{agent.OpRead, agent.OpWrite} {
+		t.Run(op.String(), func(t *testing.T) {
+			remote := make([]byte, n)
+			exp, err := pas.Expose(op.Access(), []agent.Local{agent.DRAM(remote)})
+			require.NoError(t, err)
+			defer exp.Revoke()
+			for i := range 20 {
+				act, err := agent.New(agent.WithBackends(tcp.New()), agent.WithDevice(sim), agent.WithStaging(64<<10, 1<<20))
+				require.NoError(t, err)
+				local := vram(t, sim, 0, n, nil)
+				x, err := act.Post(context.Background(), agent.Request{Op: op, Peer: pas.Info(), Key: exp.Key(), Notify: []byte("done"),
+					Segments: []agent.Segment{{Local: local, Remote: agent.Region{Addr: agent.DRAM(remote).Addr, Len: n}}}})
+				require.NoError(t, err)
+				require.Equal(t, "tcp+staging", x.Path())
+				<-x.Done()
+				require.NoError(t, x.Err())
+				require.NoError(t, act.Close())
+				select {
+				case ev := <-exp.Events():
+					require.Equal(t, agent.EventNotify, ev.Kind, "round %d: the first event after the active agent closed: %+v", i, ev)
+				case <-time.After(30 * time.Second):
+					t.Fatalf("round %d: no event", i)
+				}
+				// The departure of the closed agent, if it is reported.
+				select {
+				case <-exp.Events():
+				case <-time.After(20 * time.Millisecond):
+				}
+			}
+		})
+	}
+}
