@@ -350,7 +350,9 @@ func (b *Backend) serve(c *net.UnixConn, pid int, pass *serve.Pass) {
 	defer pass.Done()
 	defer c.Close()
 	s := &server{b: b, c: c, pid: pid, pass: pass, leases: map[uint64]held{}, done: make(chan struct{})}
+	s.sh.fd = -1
 	defer s.stopShm()
+	defer s.closeTableFD()
 	defer s.watchWG.Wait()
 	defer close(s.done)
 	if err := s.handshake(); err != nil {
@@ -477,7 +479,11 @@ func (s *server) handshake() error {
 	// with cma: same user (or root), and under Yama mode 1 named ptracer
 	// for a key it presented.
 	if err == nil && in.caps&capShm != 0 && b.cfg.shm && sameUser(s.c) && (b.scope <= 0 || out.ptracer == ptrNamed) {
-		out.caps |= capShm
+		if terr := s.makeTable(); terr != nil {
+			b.log.Warn("cma: no lease table for shared memory; leases serve it", "pid", pid, "err", terr)
+		} else {
+			out.caps |= capShm
+		}
 	}
 	out.put(hs[:])
 	if _, werr := s.c.Write(hs[:]); werr != nil && err == nil {

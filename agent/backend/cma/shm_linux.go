@@ -231,7 +231,8 @@ type pubExp struct {
 
 // shmServe is the exposing side's shared memory on one connection.
 type shmServe struct {
-	table *mapped  // the lease table; nil until the connection agreed capShm
+	table *mapped  // the lease table; nil unless the connection agreed capShm
+	fd    int      // the table's file until startShm sends it; -1 when none
 	slots []uint64 // per slot: the generation it last held
 	used  map[agent.Key]int
 	segs  map[uint64]int // segments sent: published exposures lying in them
@@ -497,18 +498,12 @@ func (s *server) drainSlot(mem []byte, i int, hash [16]byte, deadline time.Time)
 }
 
 // startShm sets the connection up for shared memory, once the handshake
-// agreed it: it creates the lease table, starts the sender, publishes the
-// exposures published so far, and then sends the table. On failure the connection
-// goes on without (leases serve everything).
+// agreed it: it starts the sender, publishes the exposures published so
+// far in the lease table (made by makeTable), and then sends the table.
 func (s *server) startShm() error {
-	mem, fd, err := newTable(maxSlots)
-	if err != nil {
-		s.b.log.Warn("cma: no lease table for shared memory; leases serve it", "peer", s.peer, "err", err)
-		return nil
-	}
 	sv := &s.sh
-	sv.table = &mapped{mem: mem} // stopShm unmaps it, whatever happens next
-	sv.table.refs.Store(1)
+	mem, fd := sv.table.mem, sv.fd
+	sv.fd = -1
 	sv.slots = make([]uint64, maxSlots)
 	sv.used, sv.segs = map[agent.Key]int{}, map[uint64]int{}
 	sv.wake = make(chan struct{}, 1)
@@ -530,10 +525,38 @@ func (s *server) startShm() error {
 	b.pub.mu.Unlock()
 	var h [hdrSize]byte
 	(&header{typ: tTable, id: uint64(len(mem))}).put(h[:])
-	err = s.write(h[:], unix.UnixRights(fd))
+	err := s.write(h[:], unix.UnixRights(fd))
 	unix.Close(fd)
 	return err
 }
+
+// makeTable creates the connection's lease table before the handshake's
+// answer agrees capShm, so that a process that cannot make one (memfd
+// refused, out of memory) does not agree it: the copier then never waits
+// for a table that will not come, and leases serve everything. stopShm
+// unmaps the table and closeTableFD closes its file, whatever happens
+// next.
+func (s *server) makeTable() error {
+	mem, fd, err := makeLeaseTable(maxSlots)
+	if err != nil {
+		return err
+	}
+	s.sh.table = &mapped{mem: mem}
+	s.sh.table.refs.Store(1)
+	s.sh.fd = fd
+	return nil
+}
+
+// closeTableFD closes the lease table's file if startShm did not send it.
+func (s *server) closeTableFD() {
+	if s.sh.fd >= 0 {
+		unix.Close(s.sh.fd)
+		s.sh.fd = -1
+	}
+}
+
+// makeLeaseTable is newTable; tests replace it to refuse.
+var makeLeaseTable = newTable
 
 // shmSend sends the queued segments and drops, in order, until the
 // connection ends. A segment freed before it could be sent is skipped, and
