@@ -6,6 +6,7 @@ package agent_test
 
 import (
 	"context"
+	"errors"
 	"testing"
 	"time"
 
@@ -133,4 +134,66 @@ func TestAttack19StagedCloseAfterWaitTCP(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestAttack19FinishDuringNotification: while a finished transfer's
+// notification is being sent, a second Finish (a backend's cancellation
+// path) and Xfer.Cancel return at once and change nothing: the transfer
+// stays a success, it is not in flight, and a notification that then
+// fails is counted lost once.
+func TestAttack19FinishDuringNotification(t *testing.T) {
+	entered, release := make(chan *agent.Work, 1), make(chan struct{})
+	b := &partsBackend{notify: func(w *agent.Work) error {
+		entered <- w
+		<-release
+		return agent.ErrRemoteLost
+	}}
+	a, err := agent.New(agent.WithBackends(b))
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, a.Close()) })
+	peer := agent.Info{ID: ctlPeer().ID, Conns: []agent.ConnInfo{{Backend: "parts"}}}
+	x, err := a.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: peer, Key: agent.NewKey(), Notify: []byte("done"),
+		Segments: []agent.Segment{{Local: agent.DRAM(make([]byte, 8)), Remote: agent.Region{Addr: 0x1000, Len: 8}}}})
+	require.NoError(t, err)
+	w := <-entered
+	<-x.Done()
+	require.NoError(t, x.Err())
+	require.Zero(t, a.Stats().InFlight, "a transfer sending its notification is not in flight")
+	returned := make(chan struct{})
+	go func() {
+		w.Finish(errors.New("late failure"))
+		x.Cancel(nil)
+		close(returned)
+	}()
+	select {
+	case <-returned:
+	case <-time.After(10 * time.Second):
+		t.Fatal("a second Finish or a Cancel waited for the notification")
+	}
+	require.NoError(t, x.Err(), "a late Finish changed the outcome")
+	require.Zero(t, a.Stats().LostNotifications)
+	close(release)
+	require.Eventually(t, func() bool { return a.Stats().LostNotifications == 1 }, 10*time.Second, time.Millisecond)
+	require.NoError(t, x.Err())
+}
+
+// partsBackend finishes every transfer at once through agent.Parts, with
+// notify as the notification's send.
+type partsBackend struct {
+	notify func(w *agent.Work) error
+}
+
+func (b *partsBackend) Name() string                                                { return "parts" }
+func (b *partsBackend) Start(agent.Host) ([]byte, error)                            { return []byte("parts"), nil }
+func (b *partsBackend) Supports(k agent.MemKind) bool                               { return k == agent.KindDRAM }
+func (b *partsBackend) Reachable(context.Context, agent.Info) error                 { return nil }
+func (b *partsBackend) Close() error                                                { return nil }
+func (b *partsBackend) Notify(context.Context, agent.Info, agent.Key, []byte) error { return nil }
+func (b *partsBackend) Post(w *agent.Work) error {
+	go func() {
+		var p agent.Parts
+		p.Init(w, func(agent.Key, []byte) error { return b.notify(w) }, nil)
+		p.Done(nil)
+	}()
+	return nil
 }
