@@ -7,12 +7,14 @@ package agent_test
 import (
 	"context"
 	"errors"
+	"os"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/goxfer/goxfer/agent"
+	"github.com/goxfer/goxfer/agent/backend/mem"
 	"github.com/goxfer/goxfer/agent/backend/tcp"
 	"github.com/goxfer/goxfer/agent/devmem"
 )
@@ -194,4 +196,53 @@ func (b *partsBackend) Post(w *agent.Work) error {
 		p.Done(nil)
 	}()
 	return nil
+}
+
+// failToDevice is a simulator whose copies into device memory fail.
+type failToDevice struct{ *devmem.Sim }
+
+func (d failToDevice) NewStream(dev int) (devmem.Stream, error) {
+	s, err := d.Sim.NewStream(dev)
+	if err != nil {
+		return nil, err
+	}
+	return failToDeviceStream{s}, nil
+}
+
+type failToDeviceStream struct{ devmem.Stream }
+
+func (failToDeviceStream) ToDevice(uintptr, []byte) error {
+	return errors.New("injected host-to-device failure")
+}
+
+// TestAttack19StagedReadFailsAfterNotifying: a READ into GPU memory staged
+// through host buffers sends its notification with its last part, before
+// that part is copied into the device; when the copy fails, the transfer
+// fails, yet the exposing side was told it completed (ARCHITECTURE
+// semantic 2: a notification reports a transfer that succeeded). This
+// predates 4ed8f1c (the part's notification went out before its Finish
+// then too) and lies in agent/staged.go, outside this review's files:
+// skipped unless ATTACK19=1.
+func TestAttack19StagedReadFailsAfterNotifying(t *testing.T) {
+	if os.Getenv("ATTACK19") == "" {
+		t.Skip("known defect (agent/staged.go); ATTACK19=1 runs it")
+	}
+	sim := devmem.NewSim(1)
+	act := newStagingAgent(t, failToDevice{sim}, 64<<10, 1<<20, mem.New())
+	pas := newStagingAgent(t, sim, 64<<10, 1<<20, mem.New())
+	remote := randBytes(4096)
+	exp, err := pas.Expose(agent.AccessRead, []agent.Local{agent.DRAM(remote)})
+	require.NoError(t, err)
+	defer exp.Revoke()
+	local := vram(t, sim, 0, 4096, nil)
+	x, err := act.Post(context.Background(), agent.Request{Op: agent.OpRead, Peer: pas.Info(), Key: exp.Key(), Notify: []byte("done"),
+		Segments: []agent.Segment{{Local: local, Remote: agent.DRAM(remote).Region}}})
+	require.NoError(t, err)
+	<-x.Done()
+	require.ErrorContains(t, x.Err(), "injected host-to-device failure")
+	select {
+	case ev := <-exp.Events():
+		require.NotEqual(t, agent.EventNotify, ev.Kind, "the exposing side was notified of a READ that failed: %+v", ev)
+	case <-time.After(200 * time.Millisecond):
+	}
 }
