@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"context"
 	"sync"
 
 	"github.com/goxfer/goxfer/agent/devmem"
@@ -13,11 +14,14 @@ import (
 // buffer. Up to stageDepth chunks are in flight, so that for a WRITE the
 // device-to-host copy of one chunk overlaps the sending of the ones before
 // it, and for a READ the host-to-device copy of one chunk overlaps the
-// receiving of the ones after it. A notification goes with the last part,
-// posted only once every other part has finished, so it never overtakes a
-// byte. The caller's transfer finishes once every part has finished and
-// every copy into device memory has completed: after Done, nothing the
-// transfer started touches its memory.
+// receiving of the ones after it. A WRITE's notification goes with the
+// last part, posted only once every other part has finished, so it never
+// overtakes a byte. A READ's goes out after the transfer has succeeded,
+// every copy into device memory included ([Work.FinishNotify] with the
+// backend's Notify): a READ whose last copy into the device failed must
+// not have told the peer it completed. The caller's transfer finishes once
+// every part has finished and every copy into device memory has
+// completed: after Done, nothing the transfer started touches its memory.
 type staged struct {
 	a  *Agent
 	b  Backend
@@ -120,7 +124,7 @@ func (s *staged) run() {
 			break
 		}
 		var notify []byte
-		if last && w.Notify != nil {
+		if last && w.Notify != nil && w.Op == OpWrite {
 			s.parts.Wait() // every other part first: the notice never overtakes them
 			if s.failed() {
 				s.release(p)
@@ -153,6 +157,12 @@ func (s *staged) run() {
 	case <-w.Cancelled():
 		err = w.CancelErr()
 	default:
+	}
+	if err == nil && w.Op == OpRead {
+		// Bounded by the backend's own limits, as a part's is; Close
+		// waits for it.
+		w.FinishNotify(func(key Key, msg []byte) error { return s.b.Notify(context.Background(), w.Peer, key, msg) })
+		return
 	}
 	w.Finish(err)
 }
