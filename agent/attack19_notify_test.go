@@ -18,40 +18,6 @@ import (
 	"github.com/goxfer/goxfer/agent/devmem"
 )
 
-// gatedNotify is a backend that finishes every transfer at once through
-// agent.Parts, with a notification that waits for the test's word.
-type gatedNotify struct {
-	entered chan struct{}
-	release chan struct{}
-	sent    chan struct{}
-}
-
-func (b *gatedNotify) Name() string                                { return "gated" }
-func (b *gatedNotify) Start(agent.Host) ([]byte, error)            { return []byte("gated"), nil }
-func (b *gatedNotify) Supports(k agent.MemKind) bool               { return k == agent.KindDRAM }
-func (b *gatedNotify) Reachable(context.Context, agent.Info) error { return nil }
-func (b *gatedNotify) Close() error                                { return nil }
-
-// Notify is how a staged READ's notification goes out (after the copies
-// into the device); a part's goes through Parts. Both wait for the test.
-func (b *gatedNotify) Notify(context.Context, agent.Info, agent.Key, []byte) error { return b.gate() }
-
-func (b *gatedNotify) gate() error {
-	b.entered <- struct{}{}
-	<-b.release
-	b.sent <- struct{}{}
-	return nil
-}
-
-func (b *gatedNotify) Post(w *agent.Work) error {
-	go func() {
-		var p agent.Parts
-		p.Init(w, func(agent.Key, []byte) error { return b.gate() }, nil)
-		p.Done(nil)
-	}()
-	return nil
-}
-
 // TestAttack19CloseWaitsForStagedNotification: a transfer of GPU memory
 // staged through host buffers sends its notification with its last part,
 // an inner transfer the agent does not track (WRITE), or after it
@@ -62,16 +28,22 @@ func TestAttack19CloseWaitsForStagedNotification(t *testing.T) {
 	for _, op := range []agent.Op{agent.OpRead, agent.OpWrite} {
 		t.Run(op.String(), func(t *testing.T) {
 			sim := devmem.NewSim(1)
-			b := &gatedNotify{entered: make(chan struct{}, 1), release: make(chan struct{}), sent: make(chan struct{}, 1)}
+			entered, release, sent := make(chan struct{}, 1), make(chan struct{}), make(chan struct{}, 1)
+			b := &partsBackend{notify: func(*agent.Work) error { // the notification waits for the test's word
+				entered <- struct{}{}
+				<-release
+				sent <- struct{}{}
+				return nil
+			}}
 			a, err := agent.New(agent.WithBackends(b), agent.WithDevice(sim), agent.WithStaging(64<<10, 1<<20))
 			require.NoError(t, err)
 			local := vram(t, sim, 0, 4096, nil)
-			peer := agent.Info{ID: ctlPeer().ID, Conns: []agent.ConnInfo{{Backend: "gated"}}}
+			peer := agent.Info{ID: ctlPeer().ID, Conns: []agent.ConnInfo{{Backend: "parts"}}}
 			x, err := a.Post(context.Background(), agent.Request{Op: op, Peer: peer, Key: agent.NewKey(), Notify: []byte("done"),
 				Segments: []agent.Segment{{Local: local, Remote: agent.Region{Addr: 0x100000, Len: 4096}}}})
 			require.NoError(t, err)
-			require.Equal(t, "gated+staging", x.Path())
-			<-b.entered // the last part finished; its notification is being sent
+			require.Equal(t, "parts+staging", x.Path())
+			<-entered // the last part finished; its notification is being sent
 			select {
 			case <-x.Done():
 			case <-time.After(10 * time.Second):
@@ -82,11 +54,11 @@ func TestAttack19CloseWaitsForStagedNotification(t *testing.T) {
 			go func() { closed <- a.Close() }()
 			select {
 			case err := <-closed:
-				close(b.release)
+				close(release)
 				t.Fatalf("Close returned (%v) while the notification of a staged transfer was still being sent", err)
 			case <-time.After(100 * time.Millisecond):
 			}
-			close(b.release)
+			close(release)
 			select {
 			case err := <-closed:
 				require.NoError(t, err)
@@ -94,7 +66,7 @@ func TestAttack19CloseWaitsForStagedNotification(t *testing.T) {
 				t.Fatal("Close did not return once the notification was sent")
 			}
 			select {
-			case <-b.sent:
+			case <-sent:
 			default:
 				t.Fatal("Close returned before the notification was sent")
 			}
@@ -184,17 +156,23 @@ func TestAttack19FinishDuringNotification(t *testing.T) {
 }
 
 // partsBackend finishes every transfer at once through agent.Parts, with
-// notify as the notification's send.
+// notify as the notification's send (w is nil for a standalone one).
 type partsBackend struct {
 	notify func(w *agent.Work) error
 }
 
-func (b *partsBackend) Name() string                                                { return "parts" }
-func (b *partsBackend) Start(agent.Host) ([]byte, error)                            { return []byte("parts"), nil }
-func (b *partsBackend) Supports(k agent.MemKind) bool                               { return k == agent.KindDRAM }
-func (b *partsBackend) Reachable(context.Context, agent.Info) error                 { return nil }
-func (b *partsBackend) Close() error                                                { return nil }
-func (b *partsBackend) Notify(context.Context, agent.Info, agent.Key, []byte) error { return nil }
+func (b *partsBackend) Name() string                                { return "parts" }
+func (b *partsBackend) Start(agent.Host) ([]byte, error)            { return []byte("parts"), nil }
+func (b *partsBackend) Supports(k agent.MemKind) bool               { return k == agent.KindDRAM }
+func (b *partsBackend) Reachable(context.Context, agent.Info) error { return nil }
+func (b *partsBackend) Close() error                                { return nil }
+
+// Notify sends a standalone notification through notify too, with no
+// Work: a staged READ's goes out so, after its copies into the device.
+func (b *partsBackend) Notify(context.Context, agent.Info, agent.Key, []byte) error {
+	return b.notify(nil)
+}
+
 func (b *partsBackend) Post(w *agent.Work) error {
 	go func() {
 		var p agent.Parts
