@@ -50,7 +50,8 @@ type Member struct {
 // on a live connection is logged at Warn level, reported by [Registry.Err]
 // until one succeeds, and has the Registry check (at most once a second)
 // that its bucket still exists. Until Leave, every departure the Registry
-// sees is forwarded to c ([connect.Connector.PeerDeparted]), so c's
+// sees is forwarded to c ([connect.Connector.PeerDeparted]; a peer that
+// left, one heartbeat after its entry was deleted), so c's
 // operations in flight with a departed peer fail with
 // [connect.ErrRemoteLost] within about two heartbeats. c stays the
 // caller's; the Member must Leave before c closes ([Registry.Close] leaves

@@ -31,7 +31,10 @@ const maxDeparted = 4096
 // operations with it fail with [connect.ErrRemoteLost] within about two
 // heartbeats, long before transport keepalives would notice a frozen peer.
 //
-// An agent departs when its entry is deleted ([Member.Leave]: at once) or
+// An agent departs when its entry is deleted ([Member.Leave]: at once for
+// watchers and Resolve; joined Connectors are told one heartbeat later,
+// unless it is back by then, so that the notifications and goodbyes its
+// Connector sends as it closes arrive over the backends first) or
 // when it has not been heard for two of its heartbeats, timed on this
 // machine's clock (no clock sync needed), and then either one of this
 // process's own heartbeats sent after that comes back through the watch,

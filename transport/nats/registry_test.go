@@ -259,6 +259,53 @@ func TestFrozenPeerFailsOperationsThroughTheRegistry(t *testing.T) {
 	})
 }
 
+// A peer that leaves (its entry deleted) is forwarded to the joined
+// Connectors one heartbeat later, not at once: the notifications and the
+// goodbyes its Connector sends as it closes travel over the backends, and
+// must get there first. Here the peer is frozen mid-read and its entry
+// deleted for it, so that only the registry can end the exposure's Wait:
+// it must, after the grace and long before the keepalive. Told at once,
+// the example's scale-out run saw an exposure fail that its reader had
+// read, its notification still on the way.
+func TestLeftPeerToldAfterAHeartbeat(t *testing.T) {
+	const keepaliveTimeout = time.Minute
+	const size = 256 << 20
+	const grace = time.Second // the registry's heartbeat
+	srv := startServer(t)
+	r := openRegistry(t, dial(t, srv), WithHeartbeat(grace))
+	parent := newConnector(t, connect.WithTCPOptions(tcp.WithKeepalive(time.Second, keepaliveTimeout)))
+	join(t, r, parent)
+	block := make([]byte, size)
+
+	retry.Until(t, 5, func(t *testing.T) bool {
+		ctx := guarded(t)
+		op := readable(t, parent, block)
+		child := testproc.Start[childRequest, childResponse](t, childEnv, testproc.Options{})
+		t.Cleanup(child.Kill)
+		resp := child.Do(childRequest{URL: srv.URL(), Bucket: defaultBucket, Heartbeat: testHeartbeat, Token: op.Metadata().Text(), Size: size})
+		require.Empty(t, resp.Err)
+		require.Eventually(t, func() bool { return op.Status() != connect.StatusInitialized }, hangGuard, 100*time.Microsecond, "the child never read")
+		require.NoError(t, child.Signal(syscall.SIGSTOP))
+		if op.Status() == connect.StatusComplete {
+			return false // the read finished before the freeze
+		}
+
+		start := time.Now()
+		require.NoError(t, r.kv.Delete(ctx, resp.Agent))
+		err := op.Wait(ctx)
+		told := time.Since(start)
+		if err == nil {
+			return false // the read finished before the freeze
+		}
+		t.Logf("a peer that left was told after %v (grace %v): %v", told, grace, err)
+		require.ErrorIs(t, err, connect.ErrRemoteLost)
+		assert.Contains(t, err.Error(), fmt.Sprintf("agent %s departed", resp.Agent))
+		assert.GreaterOrEqual(t, told, grace, "told before the leaving agent could close its Connector")
+		assert.Less(t, told, keepaliveTimeout/2, "the registry must beat the keepalive")
+		return true
+	})
+}
+
 // OpenRegistry's context bounds only the opening: a registry opened under a
 // request's context keeps watching after that context ends.
 func TestRegistryOutlivesItsOpeningContext(t *testing.T) {

@@ -104,11 +104,9 @@ func (r *Registry) depart(id uuid.UUID, why string, rev uint64) {
 		info = p.info
 	}
 	r.notifyLocked(Presence{ID: id, Info: info, Departed: true})
-	conns := make([]*connect.Connector, 0, len(r.members))
-	for m := range r.members {
-		if m.id != id {
-			conns = append(conns, m.c)
-		}
+	var conns []*connect.Connector
+	if why != "left" || !known {
+		conns = r.othersLocked(id)
 	}
 	r.mu.Unlock()
 	switch {
@@ -117,7 +115,64 @@ func (r *Registry) depart(id uuid.UUID, why string, rev uint64) {
 	case known:
 		r.log.Debug("goxfer/nats: agent left", "bucket", r.bucket, "agent", id)
 	}
+	if why == "left" && known {
+		// A marker of an agent never heard alive (a re-watch, a Registry
+		// opened after it left) races nothing: told at once, as before.
+		r.departLater(id)
+		return
+	}
 	for _, c := range conns {
 		c.PeerDeparted(id)
 	}
+}
+
+// departLater tells the joined Connectors that id left, one heartbeat
+// after its entry was deleted, unless it is back by then or the Registry
+// closes. An agent deletes its entry (Member.Leave) before it closes its
+// Connector, which then sends the notifications it owes and says goodbye
+// over every backend connection: the grace lets those arrive first, so
+// that an exposure the agent read or wrote just before it left completes
+// instead of failing with ErrRemoteLost. (The deletion travels over NATS,
+// the notification over the backend: nothing orders the two here.) A
+// process that dies between Leave and Close drops its connections, which
+// the backends notice at once, or is declared after the grace.
+func (r *Registry) departLater(id uuid.UUID) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return
+	}
+	r.wg.Add(1)
+	go func() {
+		defer r.wg.Done()
+		t := time.NewTimer(r.hb)
+		defer t.Stop()
+		select {
+		case <-t.C:
+		case <-r.ctx.Done():
+			return
+		}
+		r.mu.Lock()
+		_, back := r.live[id]
+		conns := r.othersLocked(id)
+		r.mu.Unlock()
+		if back {
+			return
+		}
+		for _, c := range conns {
+			c.PeerDeparted(id)
+		}
+	}()
+}
+
+// othersLocked returns the Connectors of the joined Members other than id.
+// r.mu is held.
+func (r *Registry) othersLocked(id uuid.UUID) []*connect.Connector {
+	conns := make([]*connect.Connector, 0, len(r.members))
+	for m := range r.members {
+		if m.id != id {
+			conns = append(conns, m.c)
+		}
+	}
+	return conns
 }
