@@ -93,7 +93,11 @@ func (r *slotReuse) exposeInto(t *testing.T, during func(stop <-chan struct{}, r
 	defer wg.Wait()
 	defer close(stop)
 	<-started
-	for range 1 << 16 {
+	// A key homes to a given slot one time in maxSlots (8192): 1<<16
+	// tries missed with odds e^-8 per call, and CI saw it once across the
+	// calls of a run; 1<<19 tries miss with odds e^-64, and take no longer
+	// when they hit.
+	for range 1 << 19 {
 		e, err := r.p.a.Expose(agent.AccessRead, []agent.Local{agent.DRAM(r.p.bytes()[8192:12288])})
 		require.NoError(t, err)
 		if home(keyHash(e.Key()), maxSlots) == r.slot {
