@@ -21,16 +21,6 @@ import (
 	"github.com/goxfer/goxfer/agent/devmem"
 )
 
-func frameBytes(h header, table [][2]uint64, payload []byte) []byte {
-	b := make([]byte, hdrSize)
-	h.put(b)
-	for _, r := range table {
-		b = binary.LittleEndian.AppendUint64(b, r[0])
-		b = binary.LittleEndian.AppendUint64(b, r[1])
-	}
-	return append(b, payload...)
-}
-
 func frameSeeds() [][]byte {
 	key := agent.Key{1, 2, 3}
 	return [][]byte{

@@ -2,6 +2,7 @@ package cma
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"io"
 	"testing"
@@ -77,4 +78,15 @@ func FuzzShmFrames(f *testing.F) {
 			}
 		}
 	})
+}
+
+// frameBytes encodes a frame: its header, a table of ranges, a payload.
+func frameBytes(h header, table [][2]uint64, payload []byte) []byte {
+	b := make([]byte, hdrSize)
+	h.put(b)
+	for _, r := range table {
+		b = binary.LittleEndian.AppendUint64(b, r[0])
+		b = binary.LittleEndian.AppendUint64(b, r[1])
+	}
+	return append(b, payload...)
 }
