@@ -55,7 +55,7 @@ func (in *initiator) controlPlane(ctx context.Context) ([]Result, error) {
 		lat, batches, err := in.timeControl(iters, func() error {
 			rctx, cancel := context.WithTimeout(ctx, in.cfg.timeout)
 			defer cancel()
-			_, err := gxnats.Request(rctx, in.nc, t.hello.Token1, nil)
+			_, err := gxnats.Request(rctx, in.nc, t.hello.Token1, []byte(tokenUnused))
 			return err
 		})
 		if err != nil {

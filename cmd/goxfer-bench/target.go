@@ -414,23 +414,36 @@ func (r *round) end() {
 	}
 }
 
+// tokenUnused is the payload of a token request whose token will not be
+// used (the nats-token row): the target closes that operation at once
+// instead of waiting for a peer that never comes.
+const tokenUnused = "unused"
+
 // serveToken is the per-operation token service measured by the control
 // rows: each request exposes a 4 KiB buffer and answers with its token, as
-// a prefill worker would.
-func (t *target) serveToken(ctx context.Context, _ *gxnats.ServiceRequest) (*gxnats.Reply, error) {
+// a prefill worker would. The operation stays open until its peer
+// completes (at most 30 s), or is closed once answered when the request
+// says its token goes unused (tokenUnused): otherwise every request of the
+// nats-token row would leave an exposure open for 30 s, under the rows
+// measured after it.
+func (t *target) serveToken(ctx context.Context, req *gxnats.ServiceRequest) (*gxnats.Reply, error) {
 	op, err := t.conn.CreateReadable(ctx, connect.NewDescriptor(t.tokBuf))
 	if err != nil {
 		return nil, err
 	}
+	md := op.Metadata() // before the operation may close
+	unused := string(req.Data) == tokenUnused
 	t.tokWG.Add(1)
 	go func() {
 		defer t.tokWG.Done()
-		wctx, cancel := context.WithTimeout(t.tokCtx, 30*time.Second)
-		_ = op.Wait(wctx)
-		cancel()
+		if !unused {
+			wctx, cancel := context.WithTimeout(t.tokCtx, 30*time.Second)
+			_ = op.Wait(wctx)
+			cancel()
+		}
 		_ = op.Close()
 	}()
-	return &gxnats.Reply{Metadata: op.Metadata()}, nil
+	return &gxnats.Reply{Metadata: md}, nil
 }
 
 func (t *target) serve(ln net.Listener, h func(net.Conn)) {
