@@ -426,9 +426,11 @@ func requireWorkerVerified(t *testing.T, out, name string, n int) {
 }
 
 // reportRow matches a worker's row of the orchestrator's report.
-var reportRow = regexp.MustCompile(`(?m)^  (\S+) +agent [0-9a-f-]{36} +(\d+) requests +[\d.]+ req/s +[\d.]+ \S+ +[\d.]+ GB/s$`)
+// A row ends with "N failed" when the worker failed hand-offs.
+var reportRow = regexp.MustCompile(`(?m)^  (\S+) +agent [0-9a-f-]{36} +(\d+) requests +[\d.]+ req/s +[\d.]+ \S+ +[\d.]+ GB/s(?: +(\d+) failed)?$`)
 
-// reportRows returns the requests of each worker's row of the report.
+// reportRows returns the requests of each worker's row of the report; a
+// row that reports failed hand-offs fails the test, saying how many.
 func reportRows(t *testing.T, out string) map[string]int {
 	t.Helper()
 	rows := map[string]int{}
@@ -436,6 +438,7 @@ func reportRows(t *testing.T, out string) map[string]int {
 		n, err := strconv.Atoi(m[2])
 		require.NoError(t, err)
 		rows[m[1]] = n
+		assert.Empty(t, m[3], "%s failed hand-offs", m[1])
 	}
 	return rows
 }
