@@ -118,7 +118,7 @@ func (r *Registry) depart(id uuid.UUID, why string, rev uint64) {
 	if why == "left" && known {
 		// A marker of an agent never heard alive (a re-watch, a Registry
 		// opened after it left) races nothing: told at once, as before.
-		r.departLater(id)
+		r.departLater(id, d.at)
 		return
 	}
 	for _, c := range conns {
@@ -126,17 +126,19 @@ func (r *Registry) depart(id uuid.UUID, why string, rev uint64) {
 	}
 }
 
-// departLater tells the joined Connectors that id left, one heartbeat
-// after its entry was deleted, unless it is back by then or the Registry
-// closes. An agent deletes its entry (Member.Leave) before it closes its
-// Connector, which then sends the notifications it owes and says goodbye
-// over every backend connection: the grace lets those arrive first, so
-// that an exposure the agent read or wrote just before it left completes
-// instead of failing with ErrRemoteLost. (The deletion travels over NATS,
-// the notification over the backend: nothing orders the two here.) A
-// process that dies between Leave and Close drops its connections, which
-// the backends notice at once, or is declared after the grace.
-func (r *Registry) departLater(id uuid.UUID) {
+// departLater tells the joined Connectors that id left (its departure
+// recorded at at), one heartbeat after its entry was deleted, unless it is
+// back by then, or left again since (that departure's own grace tells), or
+// the Registry closes. An agent deletes its entry (Member.Leave) before it
+// closes its Connector, which then sends the notifications it owes and
+// says goodbye over every backend connection: the grace lets those arrive
+// first, so that an exposure the agent read or wrote just before it left
+// completes instead of failing with ErrRemoteLost. (The deletion travels
+// over NATS, the notification over the backend: nothing orders the two
+// here.) A process that dies between Leave and Close drops its
+// connections, which the backends notice at once, or is declared after
+// the grace.
+func (r *Registry) departLater(id uuid.UUID, at time.Time) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.closed {
@@ -154,9 +156,10 @@ func (r *Registry) departLater(id uuid.UUID) {
 		}
 		r.mu.Lock()
 		_, back := r.live[id]
+		d, gone := r.departed[id]
 		conns := r.othersLocked(id)
 		r.mu.Unlock()
-		if back {
+		if back || gone && !d.at.Equal(at) {
 			return
 		}
 		for _, c := range conns {
