@@ -215,10 +215,11 @@ const jsClusterNotAvailable = 10008
 // Leave stops the heartbeats and deletes the entry, so that every Registry
 // sees the departure at once (and tells its joined Connectors one
 // heartbeat later: Close the Connector right after Leave, and the
-// notifications it still owes get there first). It honours ctx: if ctx ends first, the entry
-// is left to expire (peers then declare this agent departed after two
-// heartbeats) and the error matches ctx.Err(). It is idempotent and safe
-// for concurrent use; every call returns the first call's result.
+// notifications it still owes get there first). It honours ctx: if ctx
+// ends first, the entry is left to expire (peers then declare this agent
+// departed after two heartbeats) and the error matches ctx.Err(). It is
+// idempotent and safe for concurrent use; every call returns the first
+// call's result.
 func (m *Member) Leave(ctx context.Context) error {
 	m.leaveOnce.Do(func() {
 		m.cancel()
