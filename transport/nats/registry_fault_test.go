@@ -10,7 +10,6 @@ import (
 	"os"
 	"os/exec"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -36,6 +35,7 @@ const pausedChildEnv = "GOXFER_NATS_PAUSED_CHILD"
 // departed before it has read them. A peer that really dies is still
 // declared departed afterwards.
 func TestRegistryPausedProcessDeclaresNobodyDeparted(t *testing.T) {
+	needStop(t)
 	const pauses = 5
 	srv := startServer(t)
 	peer := newMortal(t, dial(t, srv))
@@ -61,7 +61,7 @@ func TestRegistryPausedProcessDeclaresNobodyDeparted(t *testing.T) {
 		}
 	}()
 	t.Cleanup(func() {
-		_ = cmd.Process.Signal(syscall.SIGCONT)
+		_ = cmd.Process.Signal(contSignal)
 		_ = stdin.Close() // the child exits
 		for range events {
 		}
@@ -87,9 +87,9 @@ func TestRegistryPausedProcessDeclaresNobodyDeparted(t *testing.T) {
 	require.Equal(t, "arrived "+id.String(), await())
 
 	for i := range pauses {
-		require.NoError(t, cmd.Process.Signal(syscall.SIGSTOP))
+		require.NoError(t, cmd.Process.Signal(stopSignal))
 		time.Sleep(4 * testHeartbeat) // two heartbeats would do
-		require.NoError(t, cmd.Process.Signal(syscall.SIGCONT))
+		require.NoError(t, cmd.Process.Signal(contSignal))
 		// Time for the child to read what was queued, and for wrong
 		// departures to be reported.
 		select {

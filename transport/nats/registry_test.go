@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"syscall"
 	"testing"
 	"time"
 
@@ -226,6 +225,7 @@ func TestRegistrySurvivesAServerRestart(t *testing.T) {
 // soon as the registry misses its heartbeats; the tcp keepalive, a minute
 // here, would take far longer.
 func TestFrozenPeerFailsOperationsThroughTheRegistry(t *testing.T) {
+	needStop(t)
 	const keepaliveTimeout = time.Minute
 	const size = 256 << 20
 	srv := startServer(t)
@@ -244,7 +244,7 @@ func TestFrozenPeerFailsOperationsThroughTheRegistry(t *testing.T) {
 		require.Eventually(t, func() bool { return op.Status() != connect.StatusInitialized }, hangGuard, 100*time.Microsecond, "the child never read")
 
 		start := time.Now()
-		require.NoError(t, child.Signal(syscall.SIGSTOP))
+		require.NoError(t, child.Signal(stopSignal))
 		err := op.Wait(ctx)
 		lost := time.Since(start)
 		if err == nil {
@@ -268,6 +268,7 @@ func TestFrozenPeerFailsOperationsThroughTheRegistry(t *testing.T) {
 // the example's scale-out run saw an exposure fail that its reader had
 // read, its notification still on the way.
 func TestLeftPeerToldAfterAHeartbeat(t *testing.T) {
+	needStop(t)
 	const keepaliveTimeout = time.Minute
 	const size = 256 << 20
 	const grace = time.Second // the registry's heartbeat
@@ -285,7 +286,7 @@ func TestLeftPeerToldAfterAHeartbeat(t *testing.T) {
 		resp := child.Do(childRequest{URL: srv.URL(), Bucket: defaultBucket, Heartbeat: testHeartbeat, Token: op.Metadata().Text(), Size: size})
 		require.Empty(t, resp.Err)
 		require.Eventually(t, func() bool { return op.Status() != connect.StatusInitialized }, hangGuard, 100*time.Microsecond, "the child never read")
-		require.NoError(t, child.Signal(syscall.SIGSTOP))
+		require.NoError(t, child.Signal(stopSignal))
 		if op.Status() == connect.StatusComplete {
 			return false // the read finished before the freeze
 		}
