@@ -1,3 +1,7 @@
+//go:build unix
+
+// The example's tests drive its worker processes with Unix signals
+// (SIGTERM to shut one down, SIGKILL to crash one): Unix only.
 package main
 
 import (
