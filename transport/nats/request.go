@@ -390,6 +390,8 @@ func (s *Service) respondError(m *nats.Msg, code, msg string) {
 //     then says how many, and matches ctx's error too);
 //   - the Handler failed: a [*HandlerError] (matches [ErrHandler]);
 //   - ctx done: wraps ctx.Err(), naming the subject and the time waited;
+//     with WithRetry, after workers answered "unavailable", the error
+//     says how many did and is also the last such [*HandlerError];
 //   - data and headers too large: a [*PayloadTooLargeError], nothing sent;
 //   - the reply is no goxfer token message: matches
 //     [connect.ErrInvalidMetadata], naming the subject.
@@ -413,11 +415,17 @@ func Request(ctx context.Context, nc *nats.Conn, subject string, data []byte, op
 	backoff := 20 * time.Millisecond
 	// unserved counts the attempts that found no responders; while it
 	// equals the attempts made, a ctx that ends says so rather than "no
-	// reply".
+	// reply". Likewise, once a worker answered "unavailable" (busy is the
+	// last such answer), a ctx that ends says so.
 	unserved := 0
+	var busy *unavailableError
 	ended := func(attempts int) error {
-		if unserved > 0 && unserved == attempts {
+		switch {
+		case unserved > 0 && unserved == attempts:
 			return &noRespondersError{subject: subject, attempts: unserved, waited: time.Since(start), cause: context.Cause(ctx)}
+		case busy != nil:
+			busy.attempts, busy.waited, busy.cause = attempts, time.Since(start), ctx.Err()
+			return busy
 		}
 		return ctxError(subject, start, attempts, ctx.Err())
 	}
@@ -440,6 +448,11 @@ func Request(ctx context.Context, nc *nats.Conn, subject string, data []byte, op
 			if err == nil || !errors.As(err, &he) || he.Code != codeUnavailable || attempt >= o.retry {
 				return rep, err
 			}
+			if busy == nil {
+				busy = &unavailableError{subject: subject}
+			}
+			busy.answers++
+			busy.last = he
 		} else {
 			if ctx.Err() != nil {
 				// Cut short by ctx: this attempt's outcome is unknown.
@@ -463,6 +476,25 @@ func Request(ctx context.Context, nc *nats.Conn, subject string, data []byte, op
 		backoff = min(2*backoff, time.Second)
 	}
 }
+
+// unavailableError reports retries that ctx ended after workers had
+// answered "unavailable" (not a lack of replies): it matches ctx's error
+// and the last such answer's [*HandlerError].
+type unavailableError struct {
+	subject  string
+	attempts int           // the attempts made
+	answers  int           // those answered "unavailable"
+	last     *HandlerError // the last of them
+	waited   time.Duration
+	cause    error // ctx.Err()
+}
+
+func (e *unavailableError) Error() string {
+	return fmt.Sprintf("goxfer/nats: request to subject %q: not handled after %v, %d attempts (%d answered %q, the last with %q): %v",
+		e.subject, e.waited.Round(time.Millisecond), e.attempts, e.answers, codeUnavailable, e.last.Message, e.cause)
+}
+
+func (e *unavailableError) Unwrap() []error { return []error{e.last, e.cause} }
 
 // classify says whether a failed attempt may be retried, and the error to
 // return if it is the last.
