@@ -104,8 +104,13 @@ func (r *Registry) depart(id uuid.UUID, why string, rev uint64) {
 		info = p.info
 	}
 	r.notifyLocked(Presence{ID: id, Info: info, Departed: true})
+	// An agent heard alive that deleted its entry is told after a grace
+	// (departLater); the marker of one never heard alive (a re-watch, a
+	// Registry opened after it left) races nothing, and a silent agent
+	// is declared: told at once.
+	later := why == "left" && known
 	var conns []*connect.Connector
-	if why != "left" || !known {
+	if !later {
 		conns = r.othersLocked(id)
 	}
 	r.mu.Unlock()
@@ -115,9 +120,7 @@ func (r *Registry) depart(id uuid.UUID, why string, rev uint64) {
 	case known:
 		r.log.Debug("goxfer/nats: agent left", "bucket", r.bucket, "agent", id)
 	}
-	if why == "left" && known {
-		// A marker of an agent never heard alive (a re-watch, a Registry
-		// opened after it left) races nothing: told at once, as before.
+	if later {
 		r.departLater(id, d.at)
 		return
 	}
